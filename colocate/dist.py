@@ -1,0 +1,98 @@
+"""torchrun environment -> process group and device. Plain `python -m ...` is world size 1."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+def init(timeout_minutes: int = 30, backend: str | None = None) -> DistInfo:
+    """Initialise the default process group from torchrun's variables (nccl on GPU, gloo on CPU).
+
+    Without torchrun (no WORLD_SIZE) a single-process gloo group is created on a free local port so
+    that collectives and FSDP2 work the same way in a plain `python -m` run.
+    """
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(rank, world, local_rank, local_world, device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_info() -> DistInfo:
+    """The current process's DistInfo (after `init`)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return DistInfo(rank, world, local_rank, _env_int("LOCAL_WORLD_SIZE", world), device)
+
+
+def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Sum a small vector of numbers over all ranks (fp64 on the collective's device)."""
+    device = device or get_info().device
+    t = torch.as_tensor(values, dtype=torch.float64, device=device).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def all_reduce_max(value: int, device: torch.device | None = None) -> int:
+    device = device or get_info().device
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy():
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,113 @@
+"""The model configuration we read from (and write to) an HF `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# HF architecture name -> (model_type, family flags). One definition serves all three families.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    """None, or llama3 scaling: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings."""
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (always on for Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on each head of q and k before rope (Qwen3)."""
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict = field(default_factory=dict)
+    """Keys of config.json we do not interpret, written back unchanged on save."""
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        model_type = raw.get("model_type")
+        known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
+        if known:
+            model_type = known[0]
+        if model_type not in ARCHITECTURES.values():
+            raise ValueError(
+                f"{source}: unsupported architecture {archs or model_type!r}; "
+                f"supported: {sorted(ARCHITECTURES)}"
+            )
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"{source}: unsupported rope type {rope_type!r}; supported: default, llama3")
+        if raw.get("use_sliding_window"):
+            raise ValueError(f"{source}: sliding-window attention is not supported")
+        heads = raw["num_attention_heads"]
+        used = {
+            "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+            "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id",
+        }
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+            extra={k: v for k, v in raw.items() if k not in used},
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory)")
+        return cls.from_hf_dict(json.loads(file.read_text()), source=str(file))
+
+    def to_hf_dict(self) -> dict:
+        arch = {v: k for k, v in ARCHITECTURES.items()}[self.model_type]
+        out = dict(self.extra)
+        d = asdict(self)
+        for k in ("extra", "qk_norm", "rope_scaling", "rope_theta"):
+            d.pop(k)
+        if self.model_type == "qwen2":
+            d.pop("attention_bias")
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta, "rope_type": "llama3"}
+        out.update(d, architectures=[arch], rope_parameters=rope, hidden_act="silu")
+        return out

@@ -1,0 +1,86 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, packed attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the HF implementations do.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Rotary inverse frequencies (head_dim/2,), with llama3 frequency-dependent scaling if given."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables computed on the fly from positions (no cache to invalidate or offload)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float()[..., None] * self.inv_freq.float()  # (..., D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (..., D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, H, D); cos/sin (N, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+) -> torch.Tensor:
+    """Causal attention within each packed sequence. q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D).
+
+    CUDA uses torch's varlen flash attention (GQA native); CPU uses SDPA with a block-diagonal
+    causal mask, which is exact but quadratic in N — fine for tests and toy runs.
+    """
+    scale = q.shape[-1] ** -0.5
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu_seqlens.to(torch.int32)
+        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0))
+    n = q.shape[0]
+    seq_id = torch.repeat_interleave(
+        torch.arange(len(cu_seqlens) - 1, device=q.device), cu_seqlens.diff().long(), output_size=n
+    )
+    idx = torch.arange(n, device=q.device)
+    mask = (seq_id[:, None] == seq_id[None, :]) & (idx[:, None] >= idx[None, :])  # (N, N)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)

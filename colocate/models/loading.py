@@ -1,0 +1,153 @@
+"""Load and save HF model directories (config.json + one or many safetensors files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from colocate.models.config import ModelConfig
+from colocate.models.layers import rope_inv_freq
+from colocate.models.transformer import CausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """'auto' is bf16 on CUDA and fp32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    return files
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, CPU tensor) for every tensor of a model directory, one file at a time."""
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]], source: str = "weights"):
+    """Copy HF-named tensors into the model; every parameter must be covered exactly once."""
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    seen = set()
+    for name, tensor in named:
+        if tied and name == "lm_head.weight":
+            continue
+        if name not in params:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise ValueError(f"{source}: unexpected tensor {name!r} for a {model.config.model_type} model")
+        p = params[name]
+        if tuple(tensor.shape) != tuple(p.shape):
+            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor)
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def from_config(cfg: ModelConfig, dtype=torch.float32, device="cpu", init: bool = False) -> CausalLM:
+    """A model with this config on `device`; parameters uninitialised unless `init` (then random
+    normal(0, 0.02) weights and unit norms, for tests and new models)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    # Rotary frequencies stay fp32 whatever the parameter dtype, as in the HF implementations.
+    model.model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    if init:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02)
+    return model
+
+
+def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu") -> CausalLM:
+    """Load an HF model directory (Llama, Qwen2 or Qwen3) into our plain-torch definition."""
+    cfg = ModelConfig.from_dir(path)
+    model = from_config(cfg, resolve_dtype(dtype, device), device)
+    load_weights(model, iter_safetensors(path), source=str(path))
+    return model
+
+
+def save_pretrained(
+    model: CausalLM | None, out: str | Path, *, config: ModelConfig | None = None,
+    state: Iterable[tuple[str, torch.Tensor]] | None = None, tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Write an HF directory that transformers loads. Written to a temp dir, then renamed.
+
+    Either a model, or a config plus an iterable of HF-named full tensors (e.g. from a checkpoint).
+    Tokenizer files are copied from `tokenizer_dir` when given.
+    """
+    config = config or model.config
+    named = state if state is not None else model.state_dict().items()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    shards, current, size = [], {}, 0
+    for name, t in named:
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = t.detach().to("cpu").contiguous()
+        if current and size + t.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t.clone() if t.untyped_storage().size() != t.nbytes else t
+        size += t.nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    if len(shards) > 1:
+        total = sum(t.nbytes for s in shards for t in s.values())
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    dtype = next(iter(shards[0].values())).dtype if shards[0] else torch.float32
+    hf = config.to_hf_dict()
+    hf["torch_dtype"] = hf["dtype"] = {v: k for k, v in DTYPES.items()}.get(dtype, "float32")
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config",
+                                  "chat_template")):
+                shutil.copy(f, tmp / f.name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

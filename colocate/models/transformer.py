@@ -1,0 +1,151 @@
+"""One plain-torch decoder definition for Llama, Qwen2 and Qwen3, with HF parameter names.
+
+The model never knows about parallelism or paging. `forward` works on flat packed tokens; callers
+that own a KV cache (the rollout engine) pass an `attn(layer_idx, q, k, v)` callable that stores
+k/v and attends over the cache, and the model stays the same.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colocate.models.config import ModelConfig
+from colocate.models.layers import RMSNorm, Rotary, apply_rotary, packed_causal_attention
+
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, attn: AttnFn | None):
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if attn is None:
+            out = packed_causal_attention(q, k, v, cu_seqlens, max_seqlen)
+        else:
+            out = attn(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cu_seqlens, max_seqlen, attn=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def packing_from_lengths(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens (S+1,) int32 and per-token positions (N,) for sequences of these lengths."""
+    lengths = lengths.long()
+    cu = F.pad(lengths.cumsum(0), (1, 0))
+    starts = torch.repeat_interleave(cu[:-1], lengths)
+    positions = torch.arange(int(cu[-1]), device=lengths.device) - starts
+    return cu.to(torch.int32), positions
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        """Share lm_head with the embeddings when the config says so (again after to_empty/moves)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attn: AttnFn | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states. input_ids (B, T) -> (B, T, H); flat (N,) -> (N, H).
+
+        Flat input is packed: `cu_seqlens` (S+1,) marks sequence starts (one sequence if omitted),
+        positions default to 0.. within each sequence. With `attn` given, positions are required and
+        attention is the caller's (cu_seqlens unused).
+        """
+        batched = input_ids.dim() == 2
+        if batched:
+            b, t = input_ids.shape
+            cu_seqlens = torch.arange(0, (b + 1) * t, t, device=input_ids.device, dtype=torch.int32)
+            max_seqlen = t
+            input_ids = input_ids.reshape(-1)
+            if positions is None:
+                positions = torch.arange(t, device=input_ids.device).repeat(b)
+            else:
+                positions = positions.reshape(-1)
+        elif attn is None:
+            if cu_seqlens is None:
+                cu_seqlens = torch.tensor([0, input_ids.numel()], device=input_ids.device, dtype=torch.int32)
+            if positions is None:
+                _, positions = packing_from_lengths(cu_seqlens.diff())
+            if max_seqlen is None:
+                max_seqlen = int(cu_seqlens.diff().max())
+        elif positions is None:
+            raise ValueError("positions are required when a custom attention is given")
+        x = self.model.embed_tokens(input_ids)  # (N, H)
+        cos, sin = self.model.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cu_seqlens, max_seqlen, attn)
+        x = self.model.norm(x)
+        return x.view(b, t, -1) if batched else x
+
+    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Logits: (B, T) -> (B, T, V); flat packed (N,) -> (N, V). kwargs as `hidden_states`."""
+        return self.lm_head(self.hidden_states(input_ids, **kwargs))

@@ -1,0 +1,110 @@
+"""The rollout-engine protocol that both backends (native and SGLang) implement.
+
+Log-prob definition, shared with the trainer: for each sampled token, the log-prob is
+`log_softmax(logits / temperature)[token]` computed on the full vocabulary, before top-p, top-k
+or min-p truncation. With temperature 0 (greedy) the logits are used unscaled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, Sequence
+
+import torch
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the completions of one prompt."""
+
+    n: int = 1
+    """Completions per prompt; they come back consecutively, in sample order."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) means the whole vocabulary."""
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop ids, on top of the tokenizer's eos ids (unless ignore_eos)."""
+    ignore_eos: bool = False
+    seed: int | None = None
+    """Sample j of a prompt uses seed + j; the same seed gives the same output."""
+
+    def __post_init__(self):
+        checks = [
+            ("n", self.n >= 1, "must be >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "must be -1 (all) or a positive count"),
+            ("min_p", 0 <= self.min_p < 1, "must be in [0, 1)"),
+            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
+             "must be in [0, max_new_tokens]"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt."""
+
+    prompt_index: int
+    sample_index: int
+    output_ids: list[int]
+    logprobs: list[float]
+    """One per output token; see the module docstring for the definition."""
+    finish_reason: str
+    """'stop' (a stop or eos token, included in output_ids), 'length' or 'abort'."""
+    weight_version: int = 0
+    """The engine's weight version when this completion was generated."""
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """What the loop needs from a rollout engine. Every method runs on the calling rank only."""
+
+    weight_version: int
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        """Sample `n` completions per prompt; returned prompt-major, samples consecutive."""
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Give the memory of these tags (default: all) back to the device. Refused while busy."""
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take the memory of these tags back (weights content is stale until updated)."""
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session; update_weights may be called once per bucket."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named full tensors into the engine's weights."""
+
+    def end_weight_update(self, version: int) -> None:
+        """Close the session: every engine parameter must have been written; record `version`."""
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes so that no stale KV survives a weight update."""
+
+    def shutdown(self) -> None:
+        """Free everything the engine holds."""
+
+
+def check_tags(tags: Sequence[str] | None) -> tuple[str, ...]:
+    """Normalise a tag list (None or empty means all) and reject unknown tags."""
+    if not tags:
+        return MEMORY_TAGS
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tags {bad}; expected a subset of {list(MEMORY_TAGS)}")
+    return tuple(tags)

@@ -1,0 +1,69 @@
+import json
+
+import pytest
+import torch
+
+from colocate.models import ModelConfig, from_pretrained, packing_from_lengths, save_pretrained
+from tests.helpers import FAMILIES, write_hf_model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(tmp_path, family):
+    path, hf = write_hf_model(tmp_path, family)
+    ours = from_pretrained(path, dtype="float32")
+    ids = torch.randint(0, 101, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf(ids).logits - ours(ids)).abs().max().item()
+    assert diff <= 1e-4, f"{family}: max |diff| {diff}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_forward_equals_per_sequence(tmp_path, family):
+    path, _ = write_hf_model(tmp_path, family)
+    model = from_pretrained(path, dtype="float32")
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 101, (n,), generator=g) for n in (5, 17, 1, 30)]
+    cu, positions = packing_from_lengths(torch.tensor([len(s) for s in seqs]))
+    with torch.no_grad():
+        packed = model(torch.cat(seqs), cu_seqlens=cu)  # (N, V)
+        single = torch.cat([model(s[None])[0] for s in seqs])
+    assert positions.tolist()[:6] == [0, 1, 2, 3, 4, 0]
+    assert (packed - single).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_save_load_round_trip(tmp_path, family):
+    import transformers
+
+    path, hf = write_hf_model(tmp_path, family)
+    ours = from_pretrained(path, dtype="float32")
+    out = save_pretrained(ours, tmp_path / "saved", max_shard_bytes=20_000)  # forces several shards
+    assert (out / "model.safetensors.index.json").is_file()
+    again = from_pretrained(out, dtype="float32")
+    for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), again.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 101, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, hf(ids).logits, atol=1e-6)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_missing_and_misshapen_tensors_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = write_hf_model(tmp_path, "qwen2")
+    tensors = load_file(path / "model.safetensors")
+    tensors.pop("model.norm.weight")
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        from_pretrained(path)
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(3,\)"):
+        from_pretrained(path)
