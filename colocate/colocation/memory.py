@@ -1,0 +1,102 @@
+"""The memory ledger: bytes at every phase transition, logged each step, checked for growth.
+
+On CUDA a row holds torch's allocated and reserved bytes and the device's used bytes (total - free,
+which also sees memory held outside torch, e.g. torch_memory_saver regions and other processes). On
+CPU the process's resident set size stands in for the device.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+GIB = 1 << 30
+
+
+@dataclass
+class MemoryRow:
+    step: int
+    phase: str
+    allocated: int
+    reserved: int
+    device_used: int
+
+
+def read_memory(device: torch.device) -> tuple[int, int, int]:
+    """(allocated, reserved, device_used) bytes right now."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), total - free
+    rss = _rss_bytes()
+    return rss, rss, rss
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class MemoryGrowthError(RuntimeError):
+    pass
+
+
+class MemoryLedger:
+    """Records memory at named phases; flags growth of a phase across steps after warm-up.
+
+    `tolerance` is relative (0.01 = 1%) with a floor of `min_bytes`, so that allocator noise of a few
+    MiB on a tiny CPU run is not reported as a leak.
+    """
+
+    def __init__(self, device: torch.device, *, warmup_steps: int = 2, tolerance: float = 0.01,
+                 min_bytes: int = 64 << 20, strict: bool = False):
+        self.device = device
+        self.warmup_steps, self.tolerance, self.min_bytes, self.strict = warmup_steps, tolerance, min_bytes, strict
+        self.rows: list[MemoryRow] = []
+        self._baseline: dict[str, MemoryRow] = {}
+        self.reports: list[str] = []
+
+    def record(self, step: int, phase: str) -> MemoryRow:
+        row = MemoryRow(step, phase, *read_memory(self.device))
+        self.rows.append(row)
+        if step == self.warmup_steps:
+            self._baseline.setdefault(phase, row)
+        elif step > self.warmup_steps and phase in self._baseline:
+            self._check(self._baseline[phase], row)
+        return row
+
+    def _check(self, base: MemoryRow, row: MemoryRow):
+        limit = max(base.device_used * self.tolerance, self.min_bytes)
+        growth = row.device_used - base.device_used
+        if growth <= limit:
+            return
+        msg = (f"memory at phase '{row.phase}' grew by {growth / GIB:.3f} GiB since step {base.step} "
+               f"({base.device_used / GIB:.3f} -> {row.device_used / GIB:.3f} GiB device used)")
+        self.reports.append(msg)
+        if self.strict:
+            raise MemoryGrowthError(msg)
+        warnings.warn(msg, stacklevel=2)
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """memory/<phase>/{allocated,reserved,device_used}_gib for this step's rows."""
+        out = {}
+        for r in self.rows:
+            if r.step == step:
+                for key in ("allocated", "reserved", "device_used"):
+                    out[f"memory/{r.phase}/{key}_gib"] = getattr(r, key) / GIB
+        return out
+
+    def phase(self, step: int, phase: str) -> MemoryRow | None:
+        """The last row recorded for (step, phase)."""
+        for r in reversed(self.rows):
+            if r.step == step and r.phase == phase:
+                return r
+        return None

@@ -1,0 +1,97 @@
+"""Trainer -> engine weight sync, one FSDP unit at a time.
+
+Each FSDP2 unit (a transformer block, then the root's embeddings/norm/head) is all-gathered with
+`unshard()` — under mixed precision that gathers straight into the engine's bf16 — handed to the
+engine as HF-named full tensors in buckets of at most `bucket_bytes`, and resharded before the next
+unit, so at most one unit's full tensors exist at a time and no second copy of the model stays alive.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from colocate.rollout.protocol import RolloutEngine
+
+
+@dataclass
+class SyncStats:
+    version: int
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+
+    def metrics(self) -> dict[str, float]:
+        return {"perf/sync_gib": self.num_bytes / (1 << 30), "perf/sync_buckets": self.num_buckets,
+                "perf/sync_gb_per_s": self.num_bytes / max(self.seconds, 1e-9) / 1e9}
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[nn.Module, list[tuple[str, str]]]]:
+    """[(unit, [(full name, name within unit)])] with every parameter in exactly one unit.
+
+    Child units come first (blocks in order); the root unit — or the model itself when it is not
+    sharded — owns what is left. Shared (tied) parameters appear once, under their first name.
+    """
+    units: dict[str, tuple[nn.Module, list]] = {}
+    prefixes = [p for p, m in model.named_modules() if p and _is_fsdp(m)]
+    for prefix in prefixes:
+        units[prefix] = (model.get_submodule(prefix), [])
+    root: list = []
+    for name, _ in model.named_parameters():
+        owner = max((p for p in prefixes if name.startswith(p + ".")), key=len, default=None)
+        if owner is None:
+            root.append((name, name))
+        else:
+            units[owner][1].append((name, name[len(owner) + 1:]))
+    return [u for u in units.values() if u[1]] + ([(model, root)] if root else [])
+
+
+def _unit_tensors(unit: nn.Module, names, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    params = dict(unit.named_parameters())
+    for full, local in names:
+        t = params[local].detach()
+        if hasattr(t, "full_tensor"):  # a DTensor left sharded (not an FSDP unit param): gather it
+            t = t.full_tensor()
+        yield full, (t if t.dtype == dtype else t.to(dtype))
+
+
+@torch.no_grad()
+def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype: torch.dtype,
+                 bucket_bytes: int = 512 << 20) -> SyncStats:
+    """Push every parameter of `model` (HF names) into `engine`, then record `version` there."""
+    start = time.perf_counter()
+    engine.begin_weight_update()
+    num_tensors = num_bytes = num_buckets = 0
+    for unit, names in fsdp_units(model):
+        sharded = _is_fsdp(unit)
+        if sharded:
+            unit.unshard()
+        bucket, size = [], 0
+        for name, tensor in _unit_tensors(unit, names, dtype):
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                engine.update_weights(bucket)
+                num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1
+                bucket, size = [], 0
+        if bucket:
+            engine.update_weights(bucket)
+            num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1
+        del bucket
+        if sharded:
+            unit.reshard()
+    engine.end_weight_update(version)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)

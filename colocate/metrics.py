@@ -1,0 +1,294 @@
+"""One `log(step, dict)` for the training loop: JSONL on disk, wandb, and a rich console table.
+
+Only rank 0 logs. Other ranks build the same object with `enabled=False`, so the loop calls it
+unconditionally and nothing is written or printed twice. The JSONL file is the source of truth
+(tests and `colocate.plot` read it); each line is flushed when written, so a killed run keeps every
+finished step. wandb is optional and never fatal: a failure is reported once and logging continues
+without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import netrc
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+)
+from rich.text import Text
+
+METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "log.txt"
+WANDB_ID_FILE = "wandb_run_id.txt"
+
+
+def _values(m: dict[str, Any], prefix: str, suffix: str) -> list[float]:
+    return [v for k, v in m.items() if k.startswith(prefix) and k.endswith(suffix) and v is not None]
+
+
+def _step_seconds(m: dict[str, Any]) -> float | None:
+    """The whole step's seconds: `perf/step_time` when the loop measures it, else the phase sum."""
+    if m.get("perf/step_time") is not None:
+        return m["perf/step_time"]
+    phases = _values(m, "perf/", "_time")
+    return sum(phases) if phases else None
+
+
+def _peak_memory(m: dict[str, Any]) -> float | None:
+    """The largest allocated GiB over all phases of the step (the ledger logs one key per phase)."""
+    values = _values(m, "memory/", "allocated_gib")
+    return max(values) if values else None
+
+
+def _eval_reward(m: dict[str, Any]) -> float | None:
+    """Mean over eval datasets of their average reward (`eval/<dataset>/avg@k`) in the step."""
+    values = [v for k, v in m.items() if k.startswith("eval/") and "/avg@" in k and v is not None]
+    return sum(values) / len(values) if values else None
+
+
+# (header, width, value of the step's metrics). Widths plus one space each stay under 100 columns.
+_COLUMNS = (
+    ("reward", 7, lambda m: m.get("rollout/raw_reward")),
+    ("len", 6, lambda m: m.get("rollout/response_len/mean")),
+    ("kl", 8, lambda m: m.get("train/ppo_kl")),
+    ("clip", 6, lambda m: m.get("train/pg_clipfrac")),
+    ("entropy", 7, lambda m: m.get("train/entropy_loss")),
+    ("gnorm", 7, lambda m: m.get("train/grad_norm")),
+    ("gen s", 6, lambda m: m.get("perf/generate_time")),
+    ("train s", 7, lambda m: m.get("perf/train_time")),
+    ("sync s", 6, lambda m: m.get("perf/sync_time")),
+    ("step s", 6, _step_seconds),
+    ("GiB", 6, _peak_memory),
+    ("eval", 7, _eval_reward),
+)
+_STEP_WIDTH = 6
+_LEGEND = "len=response_len/mean  s=perf/*_time  GiB=max memory/*/allocated_gib  eval=mean eval/*/avg@k"
+
+
+def _fmt(value: Any, width: int) -> str:
+    """The shortest-precision text of `value` that fits `width` (4 significant digits at most)."""
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "nan"
+    candidates = [f"{value:.4g}", f"{value:.0f}" if abs(value) >= 1 else ""]
+    candidates += [f"{value:.{digits}g}" for digits in (3, 2, 1)]
+    return next((text for text in candidates if text and len(text) <= width), candidates[-1])
+
+
+def _to_number(key: str, value: Any) -> int | float | None:
+    """A plain Python number from a float, int, bool, None, or one-element tensor/array."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if hasattr(value, "item"):
+        try:
+            return value.item()
+        except (RuntimeError, ValueError) as err:
+            shape = tuple(value.shape)
+            raise ValueError(f"metric {key!r} must be a scalar, got a value of shape {shape}") from err
+    kind = type(value).__name__
+    raise ValueError(f"metric {key!r} must be a number or a one-element tensor, got {kind}")
+
+
+def _json_safe(value: int | float | None) -> int | float | None:
+    """JSON has no NaN or infinity: non-finite floats are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _wandb_mode() -> str:
+    """`WANDB_MODE` when the user set it; else online if an API key is known, offline if not.
+
+    A key is known from `WANDB_API_KEY` or from a netrc entry for the wandb host (`wandb login`
+    writes one). Offline runs keep everything under the output directory for a later `wandb sync`.
+    """
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        entry = netrc.netrc(path).authenticators(host) if path.is_file() else None
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    return "online" if entry and entry[2] else "offline"
+
+
+class _NoProgress:
+    def advance(self, n: int = 1) -> None:
+        pass
+
+
+class _Progress:
+    def __init__(self, progress: Progress, task: int):
+        self._progress, self._task = progress, task
+
+    def advance(self, n: int = 1) -> None:
+        self._progress.advance(self._task, n)
+
+
+class MetricsLogger:
+    """Rank-0 logging behind one object; with `enabled=False` every method does nothing.
+
+    `console` is True for the terminal, False for no console output (files and wandb only), or a
+    rich Console to print to (a notebook, or a Console(file=StringIO()) in a test).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        *,
+        enabled: bool,
+        use_wandb: bool,
+        wandb_project: str,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+        console: bool | Console = True,
+    ):
+        self.output_dir = Path(output_dir)
+        self.enabled = enabled
+        self._console: Console | None = None
+        self._header_printed = False
+        self._wandb_run = None
+        if not enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._console = console if isinstance(console, Console) else (Console() if console else None)
+        if use_wandb:
+            self._init_wandb(wandb_project, run_name, config or {})
+
+    def _init_wandb(self, project: str, run_name: str | None, config: dict[str, Any]) -> None:
+        """Start (or resume) the wandb run; the run id lives in the output directory for resumes."""
+        id_file = self.output_dir / WANDB_ID_FILE
+        run_id = (id_file.read_text().strip() if id_file.is_file() else "") or uuid.uuid4().hex[:12]
+        try:
+            import wandb
+
+            self._wandb_run = wandb.init(
+                project=project, name=run_name, config=config, dir=str(self.output_dir),
+                id=run_id, resume="allow", mode=_wandb_mode(),
+            )
+        except Exception as err:  # noqa: BLE001 - a logging backend must never stop training
+            self._wandb_failed("could not start", err)
+            return
+        id_file.write_text(run_id + "\n")
+
+    def _wandb_failed(self, what: str, err: Exception) -> None:
+        self._wandb_run = None
+        self.warning(f"wandb {what} ({type(err).__name__}: {err}); continuing without wandb")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append one JSON line, send to wandb, print one table row.
+
+        Tensors become floats (one host sync each: pass values already on the host where it matters).
+        NaN and infinity are null in the file and NaN/inf in wandb.
+        """
+        if not self.enabled:
+            return
+        values = {key: _to_number(key, value) for key, value in metrics.items()}
+        for reserved in ("step", "time"):
+            if reserved in values:
+                raise ValueError(f"metric name {reserved!r} is reserved for the record's own field")
+        record = {"step": step, "time": round(time.time(), 3)}
+        record.update((key, _json_safe(value)) for key, value in values.items())
+        with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        if self._wandb_run is not None:
+            try:
+                self._wandb_run.log({k: v for k, v in values.items() if v is not None}, step=step)
+            except Exception as err:  # noqa: BLE001
+                self._wandb_failed("logging failed", err)
+        if self._console is not None:
+            self._print_row(step, values)
+
+    def _print_row(self, step: int, values: dict[str, Any]) -> None:
+        if not self._header_printed:
+            header = Text("step".rjust(_STEP_WIDTH), style="bold")
+            for name, width, _ in _COLUMNS:
+                header.append(" " + name.rjust(width), style="bold")
+            self._console.print(header, soft_wrap=True)
+            self._console.print(Text(_LEGEND, style="dim"), soft_wrap=True)
+            self._header_printed = True
+        row = Text(str(step).rjust(_STEP_WIDTH), style="cyan")
+        for _, width, get in _COLUMNS:
+            text = _fmt(get(values), width)
+            row.append(" " + text.rjust(width), style="dim" if text == "-" else "")
+        self._console.print(row, soft_wrap=True)
+
+    @contextlib.contextmanager
+    def progress(self, total: int, description: str) -> Iterator[_Progress | _NoProgress]:
+        """A progress bar for a counted phase (e.g. finished rollout groups); call `.advance(n)`."""
+        if self._console is None:
+            yield _NoProgress()
+            return
+        columns = (
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TimeRemainingColumn(),
+        )
+        # A bar only helps a live terminal; in a redirected log it would leave blank lines.
+        live = self._console.is_terminal
+        with Progress(*columns, console=self._console, transient=True, disable=not live) as bar:
+            yield _Progress(bar, bar.add_task(description, total=total))
+
+    def info(self, msg: str) -> None:
+        self._message("INFO", msg, "")
+
+    def warning(self, msg: str) -> None:
+        self._message("WARNING", msg, "bold yellow")
+
+    def _message(self, level: str, msg: str, style: str) -> None:
+        if not self.enabled:
+            return
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with open(self.output_dir / LOG_FILE, "a", encoding="utf-8") as f:
+            f.write(f"{stamp} {level} {msg}\n")
+        if self._console is not None:
+            prefix = "warning: " if level == "WARNING" else ""
+            self._console.print(Text(prefix + msg, style=style))
+
+    def close(self) -> None:
+        """Finish the wandb run (uploads it when online); safe to call twice."""
+        run, self._wandb_run = self._wandb_run, None
+        if run is not None:
+            try:
+                run.finish()
+            except Exception as err:  # noqa: BLE001
+                self.warning(f"wandb finish failed ({type(err).__name__}: {err})")
+
+
+def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of OUTPUT_DIR/metrics.jsonl in file order, one dict per `log` call.
+
+    A resumed run appends after the old records, so a step can appear more than once; the later
+    record is the newer one. A torn last line (the process killed mid-write) is skipped.
+    """
+    path = Path(output_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON object ({err})") from err
+    return records

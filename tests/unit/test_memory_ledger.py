@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from colocate.colocation import memory
+from colocate.colocation.memory import MemoryGrowthError, MemoryLedger
+
+GIB = 1 << 30
+
+
+def _ledger(monkeypatch, used_by_step, **kw):
+    """A ledger whose device reads follow used_by_step[(step, phase)] (bytes)."""
+    current = {}
+    monkeypatch.setattr(memory, "read_memory", lambda device: (current["v"], current["v"], current["v"]))
+    ledger = MemoryLedger(torch.device("cpu"), warmup_steps=1, **kw)
+
+    def record(step, phase):
+        current["v"] = used_by_step[(step, phase)]
+        return ledger.record(step, phase)
+
+    return ledger, record
+
+
+def test_growth_after_warmup_is_reported_once_past_tolerance(monkeypatch):
+    used = {(s, "train"): 10 * GIB + s * (200 << 20) for s in range(5)}  # +200 MiB per step
+    ledger, record = _ledger(monkeypatch, used, tolerance=0.01, min_bytes=0)
+    with pytest.warns(UserWarning, match="phase 'train' grew by 0.195 GiB since step 1"):
+        for s in range(3):
+            record(s, "train")
+    assert len(ledger.reports) == 1
+
+
+def test_steady_memory_and_small_noise_pass(monkeypatch):
+    used = {(s, p): 8 * GIB + (s % 2) * (50 << 20) for s in range(6) for p in ("generate", "train")}
+    ledger, record = _ledger(monkeypatch, used, tolerance=0.01, min_bytes=0)  # 50 MiB < 1% of 8 GiB
+    for s in range(6):
+        record(s, "generate")
+        record(s, "train")
+    assert ledger.reports == []
+    m = ledger.step_metrics(3)
+    assert m["memory/train/device_used_gib"] == pytest.approx(8 + 50 / 1024)
+    assert set(m) == {f"memory/{p}/{k}_gib" for p in ("generate", "train")
+                      for k in ("allocated", "reserved", "device_used")}
+
+
+def test_strict_mode_raises(monkeypatch):
+    used = {(0, "sync"): GIB, (1, "sync"): GIB, (2, "sync"): 2 * GIB}
+    _, record = _ledger(monkeypatch, used, strict=True)
+    record(0, "sync")
+    record(1, "sync")
+    with pytest.raises(MemoryGrowthError, match="sync"):
+        record(2, "sync")
+
+
+def test_reads_real_process_memory_on_cpu():
+    allocated, reserved, used = memory.read_memory(torch.device("cpu"))
+    assert allocated == reserved == used > 10 << 20  # a Python process with torch is > 10 MiB
