@@ -144,7 +144,7 @@ def save_pretrained(
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config",
+            if f.name.startswith(("tokenizer", "special_tokens", "added_tokens", "vocab", "merges", "generation_config",
                                   "chat_template")):
                 shutil.copy(f, tmp / f.name)
     if out.exists():

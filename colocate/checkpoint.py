@@ -1,0 +1,311 @@
+"""Resumable checkpoints: DCP shards of Stateful parts, per-rank RNG, and a JSON sidecar.
+
+Layout of one checkpoint, ROOT/rollout_{id:06d}/:
+  .metadata, __{rank}_{i}.distcp   torch.distributed.checkpoint (DCP) shards of every Stateful part
+  rng_rank{r}.pt                   each rank's python / numpy / torch CPU / torch CUDA generator states
+  meta.json                        rollout id, world size and the caller's JSON-able `extra`
+  hf/                              config.json and tokenizer files, so `colocate.export` needs nothing else
+
+A checkpoint is written into ROOT/.tmp-rollout_{id:06d}/ and renamed only after every rank has
+finished writing, so a run killed mid-save leaves the previous complete checkpoint as the newest one.
+DCP stores sharded tensors with their global shapes, so a checkpoint written by N ranks loads on M.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from colocate import dist as cdist
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional; its generator is saved when it is installed
+    np = None
+
+FORMAT = "colocate-checkpoint-v1"
+META_FILE = "meta.json"
+HF_DIR = "hf"
+ACTOR_STATE = "model"
+"""The `states` key under which the training loop saves the actor; `colocate.export` reads it."""
+MODEL_KEY = "model"
+"""Key of the model weights inside a `ModelOptimizerState` (so actor weights are `model.model.<HF name>`)."""
+
+_COMPLETE = re.compile(r"rollout_(\d{6})")
+_TMP = re.compile(r"\.tmp-rollout_\d{6}(\.replaced)?")
+# Weight files are the one thing of a model directory the checkpoint must not duplicate.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+# FSDP2 parameters are sharded DTensors: DCP saves each rank's shard and reshards on load.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class ModelOptimizerState(Stateful):
+    """A model (plain or FSDP2) with its optimizer and LR scheduler as one Stateful for DCP.
+
+    Parameter and optimizer-state keys are canonical FQNs (wrapper prefixes such as `_orig_mod.`
+    removed) and the optimizer state is flattened per parameter name, so a checkpoint survives a
+    change of world size or of how parameters are grouped.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any | None = None):
+        if scheduler is not None and optimizer is None:
+            raise ValueError("scheduler given without its optimizer")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {MODEL_KEY: get_model_state_dict(self.model, options=_OPTIONS)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
+        out = {MODEL_KEY: model_sd, "optimizer": optim_sd}
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state_dict[MODEL_KEY], options=_OPTIONS)
+            return
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict[MODEL_KEY],
+                       optim_state_dict=state_dict["optimizer"], options=_OPTIONS)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+
+
+def checkpoint_dir(root: str | Path, rollout_id: int) -> Path:
+    return Path(root) / f"rollout_{rollout_id:06d}"
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """A complete checkpoint: our meta.json and DCP's .metadata are both present."""
+    path = Path(path)
+    return (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP warns on every call without a process group; a single process is a supported setup here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        # Stored as a tensor so the file loads with torch.load(weights_only=True).
+        kind, key, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state and np is not None:
+        kind, key, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _complete_checkpoints(root: Path, warn: bool) -> list[tuple[int, Path]]:
+    """(rollout id, path) of the complete checkpoints under root, oldest first."""
+    found = []
+    if not root.is_dir():
+        return found
+    for path in root.iterdir():
+        match = _COMPLETE.fullmatch(path.name)
+        if match is None or not path.is_dir():
+            continue
+        if is_checkpoint(path):
+            found.append((int(match.group(1)), path))
+        elif warn:
+            warnings.warn(f"{path}: skipped, not a complete checkpoint (no {META_FILE} or .metadata)",
+                          stacklevel=3)
+    return sorted(found)
+
+
+def _ours(path: Path) -> bool:
+    try:
+        return json.loads((path / META_FILE).read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def _copy_model_files(model_dir: Path, dest: Path) -> None:
+    dest.mkdir()
+    for f in model_dir.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+            shutil.copy(f, dest / f.name)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished temporary directory into place (a re-save of one id replaces it)."""
+    if final.exists():
+        old = tmp.with_name(tmp.name + ".replaced")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
+def _prune(root: Path, keep_last: int, newest: Path) -> None:
+    """Delete our complete checkpoints beyond the last `keep_last` by rollout id; never `newest`."""
+    complete = [p for _, p in _complete_checkpoints(root, warn=False)]
+    for path in complete[:-keep_last]:
+        if path != newest and _ours(path):
+            shutil.rmtree(path)
+
+
+def save_checkpoint(
+    root: str | Path, rollout_id: int, states: dict[str, Stateful], *, extra: dict | None = None,
+    model_dir: str | Path | None = None, keep_last: int = 0,
+) -> Path:
+    """Write a checkpoint of `states` (collective: every rank calls it) and return its directory.
+
+    `extra` is JSON-able bookkeeping returned by `load_checkpoint` (data-source state, weight
+    version, config). `model_dir` is the HF directory whose config.json and tokenizer files are
+    copied in. `keep_last` > 0 deletes older complete checkpoints beyond that many; 0 keeps all.
+    """
+    if rollout_id < 0:
+        raise ValueError(f"rollout_id must be >= 0, got {rollout_id}")
+    if keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0 (0 keeps all), got {keep_last}")
+    if not states:
+        raise ValueError("states is empty: nothing to save")
+    for name in states:
+        if not name or "." in name:
+            raise ValueError(f"state name {name!r} must be non-empty and contain no '.'")
+    if model_dir is not None and not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"model_dir {model_dir}: no config.json (expected the HF model directory)")
+    rank, world = _rank_world()
+    try:
+        meta_text = json.dumps({"format": FORMAT, "rollout_id": rollout_id, "world_size": world,
+                                "states": sorted(states), "extra": extra or {}}, indent=2)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra must be JSON-able: {e}") from e
+    root = Path(root)
+    tmp, final = root / f".tmp-rollout_{rollout_id:06d}", checkpoint_dir(root, rollout_id)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for path in root.iterdir():  # leftovers of a crashed save
+            if _TMP.fullmatch(path.name) and path.is_dir():
+                shutil.rmtree(path)
+        tmp.mkdir()
+    cdist.barrier()
+    with quiet_single_process():
+        dcp.save(states, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        if model_dir is not None:
+            _copy_model_files(Path(model_dir), tmp / HF_DIR)
+        (tmp / META_FILE).write_text(meta_text)
+    cdist.barrier()
+    if rank == 0:
+        _publish(tmp, final)
+        if keep_last:
+            _prune(root, keep_last, final)
+    cdist.barrier()
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest rollout id under root, or None (incomplete ones
+    are skipped with a warning; temporary directories of unfinished saves are ignored)."""
+    complete = _complete_checkpoints(Path(root), warn=True)
+    return complete[-1][1] if complete else None
+
+
+def read_meta(path: str | Path) -> dict:
+    """meta.json of a checkpoint directory, with clear errors for anything that is not one."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not is_checkpoint(path):
+        hint = " (it holds checkpoints: pass one of them, or use latest_checkpoint)" if \
+            _complete_checkpoints(path, warn=False) else ""
+        raise ValueError(f"{path} is not a checkpoint: no {META_FILE} or .metadata{hint}")
+    return json.loads((path / META_FILE).read_text())
+
+
+def _flat_keys(value: Any, prefix: str) -> dict[str, Any]:
+    """DCP's flattened key -> leaf for a nested state dict (lists are leaves, as DCP stores them)."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flat_keys(v, f"{prefix}.{k}"))
+        return out
+    return {prefix: value}
+
+
+def _check_compatible(path: Path, wanted: dict[str, Any]) -> None:
+    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing, misshapen = [], []
+    for key, value in wanted.items():
+        if key not in stored:
+            missing.append(key)
+        elif isinstance(value, torch.Tensor) and isinstance(stored[key], TensorStorageMetadata) \
+                and tuple(stored[key].size) != tuple(value.shape):
+            misshapen.append(f"{key} {tuple(stored[key].size)} vs {tuple(value.shape)}")
+    problems = [f"{what} {_some(keys)}" for what, keys in (("missing keys", missing),
+                                                            ("shapes differ (saved vs given)", misshapen)) if keys]
+    if problems:
+        raise ValueError(f"checkpoint {path} is incompatible with the given states: {'; '.join(problems)}")
+
+
+def _some(items: list[str]) -> str:
+    return f"{items[:5]}{' ...' if len(items) > 5 else ''} ({len(items)} in all)"
+
+
+def load_checkpoint(path: str | Path, states: dict[str, Stateful], *, load_rng: bool = True) -> dict:
+    """Restore `states` in place from a checkpoint directory (collective) and return its `extra`.
+
+    Each rank restores its own RNG state when the world size matches the one that saved; otherwise
+    the model and optimizer are resharded by DCP and the RNG keeps its current state (with a warning).
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    wanted = {}
+    for name, state in states.items():
+        wanted.update(_flat_keys(state.state_dict(), name))
+    _check_compatible(path, wanted)
+    with quiet_single_process():
+        dcp.load(states, checkpoint_id=path, no_dist=not dist.is_initialized())
+    if load_rng:
+        rank, world = _rank_world()
+        rng_file = path / f"rng_rank{rank}.pt"
+        if meta["world_size"] != world:
+            warnings.warn(f"{path}: saved with world size {meta['world_size']}, loading with {world}; "
+                          "model and optimizer are resharded, RNG state is not restored", stacklevel=2)
+        elif not rng_file.is_file():
+            warnings.warn(f"{rng_file} is missing; RNG state is not restored", stacklevel=2)
+        else:
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+    return meta["extra"]
