@@ -1,0 +1,350 @@
+"""Decode attention over a paged KV cache (one new query token per sequence), GQA aware.
+
+Cache layout: k_cache and v_cache are (num_blocks, block_size, Hk, D); sequence b's token j lives
+in block block_tables[b, j // block_size] at offset j % block_size, and attention covers tokens
+0..context_lens[b]-1 (the new token's K/V is stored first, by `store_kv`). Query head h reads kv
+head h // (Hq // Hk). Rows of block_tables may be padded with -1 past the used blocks, and a
+context length of 0 (a padded CUDA-graph row) gives a zero output. The CUDA kernel takes block
+sizes that are powers of two >= 16; the plain-torch path takes any.
+
+The Triton kernel runs one program per (sequence, kv head) that serves all query heads of the
+group, so each K/V tile is read once per group, with an online softmax in fp32. A tile never
+crosses a cache block, so its addresses are one block-table lookup plus fixed offsets (per-token
+lookups made the address tensors spill registers). When there are too few (sequence, kv head)
+pairs to fill the GPU and contexts may be long, the context is split across programs
+(flash-decoding) and a second kernel merges the partial softmaxes. Everything is shaped by
+(B, max_blocks_per_seq) alone and the launch never reads device values back, so both kernels can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_BLOCK_N = 32
+"""Most context tokens per kernel iteration; larger tiles spill registers at head_dim 128."""
+_MIN_SPLIT_TOKENS = 256
+"""Fewest context tokens worth a program of their own in the split kernel."""
+_MAX_SPLITS = 16
+
+
+def reference_paged_decode_attention(
+    q: torch.Tensor,  # (B, Hq, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
+    block_tables: torch.Tensor,  # (B, max_blocks_per_seq) int32
+    context_lens: torch.Tensor,  # (B,) int32
+    scale: float,
+) -> torch.Tensor:
+    """Gather every sequence's K/V into a dense, masked tensor and attend in fp32 (the CPU path)."""
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_used_blocks = -(-int(context_lens.max()) // block_size) if batch else 0
+    blocks = block_tables[:, :num_used_blocks].long().clamp(min=0)  # (B, nb)
+    length = num_used_blocks * block_size
+    k = k_cache[blocks].reshape(batch, length, num_kv_heads, head_dim).float()  # (B, L, Hk, D)
+    v = v_cache[blocks].reshape(batch, length, num_kv_heads, head_dim).float()  # (B, L, Hk, D)
+    qg = q.float().reshape(batch, num_kv_heads, group, head_dim)  # (B, Hk, G, D)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # (B, Hk, G, L)
+    visible = torch.arange(length, device=q.device) < context_lens[:, None]  # (B, L)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no context are all zero
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)  # (B, Hk, G, D)
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # (B, Hq, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
+    block_tables: torch.Tensor,  # (B, max_blocks_per_seq) int32
+    context_lens: torch.Tensor,  # (B,) int32
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q K^T * scale) V over each sequence's cached tokens; (B, Hq, D) in q's dtype."""
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    if not q.is_cuda:
+        return reference_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if not _kernel_block_size_ok(k_cache.shape[1]):
+        raise ValueError(f"the CUDA kernel needs a power-of-two block_size >= 16, got {k_cache.shape[1]}")
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    num_splits = _num_splits(q.shape[0] * k_cache.shape[2], max_context, q.device)
+    return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
+
+
+def store_kv(
+    k: torch.Tensor,  # (N, Hk, D)
+    v: torch.Tensor,  # (N, Hk, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
+    slot_mapping: torch.Tensor,  # (N,) int64
+) -> None:
+    """Write token i's K/V to flat slot slot_mapping[i] = block * block_size + offset; -1 skips it.
+
+    On CUDA a Triton kernel does the scatter so that skipped rows need no host-side filtering
+    (which would sync and break CUDA-graph capture).
+    """
+    _check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    if k.shape[0] == 0:
+        return
+    if not k.is_cuda:
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        block_size = k_cache.shape[1]
+        k_cache[slots // block_size, slots % block_size] = k[keep]
+        v_cache[slots // block_size, slots % block_size] = v[keep]
+        return
+    _, _, store_kernel = _triton_kernels()
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    store_kernel[(k.shape[0], num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.shape[1], head_dim, D_PAD=_next_pow2(head_dim),
+    )
+
+
+def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be (batch, num_q_heads, head_dim), got shape {tuple(q.shape)}")
+    _check_cache(k_cache, v_cache)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if head_dim != k_cache.shape[3]:
+        raise ValueError(f"q head_dim {head_dim} differs from the cache's {k_cache.shape[3]}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q's {num_q_heads} heads are not a multiple of the cache's {num_kv_heads} kv heads")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be ({batch}, max_blocks_per_seq) int32, "
+            f"got {tuple(block_tables.shape)} {block_tables.dtype}"
+        )
+    if context_lens.shape != (batch,) or context_lens.dtype != torch.int32:
+        raise ValueError(
+            f"context_lens must be ({batch},) int32, got {tuple(context_lens.shape)} {context_lens.dtype}"
+        )
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"q, caches, block_tables and context_lens must share one device, got {devices}")
+
+
+def _check_store_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
+    _check_cache(k_cache, v_cache)
+    expected = (k.shape[0], *k_cache.shape[2:])
+    if k.shape != expected or v.shape != expected:
+        raise ValueError(
+            f"k and v must be (N, Hk, D) = {expected}, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+        raise ValueError(f"k and v must have the cache dtype {k_cache.dtype}, got {k.dtype} and {v.dtype}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must be contiguous in head_dim")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
+        raise ValueError(
+            f"slot_mapping must be ({k.shape[0]},) int64, "
+            f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
+    devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"k, v, caches and slot_mapping must share one device, got {devices}")
+
+
+def _check_cache(k_cache, v_cache) -> None:
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be (num_blocks, block_size, num_kv_heads, head_dim), "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"caches must share one dtype of {_DTYPES}, got {k_cache.dtype} and {v_cache.dtype}"
+        )
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache must share strides and be contiguous in head_dim, "
+            f"got {k_cache.stride()} and {v_cache.stride()}"
+        )
+
+
+def _kernel_block_size_ok(block_size: int) -> bool:
+    """A power of two >= 16: tiles of min(block_size, 32) tokens then never straddle two blocks."""
+    return block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+def _num_splits(num_programs: int, max_context: int, device: torch.device) -> int:
+    """Context splits per (sequence, kv head): > 1 only when the programs would not fill the SMs.
+
+    Depends on shapes alone, so one captured graph keeps one choice for every replay.
+    """
+    num_sms = _sm_count(device)
+    if num_programs == 0 or num_programs >= num_sms:
+        return 1
+    by_occupancy = -(-2 * num_sms // num_programs)
+    by_length = max_context // _MIN_SPLIT_TOKENS
+    splits = min(by_occupancy, by_length, _MAX_SPLITS)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # a power of two: fewer compiles
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _next_pow2(n: int) -> int:
+    """Smallest power of two >= n, and >= 16 so that tl.dot accepts the tile."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
+    """Launch the decode kernel (and the merge kernel when `num_splits` > 1)."""
+    decode_kernel, merge_kernel, _ = _triton_kernels()
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    assert _kernel_block_size_ok(block_size)
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
+    meta = dict(
+        GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim,
+        D_PAD=_next_pow2(head_dim), BLOCK_N=min(block_size, _MAX_BLOCK_N), BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    if num_splits == 1:
+        part_out, part_stats = out, out  # the stats pointers are unused without splits
+    else:
+        f32 = dict(dtype=torch.float32, device=q.device)
+        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), **f32)  # (B, Hq, S, D)
+        part_stats = torch.empty((2, batch, num_q_heads, num_splits), **f32)  # max, sum-exp
+    decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_stats, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), block_tables.stride(1), block_tables.shape[1],
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
+        **meta,
+    )
+    if num_splits > 1:
+        merge_kernel[(batch, num_q_heads)](
+            part_out, part_stats, out, num_q_heads, head_dim,
+            NUM_SPLITS=num_splits, D_PAD=meta["D_PAD"], num_warps=4,
+        )
+    return out
+
+
+@functools.cache
+def _triton_kernels():
+    """Define the Triton kernels on first CUDA use, so CPU installs never import triton."""
+    global triton, tl  # the kernels resolve `tl` as a module global, as Triton expects
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, stats_ptr, scale,
+               stride_qb, stride_qh, stride_cb, stride_ct, stride_ch,
+               stride_tb, stride_tn, max_blocks,
+               stride_ob, stride_oh, stride_os,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+               D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        context = tl.load(lens_ptr + seq)
+        # BLOCK_N divides BLOCK_SIZE, so a tile of BLOCK_N tokens lies inside one cache block and
+        # needs one block-table entry: the tile's addresses are a scalar base plus fixed offsets.
+        num_tiles = tl.cdiv(context, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        first = split * tiles_per_split
+        last = tl.minimum(first + tiles_per_split, num_tiles)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        t = tl.arange(0, BLOCK_N)
+        heads = kv_head * GROUP + g  # (GP,)
+        head_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # (GP, D)
+        m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        table = tables_ptr + seq.to(tl.int64) * stride_tb
+        tile_offs = t[:, None] * stride_ct + d[None, :]  # (N, D)
+        for tile in range(first, last):
+            pos = tile * BLOCK_N
+            block = tl.load(table + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1) * stride_tn)
+            base = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            valid = pos + t < context  # (N,)
+            kv_mask = valid[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + base + tile_offs, mask=kv_mask, other=0.0)  # (N, D)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (GP, N) fp32
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])  # (GP, N)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + base + tile_offs, mask=kv_mask, other=0.0)  # (N, D)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out_offs = (seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+                    + split * stride_os + d[None, :])
+        out_mask = head_ok[:, None] & d_ok[None, :]
+        if NUM_SPLITS == 1:
+            out = acc / tl.maximum(l_i, 1e-30)[:, None]
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            tl.store(out_ptr + out_offs, acc, mask=out_mask)
+            num_rows = tl.num_programs(0) * tl.num_programs(1) * GROUP * NUM_SPLITS
+            stat_offs = ((seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split).to(tl.int64)
+            tl.store(stats_ptr + stat_offs, m_i, mask=head_ok)
+            tl.store(stats_ptr + num_rows + stat_offs, l_i, mask=head_ok)
+
+    @triton.jit
+    def merge(part_ptr, stats_ptr, out_ptr, num_q_heads, head_dim,
+              NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        row = seq.to(tl.int64) * num_q_heads + head
+        num_rows = tl.num_programs(0) * num_q_heads * NUM_SPLITS
+        s = tl.arange(0, NUM_SPLITS)
+        d = tl.arange(0, D_PAD)
+        m = tl.load(stats_ptr + row * NUM_SPLITS + s)  # (S,)
+        l = tl.load(stats_ptr + num_rows + row * NUM_SPLITS + s)  # (S,)
+        weight = tl.exp(m - tl.max(m, axis=0))  # (S,); empty splits have l = 0 and acc = 0
+        total = tl.sum(weight * l, axis=0)
+        d_ok = d < head_dim
+        part = tl.load(part_ptr + (row * NUM_SPLITS + s[:, None]) * head_dim + d[None, :],
+                       mask=d_ok[None, :], other=0.0)  # (S, D)
+        out = tl.sum(part * weight[:, None], axis=0) / tl.maximum(total, 1e-30)
+        tl.store(out_ptr + row * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+    @triton.jit
+    def store(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+              stride_kn, stride_kh, stride_vn, stride_vh,
+              stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+              block_size, head_dim, D_PAD: tl.constexpr):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        slot = tl.load(slots_ptr + token)
+        if slot >= 0:
+            block = slot // block_size
+            offset = slot % block_size
+            d = tl.arange(0, D_PAD)
+            d_ok = d < head_dim
+            k = tl.load(k_ptr + token.to(tl.int64) * stride_kn + head * stride_kh + d, mask=d_ok)
+            v = tl.load(v_ptr + token.to(tl.int64) * stride_vn + head * stride_vh + d, mask=d_ok)
+            tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kct + head * stride_kch + d,
+                     k, mask=d_ok)
+            tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vct + head * stride_vch + d,
+                     v, mask=d_ok)
+
+    return decode, merge, store
