@@ -64,8 +64,7 @@ def packed_causal_attention(
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D).
 
-    CUDA uses torch's varlen flash attention (GQA native); CPU uses SDPA with a block-diagonal
-    causal mask, which is exact but quadratic in N — fine for tests and toy runs.
+    CUDA uses torch's varlen flash attention (GQA native); elsewhere one causal SDPA per sequence.
     """
     scale = q.shape[-1] ** -0.5
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
@@ -73,14 +72,13 @@ def packed_causal_attention(
 
         cu = cu_seqlens.to(torch.int32)
         return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0))
-    n = q.shape[0]
-    seq_id = torch.repeat_interleave(
-        torch.arange(len(cu_seqlens) - 1, device=q.device), cu_seqlens.diff().long(), output_size=n
-    )
-    idx = torch.arange(n, device=q.device)
-    mask = (seq_id[:, None] == seq_id[None, :]) & (idx[:, None] >= idx[None, :])  # (N, N)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(0, 1)
+    # CPU: one causal SDPA per sequence (a packed block-diagonal mask would be quadratic in N).
+    bounds = cu_seqlens.tolist()
+    outs = [
+        F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True,
+            scale=scale, enable_gqa=True,
+        ).transpose(0, 1)
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outs) if outs else q.new_empty(q.shape)

@@ -78,8 +78,8 @@ def from_config(cfg: ModelConfig, dtype=torch.float32, device="cpu", init: bool 
     """A model with this config on `device`; parameters uninitialised unless `init` (then random
     normal(0, 0.02) weights and unit norms, for tests and new models)."""
     with torch.device("meta"):
-        model = CausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = CausalLM(cfg).to(dtype)  # cast before allocating: no transient fp32 copy
+    model = model.to_empty(device=device)
     model.tie_weights()
     # Rotary frequencies stay fp32 whatever the parameter dtype, as in the HF implementations.
     model.model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)

@@ -1,0 +1,356 @@
+"""The embedded rollout engine: paged KV cache, continuous batching, CUDA-graph decode.
+
+`NativeEngine` implements the rollout protocol (colocate/rollout/protocol.py) in-process. It owns
+its own copy of the weights (never a trainer's parameters), the KV cache and the decode graphs,
+each in its own releasable memory region. Dependencies run one way: engine -> scheduler -> block
+manager (pure integers), and engine -> model runner (the only part touching tensors).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Iterable, Sequence as SequenceType
+
+import torch
+
+from colocate.models import CausalLM, from_config, from_pretrained, load_weights, resolve_dtype
+from colocate.models.layers import rope_inv_freq
+from colocate.rollout.native.block_manager import BlockManager
+from colocate.rollout.native.memory import DeviceMemory
+from colocate.rollout.native.model_runner import ModelRunner
+from colocate.rollout.native.sampler import SamplingBatch
+from colocate.rollout.native.scheduler import Scheduler, Sequence
+from colocate.rollout.protocol import Completion, SamplingParams, check_tags
+
+_SEED_MASK = (1 << 62) - 1
+
+
+class NativeEngine:
+    """In-process rollout engine. See the protocol for the meaning of every public method."""
+
+    def __init__(
+        self,
+        model: CausalLM | str | Path,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        eos_token_ids: SequenceType[int] | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 16384,
+        kv_cache_fraction: float = 0.5,
+        max_kv_tokens: int | None = None,
+        cuda_graph: bool = True,
+        cuda_graph_max_bs: int = 256,
+        max_decode_steps: int = 16,
+        compile_decode: bool | None = None,
+        memory_saver: bool | str = "auto",
+        seed: int = 0,
+    ):
+        """
+        model: an HF model directory, or a CausalLM whose weights are copied (never shared).
+        eos_token_ids: default from the model config.
+        kv_cache_fraction: on CUDA without max_kv_tokens, the share of free device memory (after
+            the weights) that the KV cache takes.
+        max_kv_tokens: KV-cache capacity in tokens; None means 65536 on CPU, kv_cache_fraction on CUDA.
+        max_decode_steps: decode steps run on the device per host round trip.
+        compile_decode: torch.compile the decode forward (fusing its elementwise kernels); None
+            means on CUDA only (on CPU the compile costs more than it saves).
+        memory_saver: 'auto' uses torch_memory_saver on CUDA when it is importable.
+        seed: draws the seeds of requests that give none.
+        """
+        checks = [
+            ("block_size", block_size, block_size >= 1),
+            ("max_num_seqs", max_num_seqs, max_num_seqs >= 1),
+            ("max_num_batched_tokens", max_num_batched_tokens, max_num_batched_tokens >= 1),
+            ("kv_cache_fraction", kv_cache_fraction, 0 < kv_cache_fraction < 1),
+            ("max_kv_tokens", max_kv_tokens, max_kv_tokens is None or max_kv_tokens >= block_size),
+            ("cuda_graph_max_bs", cuda_graph_max_bs, cuda_graph_max_bs >= 1),
+            ("max_decode_steps", max_decode_steps, max_decode_steps >= 1),
+        ]
+        for name, value, ok in checks:
+            if not ok:
+                raise ValueError(f"NativeEngine: invalid {name}={value!r}")
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.memory = DeviceMemory(self.device, memory_saver)
+        self.model = self._load(model, resolve_dtype(dtype, self.device))
+        cfg = self.model.config
+        self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        num_blocks = self._num_kv_blocks(block_size, kv_cache_fraction, max_kv_tokens)
+        self.max_model_len = min(cfg.max_position_embeddings, num_blocks * block_size)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_decode_steps)
+        self.runner = ModelRunner(
+            self.model, memory=self.memory, block_size=block_size, num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+            cuda_graph_max_bs=cuda_graph_max_bs if cuda_graph else None,
+            compile_decode=self.device.type == "cuda" if compile_decode is None else compile_decode)
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture()
+        self.weight_version = 0
+        self._weights_valid = True
+        self._released: set[str] = set()
+        self._written: set[str] | None = None
+        self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self._rng = random.Random(seed)
+        self._next_seq_id = 0
+        self._next_prompt_index = 0
+        self._decode_sampling: tuple[list[int], SamplingBatch] | None = None
+        self.stats = dict(prefill_steps=0, prefill_tokens=0, prefill_seconds=0.0, decode_steps=0,
+                          decode_tokens=0, decode_seconds=0.0)
+        """Cumulative counters: tokens computed and wall time (synchronised) per phase."""
+
+    def _load(self, model: CausalLM | str | Path, dtype: torch.dtype) -> CausalLM:
+        with self.memory.region("weights"):
+            if isinstance(model, CausalLM):
+                ours = from_config(model.config, dtype, self.device)
+                load_weights(ours, model.state_dict().items(), source="model")
+            else:
+                ours = from_pretrained(model, dtype, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # loading goes through an fp32 copy; hand its cached memory back
+        cfg = ours.config
+        # Outside the region: released weights lose their contents, and nothing rewrites this table.
+        ours.model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(self.device)
+        return ours.eval().requires_grad_(False)
+
+    def _num_kv_blocks(self, block_size: int, fraction: float, max_kv_tokens: int | None) -> int:
+        cfg = self.model.config
+        itemsize = next(self.model.parameters()).dtype.itemsize
+        block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        if max_kv_tokens is None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            num_blocks = int(free * fraction) // block_bytes
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_fraction={fraction} of {free} free bytes holds no KV block")
+            return num_blocks
+        return -(-(max_kv_tokens or 65536) // block_size)
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, prompt_ids: SequenceType[SequenceType[int]],
+                 sampling: SamplingParams | SequenceType[SamplingParams]) -> list[Completion]:
+        if self.has_unfinished_requests():
+            raise RuntimeError("generate() called while requests added with add_request are unfinished")
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompt_ids)
+        if len(sampling) != len(prompt_ids):
+            raise ValueError(f"sampling has {len(sampling)} entries for {len(prompt_ids)} prompts")
+        self._check_ready()
+        for i, (ids, params) in enumerate(zip(prompt_ids, sampling)):
+            self._check_prompt(i, ids, params)
+        for i, (ids, params) in enumerate(zip(prompt_ids, sampling)):
+            self.add_request(ids, params, prompt_index=i)
+        out = []
+        try:
+            while self.has_unfinished_requests():
+                out += self.step()
+        except BaseException:
+            self.abort()  # leave the engine usable (and releasable) after a failed or interrupted call
+            raise
+        return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def add_request(self, prompt_ids: SequenceType[int], sampling: SamplingParams,
+                    prompt_index: int | None = None) -> int:
+        """Queue the `sampling.n` samples of one prompt; returns its prompt index."""
+        if prompt_index is None:
+            prompt_index = self._next_prompt_index
+        self._next_prompt_index = max(self._next_prompt_index, prompt_index + 1)
+        self._check_prompt(prompt_index, prompt_ids, sampling)
+        base = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
+        stop = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids)
+        group = []
+        for j in range(sampling.n):
+            group.append(Sequence(
+                seq_id=self._next_seq_id, prompt_index=prompt_index, sample_index=j,
+                token_ids=[int(t) for t in prompt_ids], num_prompt_tokens=len(prompt_ids), params=sampling,
+                seed=(base + j) & _SEED_MASK, stop_ids=stop))
+            self._next_seq_id += 1
+        self.scheduler.add(group)
+        return prompt_index
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self) -> list[Completion]:
+        """Drop every unfinished request, freeing its blocks; returns them with finish reason 'abort'."""
+        return [self._completion(s) for s in self.scheduler.abort_all()]
+
+    def step(self) -> list[Completion]:
+        """Run one scheduled batch (a prefill step, or a few decode steps); return what finished."""
+        self._check_ready()
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        self.runner.copy_blocks(batch.copies)
+        vocab = self.model.config.vocab_size
+        if batch.is_prefill:
+            samplers = [s for chunk in batch.chunks for s in chunk.samplers]
+            sampling = SamplingBatch.build(_rows(samplers), vocab, self.device) if samplers else None
+            ids, logprobs = self.runner.prefill(batch.chunks, sampling)
+            token_ids = [[t] for t in ids.tolist()]
+            token_logprobs = [[lp] for lp in logprobs.tolist()]
+            self.stats["prefill_steps"] += 1
+            self.stats["prefill_tokens"] += sum(c.end - c.start for c in batch.chunks)
+            self.stats["prefill_seconds"] += time.perf_counter() - start
+        else:
+            key = [s.seq_id for s in batch.seqs]
+            if self._decode_sampling is None or self._decode_sampling[0] != key:
+                self._decode_sampling = (key, SamplingBatch.build(_rows(batch.seqs), vocab, self.device))
+            sampling = self._decode_sampling[1]  # same rows as the last window: its tensors still hold
+            ids, logprobs = self.runner.decode(batch.seqs, batch.num_steps, sampling)  # (k, B)
+            token_ids, token_logprobs = ids.T.tolist(), logprobs.T.tolist()
+            self.stats["decode_steps"] += batch.num_steps
+            self.stats["decode_tokens"] += batch.num_steps * len(batch.seqs)
+            self.stats["decode_seconds"] += time.perf_counter() - start
+        return [self._completion(s) for s in self.scheduler.postprocess(batch, token_ids, token_logprobs)]
+
+    def _completion(self, seq: Sequence) -> Completion:
+        return Completion(seq.prompt_index, seq.sample_index, seq.output_ids, seq.logprobs, seq.finish_reason,
+                          weight_version=self.weight_version)
+
+    def _check_prompt(self, index: int, ids: SequenceType[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"prompt {index}: sampling must be a SamplingParams, got {type(params).__name__}")
+        if len(ids) == 0:
+            raise ValueError(f"prompt {index}: empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt {index}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        total = len(ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt {index}: {len(ids)} prompt + {params.max_new_tokens} new tokens exceed the "
+                f"engine's max length {self.max_model_len} (position limit or KV-cache capacity)")
+
+    def _check_ready(self) -> None:
+        if self._released:
+            raise RuntimeError(f"memory {sorted(self._released)} is released; call resume_memory first")
+        if not self._weights_valid:
+            raise RuntimeError("weights were released; update them (begin/update/end_weight_update) first")
+        if self._written is not None:
+            raise RuntimeError("a weight update is in progress; call end_weight_update first")
+
+    # ---------------------------------------------------------------- memory
+
+    def release_memory(self, tags: SequenceType[str] | None = None) -> None:
+        tags = check_tags(tags)
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot release memory while requests are running")
+        if self._written is not None:
+            raise RuntimeError("cannot release memory during a weight update")
+        graphs = self.runner.graphs
+        for tag in tags:
+            if tag in self._released:
+                continue
+            if self.memory.keeps_addresses:
+                if tag != "cuda_graph" or self.memory.graphs_pausable:
+                    self.memory.pause(tag)
+            elif tag == "weights":
+                for p in self.model.parameters():
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            elif tag == "kv_cache":
+                self.runner.free_kv()
+            if tag == "weights":
+                self._weights_valid = False
+            if graphs is not None and not self.memory.keeps_addresses:
+                graphs.drop()  # they point at tensors that are freed now; captured again when needed
+            self._released.add(tag)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: SequenceType[str] | None = None) -> None:
+        for tag in check_tags(tags):
+            if tag not in self._released:
+                continue
+            if self.memory.keeps_addresses:
+                if tag != "cuda_graph" or self.memory.graphs_pausable:
+                    self.memory.resume(tag)
+            elif tag == "weights":
+                for name, p in self.model.named_parameters():
+                    p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=self.device)
+            elif tag == "kv_cache":
+                self.runner.allocate_kv()
+            self._released.discard(tag)
+
+    def memory_stats(self) -> dict:
+        """Bytes per tag, how release works here, and which tags are released now."""
+        graphs = self.runner.graphs
+        return {
+            "mode": self.memory.mode,
+            "weights_bytes": sum(int(torch.Size(s).numel()) for s in self._param_shapes.values())
+            * next(self.model.parameters()).dtype.itemsize,
+            "kv_cache_bytes": self.runner.kv_bytes,
+            "cuda_graph_bytes": graphs.num_bytes if graphs is not None else 0,
+            # Pausable in preload mode; dropped and captured again without the memory saver; kept
+            # allocated by the memory saver's torch-hook mode.
+            "cuda_graph_releasable": graphs is not None and (self.memory.graphs_pausable
+                                                              or not self.memory.keeps_addresses),
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "block_size": self.block_manager.block_size,
+            "released": sorted(self._released),
+        }
+
+    # ---------------------------------------------------------------- weights
+
+    def begin_weight_update(self) -> None:
+        if self._written is not None:
+            raise RuntimeError("begin_weight_update called twice without end_weight_update")
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot update weights while requests are running")
+        if "weights" in self._released:
+            raise RuntimeError("weights are released; resume_memory(['weights']) before updating them")
+        self._written = set()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._written is None:
+            raise RuntimeError("update_weights called outside begin_weight_update/end_weight_update")
+        params = dict(self.model.named_parameters())
+        tied = self.model.config.tie_word_embeddings
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if tied and name == "lm_head.weight":
+                    continue  # the same tensor as model.embed_tokens.weight
+                if name not in params:
+                    raise ValueError(f"update_weights: unknown parameter {name!r}")
+                p = params[name]
+                if tuple(tensor.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+                p.copy_(tensor)
+                self._written.add(name)
+
+    def end_weight_update(self, version: int) -> None:
+        if self._written is None:
+            raise RuntimeError("end_weight_update called without begin_weight_update")
+        missing = sorted(set(self._param_shapes) - self._written)
+        if missing:
+            raise RuntimeError(f"weight update left {len(missing)} parameters unwritten, e.g. {missing[:3]}")
+        self._written = None
+        self._weights_valid = True
+        self.weight_version = version
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def flush_cache(self) -> None:
+        """No prefix outlives a generate call here, so this only checks that nothing is cached."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot flush the cache while requests are running")
+        assert self.block_manager.num_free_blocks == self.block_manager.num_blocks
+
+    def shutdown(self) -> None:
+        if self.runner.graphs is not None:
+            self.runner.graphs.drop()
+        self.runner.free_kv()
+        self.runner = self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _rows(seqs: list[Sequence]) -> list[tuple[SamplingParams, int, frozenset[int], int]]:
+    return [(s.params, s.seed, s.stop_ids, s.num_output_tokens) for s in seqs]

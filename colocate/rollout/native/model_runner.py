@@ -1,0 +1,262 @@
+"""The only part of the engine that touches tensors: KV cache, forward passes, sampling.
+
+The model is the shared plain-torch definition; this runner hands it an attention callable per
+forward (`CausalLM.hidden_states(..., attn=...)`) that stores each layer's new K/V into the paged
+cache and attends over it, so the model never knows about paging:
+
+- prefill: new tokens of several sequences packed flat. When a sequence continues a cached prefix
+  (a chunked long prompt), its cached K/V is gathered from the cache and its queries attend
+  bottom-right aligned over prefix + new keys. On CUDA (half precision) one varlen flash-attention
+  call covers the batch; elsewhere one SDPA call per sequence (never a quadratic packed mask).
+- decode: one token per sequence through `paged_decode_attention` (wrapped as a custom op, so that
+  torch.compile can fuse the rest of the forward around it), from static buffers that CUDA graphs
+  replay; several decode steps run back to back on the device, each step feeding its sampled ids
+  to the next, and the host reads all of them at once.
+
+Logits are computed for the sampled positions only, in fp32 (the trainer's log-prob definition).
+"""
+
+from __future__ import annotations
+
+import array
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from colocate.kernels.paged_attention import paged_decode_attention, store_kv
+from colocate.models import CausalLM
+from colocate.rollout.native.cuda_graphs import DecodeGraphs
+from colocate.rollout.native.memory import DeviceMemory
+from colocate.rollout.native.sampler import SamplingBatch
+from colocate.rollout.native.scheduler import PrefillChunk, Sequence
+
+
+@torch.library.custom_op("colocate_native::decode_attention", mutates_args=("kv",))
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, layer: int,
+                     slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Store one layer's new K/V into the paged cache `kv` (2, L, num_blocks, block_size, Hk, D) and
+    attend over it. An opaque op to torch.compile, which fuses everything around it."""
+    k_cache, v_cache = kv[0, layer], kv[1, layer]
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+@decode_attention.register_fake
+def _(q, k, v, kv, layer, slot_mapping, block_tables, context_lens, scale):
+    return torch.empty_like(q)
+
+
+@dataclass
+class _PrefillContext:
+    slot_mapping: torch.Tensor  # (N,) int64
+    q_lens: list[int]  # new tokens per sequence
+    k_lens: list[int]  # keys per sequence: cached prefix + new tokens
+    cu_seq_q: torch.Tensor  # (S+1,) int32
+    cu_seq_k: torch.Tensor  # (S+1,) int32
+    gather_slots: torch.Tensor | None = None  # (M,) int64 slots of all keys, when some prefix is cached
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, *, memory: DeviceMemory, block_size: int, num_blocks: int,
+                 max_num_seqs: int, max_model_len: int, cuda_graph_max_bs: int | None, compile_decode: bool):
+        cfg = model.config
+        self.model = model
+        self.memory = memory
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.scale = cfg.head_dim ** -0.5
+        self.kv: torch.Tensor | None = None
+        self.allocate_kv()
+        # Static decode inputs (outside any releasable region: small, and graphs read them).
+        max_blocks_per_seq = -(-max_model_len // block_size)
+        dev = dict(device=self.device)
+        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, **dev)
+        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, **dev)
+        self.slot_mapping = torch.full((max_num_seqs,), -1, dtype=torch.int64, **dev)
+        self.block_tables = torch.full((max_num_seqs, max_blocks_per_seq), -1, dtype=torch.int32, **dev)
+        self.context_lens = torch.zeros(max_num_seqs, dtype=torch.int32, **dev)
+        self._prefill: _PrefillContext | None = None
+        # Eager, a decode step is ~40 small kernels per layer; compiled, the elementwise work
+        # between the GEMMs and the attention op fuses (the graphs then replay fewer launches).
+        self._decode_fn = self._decode_logits
+        if compile_decode:
+            self._decode_fn = torch.compile(self._decode_logits, dynamic=True, fullgraph=True)
+        self.graphs = None
+        if cuda_graph_max_bs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_num_seqs))
+
+    @property
+    def kv_bytes(self) -> int:
+        return math.prod(self.kv_shape) * self.dtype.itemsize
+
+    def allocate_kv(self) -> None:
+        with self.memory.region("kv_cache"):
+            self.kv = torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device)
+
+    def free_kv(self) -> None:
+        self.kv = None
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V): copy on write of shared prompt blocks."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64).to(self.device, non_blocking=True)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64).to(self.device, non_blocking=True)
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, H) -> (R, V) fp32, accumulated in fp32 as the trainer computes them."""
+        weight = self.model.lm_head.weight
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+            return torch.mm(hidden, weight.T, out_dtype=torch.float32)
+        return F.linear(hidden, weight).float()
+
+    # ---------------------------------------------------------------- prefill
+
+    @torch.no_grad()
+    def prefill(self, chunks: list[PrefillChunk], sampling: SamplingBatch | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute the chunks' tokens; sample one token per sampler of completed chunks (`sampling`
+        has one row per sampler, None when no chunk completes). Returns ids (R,) and log-probs (R,)
+        on the device."""
+        bs = self.block_size
+        ids, positions, slots, q_lens, k_lens = [], [], [], [], []
+        last_rows, counters = [], []
+        for chunk in chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.end
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += _slots(seq.block_table, start, end, bs)
+            q_lens.append(end - start)
+            k_lens.append(end)
+            last_rows += [len(ids) - 1] * len(chunk.samplers)
+            counters += [end - 1] * len(chunk.samplers)
+        to = dict(device=self.device)
+        ctx = _PrefillContext(slot_mapping=torch.tensor(slots, dtype=torch.int64, **to), q_lens=q_lens,
+                              k_lens=k_lens, cu_seq_q=_cumsum(q_lens, **to), cu_seq_k=_cumsum(k_lens, **to))
+        if k_lens != q_lens:
+            gather = [s for c in chunks for s in _slots(c.seq.block_table, 0, c.end, bs)]
+            ctx.gather_slots = torch.tensor(gather, dtype=torch.int64, **to)
+        self._prefill = ctx
+        try:
+            hidden = self.model.hidden_states(
+                torch.tensor(ids, dtype=torch.int64, **to), positions=torch.tensor(positions, **to),
+                attn=self._prefill_attention)  # (N, H)
+        finally:
+            self._prefill = None
+        if sampling is None:
+            return torch.empty(0, dtype=torch.int64, **to), torch.empty(0, **to)
+        logits = self._logits(hidden[torch.tensor(last_rows, **to)])  # (R, V)
+        return sampling.sample(logits, torch.tensor(counters, dtype=torch.int64, **to))
+
+    def _prefill_attention(self, layer: int, q, k, v):
+        ctx = self._prefill
+        k_cache, v_cache = self.kv[0, layer], self.kv[1, layer]
+        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.gather_slots is not None:
+            k = k_cache.flatten(0, 1)[ctx.gather_slots]  # (M, Hk, D): cached prefix + new keys
+            v = v_cache.flatten(0, 1)[ctx.gather_slots]
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            from torch.nn.attention.varlen import varlen_attn
+
+            # Causal with fewer queries than keys aligns the last query with the last key.
+            return varlen_attn(q, k, v, ctx.cu_seq_q, ctx.cu_seq_k, max(ctx.q_lens), max(ctx.k_lens),
+                               scale=self.scale, window_size=(-1, 0))
+        return _attention_per_sequence(q, k, v, ctx.q_lens, ctx.k_lens, self.scale)
+
+    # ---------------------------------------------------------------- decode
+
+    def reset_padding(self, batch_size: int) -> None:
+        """Make rows batch_size.. inert: no K/V write, empty context."""
+        self.slot_mapping[batch_size:].fill_(-1)
+        self.context_lens[batch_size:].zero_()
+
+    def decode_forward(self, batch_size: int) -> torch.Tensor:
+        """Logits (B, V) fp32 for the first `batch_size` rows of the static decode buffers."""
+        b = batch_size
+        return self._decode_fn(self.input_ids[:b], self.positions[:b], self.kv, self.slot_mapping[:b],
+                               self.block_tables[:b], self.context_lens[:b])
+
+    def _decode_logits(self, input_ids, positions, kv, slot_mapping, block_tables, context_lens):
+        def attn(layer, q, k, v):
+            return decode_attention(q, k, v, kv, layer, slot_mapping, block_tables, context_lens, self.scale)
+
+        return self._logits(self.model.hidden_states(input_ids, positions=positions, attn=attn))
+
+    @torch.no_grad()
+    def decode(self, seqs: list[Sequence], num_steps: int, sampling: SamplingBatch
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `num_steps` decode steps for `seqs`; ids and log-probs (num_steps, B) on the device."""
+        b = len(seqs)
+        to = dict(device=self.device)
+        use_graph = self.graphs is not None and self.graphs.bucket(b) is not None
+        if use_graph and not self.graphs.captured:
+            self.graphs.capture()  # again, after the tensors it read were reallocated
+        width = max(len(s.block_table) for s in seqs)
+        flat = array.array("i")  # ~4x faster than torch.tensor on nested lists, per decode window
+        for s in seqs:
+            flat.extend(s.block_table)
+            flat.extend([-1] * (width - len(s.block_table)))
+        tables = torch.frombuffer(flat, dtype=torch.int32).view(b, width)
+        self.block_tables[:b, :width].copy_(tables)
+        self.input_ids[:b].copy_(torch.tensor([s.token_ids[-1] for s in seqs]), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor([s.num_tokens - 1 for s in seqs]), non_blocking=True)
+        self.context_lens[:b].copy_(torch.tensor([s.num_tokens for s in seqs], dtype=torch.int32),
+                                    non_blocking=True)
+        self.reset_padding(b)
+        out_ids = torch.empty((num_steps, b), dtype=torch.int64, **to)
+        out_logprobs = torch.empty((num_steps, b), dtype=torch.float32, **to)
+        rows = torch.arange(b, **to)
+        for step in range(num_steps):
+            if step:
+                self.positions[:b] += 1
+                self.context_lens[:b] += 1
+            pos = self.positions[:b]
+            blocks = self.block_tables[rows, pos // self.block_size].long()  # (B,)
+            self.slot_mapping[:b] = blocks * self.block_size + pos % self.block_size
+            logits = self.graphs.replay(b) if use_graph else self.decode_forward(b)  # (B, V)
+            ids, logprobs = sampling.sample(logits, pos)
+            out_ids[step], out_logprobs[step] = ids, logprobs
+            self.input_ids[:b] = ids
+            sampling.advance()
+        return out_ids, out_logprobs
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of token positions [start, end) of a sequence with this block table."""
+    out = []
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        stop = min(end, (block + 1) * block_size)
+        base = table[block] * block_size
+        out += range(base + offset, base + offset + stop - pos)
+        pos = stop
+    return out
+
+
+def _cumsum(lengths: list[int], device) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _attention_per_sequence(q, k, v, q_lens: list[int], k_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's queries (its last q_len positions) over its keys, one
+    SDPA call per sequence: cost sum(q_len * k_len), where one packed mask would cost N * M."""
+    out = torch.empty_like(q)  # (N, Hq, D)
+    q0 = k0 = 0
+    for nq, nk in zip(q_lens, k_lens):
+        qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk]))
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
+        out[q0:q0 + nq] = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+        q0, k0 = q0 + nq, k0 + nk
+    return out

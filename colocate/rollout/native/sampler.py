@@ -1,0 +1,141 @@
+"""Sampling on the device, reproducible by construction.
+
+Each row samples with the Gumbel-max trick: argmax(logits / T + g), where the noise g for vocabulary
+entry v is a function of (the sample's seed, the position being sampled from, v) alone — a
+counter-based hash, computed on the device, with no RNG state. So a completion's tokens do not
+depend on which other requests share the batch, on preemption and recompute, or on how many decode
+steps run per host round trip, and no host sync is needed to draw them.
+
+Log-probs follow the protocol: log_softmax(logits / T) over the full vocabulary (raw logits when
+greedy), before top-k / top-p / min-p and before the min_new_tokens stop-id mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from colocate.rollout.protocol import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+_VOCAB_SALT = 0x9E3779B9
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (bijective on [0, 2^32)); int64 lanes hold the 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise (B, V) from seeds (B,) int64 >= 0 and positions (B,) int64."""
+    key = _mix32((seed & _MASK32) ^ _mix32((seed >> 32) ^ _mix32(counter & _MASK32)))  # (B,)
+    vocab = _mix32(torch.arange(vocab_size, device=seed.device) ^ _VOCAB_SALT)  # (V,)
+    bits = _mix32(key[:, None] ^ vocab[None, :]) >> 9  # (B, V), 23 random bits
+    u = (bits.float() + 0.5) * (1.0 / (1 << 23))  # in (0, 1), exactly representable
+    return -torch.log(-torch.log(u))
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # (B, V) fp32
+    temperature: torch.Tensor,  # (B,) fp32, 0 = greedy
+    top_k: torch.Tensor,  # (B,) int64, V = no limit
+    top_p: torch.Tensor,  # (B,) fp32
+    min_p: torch.Tensor,  # (B,) fp32
+    seed: torch.Tensor,  # (B,) int64
+    counter: torch.Tensor,  # (B,) int64: position of the token whose logits these are
+    suppress_ids: torch.Tensor | None = None,  # (B, S) int64 stop ids, padded by repetition
+    suppress_left: torch.Tensor | None = None,  # (B,) int64: mask suppress_ids while > 0
+    truncate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled ids (B,) int64 and their log-probs (B,) fp32."""
+    vocab_size = logits.shape[-1]
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]  # (B, V)
+    lse = torch.logsumexp(scaled, dim=-1)  # (B,)
+    masked = scaled
+    if suppress_ids is not None:
+        blocked = torch.zeros_like(masked, dtype=torch.bool).scatter_(
+            1, suppress_ids, (suppress_left > 0)[:, None].expand_as(suppress_ids))  # (B, V)
+        masked = masked.masked_fill(blocked, float("-inf"))
+    if truncate:
+        values, order = masked.sort(dim=-1, descending=True)  # (B, V)
+        rank = torch.arange(vocab_size, device=logits.device)
+        values = values.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+        probs = values.softmax(dim=-1)  # after top-k, as top-p sees it
+        mass_before = probs.cumsum(dim=-1) - probs
+        # top_p = 1 must keep everything, even where rounding lets the cumulative mass reach 1.
+        cut = ((mass_before >= top_p[:, None]) & (top_p < 1)[:, None]) | (probs < min_p[:, None] * probs[:, :1])
+        masked = torch.empty_like(masked).scatter_(1, order, values.masked_fill(cut, float("-inf")))
+    noise = gumbel_noise(seed, counter, vocab_size) * (~greedy)[:, None]  # (B, V)
+    ids = (masked + noise).argmax(dim=-1)  # (B,)
+    return ids, scaled.gather(1, ids[:, None]).squeeze(1) - lse
+
+
+@functools.cache
+def _compiled_sample_tokens():
+    # Fused, the hash and the two vocabulary passes cost about one read of the logits; eager they
+    # would be a dozen full (B, V) int64 kernels per step.
+    return torch.compile(sample_tokens, dynamic=True)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters on the device, built once per scheduled batch."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seed: torch.Tensor
+    suppress_ids: torch.Tensor | None
+    suppress_left: torch.Tensor | None
+    """Tokens still to generate before stop ids are allowed; counts down one per decode step."""
+    truncate: bool
+
+    @classmethod
+    def build(cls, rows: list[tuple[SamplingParams, int, frozenset[int], int]], vocab_size: int,
+              device: torch.device) -> "SamplingBatch":
+        """rows: (params, seed, stop ids, tokens generated so far) per sampled row."""
+        params = [r[0] for r in rows]
+        suppress = [(sorted(stop), p.min_new_tokens - done) for p, _, stop, done in rows]
+        any_suppress = any(stop and left > 0 for stop, left in suppress)
+        width = max((len(stop) for stop, _ in suppress), default=0)
+        suppress_ids = suppress_left = None
+        if any_suppress:
+            # Pad each row with its own first id: duplicate scatter writes then agree.
+            ids = [(stop + stop[:1] * (width - len(stop))) if stop else [0] * width for stop, _ in suppress]
+            left = [left if stop else 0 for stop, left in suppress]
+            suppress_ids = torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+            suppress_left = torch.tensor(left, dtype=torch.int64).to(device, non_blocking=True)
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        top_k = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
+        return cls(
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_k=tensor(top_k, torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            seed=tensor([r[1] for r in rows], torch.int64),
+            suppress_ids=suppress_ids,
+            suppress_left=suppress_left,
+            truncate=any(p.top_p < 1 or 0 < p.top_k < vocab_size or p.min_p > 0 for p in params),
+        )
+
+    def sample(self, logits: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row from logits (B, V) at positions `counter` (B,)."""
+        fn = _compiled_sample_tokens() if logits.is_cuda else sample_tokens
+        return fn(logits.float(), self.temperature, self.top_k, self.top_p, self.min_p, self.seed, counter,
+                  self.suppress_ids, self.suppress_left, self.truncate)
+
+    def advance(self) -> None:
+        """One token was generated per row (multi-step decode)."""
+        if self.suppress_left is not None:
+            self.suppress_left.sub_(1)

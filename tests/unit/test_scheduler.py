@@ -1,0 +1,160 @@
+from colocate.rollout.native.block_manager import BlockManager
+from colocate.rollout.native.scheduler import Scheduler, Sequence
+from colocate.rollout.protocol import SamplingParams
+
+
+def make_group(prompt, n=1, prompt_index=0, first_id=0, **params):
+    sp = SamplingParams(n=n, **params)
+    return [Sequence(seq_id=first_id + j, prompt_index=prompt_index, sample_index=j, token_ids=list(prompt),
+                     num_prompt_tokens=len(prompt), params=sp, seed=j, stop_ids=frozenset({1}))
+            for j in range(n)]
+
+
+def fake_token(seq, position):
+    """A deterministic 'model': never the stop id 1."""
+    return 10 + (seq.seq_id * 7 + position) % 50
+
+
+def run(scheduler, token_fn=fake_token, max_steps=1000):
+    """Drive the scheduler to completion; return (finished in order, batches, prefill spans as
+    (seq_id, start, end, num_samplers, tokens in the sequence then))."""
+    finished, batches, spans = [], [], []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return finished, batches, spans
+        batch = scheduler.schedule()
+        batches.append(batch)
+        spans += [(c.seq.seq_id, c.start, c.end, len(c.samplers), c.seq.num_tokens) for c in batch.chunks]
+        if batch.is_prefill:
+            samplers = [s for c in batch.chunks for s in c.samplers]
+            ids = [[token_fn(s, s.num_tokens - 1)] for s in samplers]
+        else:
+            ids = [[token_fn(s, s.num_tokens - 1 + k) for k in range(batch.num_steps)] for s in batch.seqs]
+        finished += scheduler.postprocess(batch, ids, [[0.0] * len(x) for x in ids])
+    raise AssertionError("scheduler did not finish")
+
+
+def test_group_prefills_once_and_shares_prompt_blocks():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_decode_steps=1)
+    group = make_group(range(2, 8), n=3, max_new_tokens=2)  # 6 tokens: one full + one partial block
+    sched.add(group)
+    batch = sched.schedule()
+    assert len(batch.chunks) == 1
+    chunk = batch.chunks[0]
+    assert (chunk.seq, chunk.start, chunk.end, chunk.samplers) == (group[0], 0, 6, group)
+    assert all(s.block_table == group[0].block_table for s in group)
+    assert [bm.ref_counts[b] for b in group[0].block_table] == [3, 3]
+    sched.postprocess(batch, [[20], [21], [22]], [[0.0]] * 3)
+    assert [s.output_ids for s in group] == [[20], [21], [22]]
+    assert all(s.num_computed == 6 for s in group)
+    full, partial = group[0].block_table
+    decode = sched.schedule()
+    assert not decode.is_prefill and decode.seqs == group
+    # Two samples copy the shared partial block before writing position 6; the last writes in place.
+    assert [src for src, _ in decode.copies] == [partial, partial]
+    assert [s.block_table[0] for s in group] == [full] * 3 and bm.ref_counts[full] == 3
+    assert len({s.block_table[1] for s in group}) == 3 and group[2].block_table[1] == partial
+    finished = sched.postprocess(decode, [[30], [31], [32]], [[0.0]] * 3)
+    assert [s.finish_reason for s in finished] == ["length"] * 3
+    assert bm.num_free_blocks == 32
+
+
+def test_token_budget_chunks_a_long_prompt():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10, max_decode_steps=1)
+    long = make_group(range(2, 27), n=2, max_new_tokens=1)  # 25 tokens
+    short = make_group([3, 4, 5], prompt_index=1, first_id=2, max_new_tokens=1)
+    sched.add(long)
+    sched.add(short)
+    spans = []
+    for _ in range(3):
+        batch = sched.schedule()
+        spans.append([(c.seq.seq_id, c.start, c.end, len(c.samplers)) for c in batch.chunks])
+        ids = [[40] for c in batch.chunks for _ in c.samplers]
+        sched.postprocess(batch, ids, [[0.0]] * len(ids))
+    assert spans == [[(0, 0, 10, 0)], [(0, 10, 20, 0)], [(0, 20, 25, 2), (2, 0, 3, 1)]]
+    assert not sched.has_unfinished() and bm.num_free_blocks == 32
+
+
+def test_max_num_seqs_caps_running_and_splits_groups():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=100, max_decode_steps=1)
+    sched.add(make_group([5, 6], n=5, max_new_tokens=3))
+    first = sched.schedule()
+    assert [len(c.samplers) for c in first.chunks] == [3]
+    sched.postprocess(first, [[40]] * 3, [[0.0]] * 3)
+    finished, batches, spans = run(sched)
+    assert max(len(b.seqs) for b in batches if not b.is_prefill) == 3
+    assert sorted(s.sample_index for s in finished) == [0, 1, 2, 3, 4]
+    # The last two samples were admitted later as their own group, with their own prefill.
+    assert [(seq_id, n) for seq_id, _, _, n, _ in spans] == [(3, 2)]
+
+
+def test_decode_runs_several_steps_but_never_past_max_new_tokens():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, max_decode_steps=4)
+    sched.add(make_group([5, 6, 7], max_new_tokens=11))
+    sched.add(make_group([8], prompt_index=1, first_id=1, max_new_tokens=3))
+    finished, batches, _ = run(sched)
+    steps = [(len(b.seqs), b.num_steps) for b in batches if not b.is_prefill]
+    # After prefill each has one token: remaining 10 and 2 -> 2 steps, then 8 left alone: 4, 4.
+    assert steps == [(2, 2), (1, 4), (1, 4)]
+    assert {s.seq_id: s.num_output_tokens for s in finished} == {1: 3, 0: 11}
+    assert all(s.finish_reason == "length" for s in finished)
+
+
+def test_stop_ids_finish_only_after_min_new_tokens():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, max_decode_steps=4)
+    sched.add(make_group([5, 6], max_new_tokens=10, min_new_tokens=2))
+    # The 'model' emits the stop id from the first generated token on.
+    finished, _, _ = run(sched, token_fn=lambda s, pos: 1)
+    (seq,) = finished
+    # Tokens 1 and 2 are within min_new_tokens (the sampler masks them; here they count as text).
+    assert seq.output_ids == [1, 1, 1] and seq.finish_reason == "stop"
+    assert bm.num_free_blocks == 64
+
+
+def test_tokens_sampled_past_a_stop_in_one_decode_window_are_dropped():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, max_decode_steps=8)
+    sched.add(make_group([5, 6], max_new_tokens=20))
+    finished, _, _ = run(sched, token_fn=lambda s, pos: 1 if pos == 4 else 30)
+    (seq,) = finished
+    assert seq.output_ids == [30, 30, 30, 1] and seq.finish_reason == "stop"
+    assert len(seq.logprobs) == 4
+
+
+def test_preemption_frees_blocks_and_recomputes_with_identical_results():
+    def outputs(num_blocks):
+        bm = BlockManager(num_blocks=num_blocks, block_size=2)
+        sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_decode_steps=2)
+        for i in range(3):
+            sched.add(make_group([2 + i, 3, 4], n=2, prompt_index=i, first_id=2 * i, max_new_tokens=8))
+        finished, _, spans = run(sched)
+        assert bm.num_free_blocks == num_blocks
+        recomputed = [span for span in spans if span[4] > 3]
+        return {s.seq_id: s.output_ids for s in finished}, sched.num_preemptions, recomputed
+
+    big, big_preemptions, _ = outputs(64)
+    small, small_preemptions, recomputed = outputs(9)  # 3 prompts x 2 samples x 6 blocks will not fit
+    assert big_preemptions == 0 and small_preemptions > 0
+    assert small == big
+    # A preempted sequence comes back as a prefill of its prompt and every token it had generated.
+    assert recomputed and all(start == 0 and end == total and n == 1 for _, start, end, n, total in recomputed)
+
+
+def test_abort_all_frees_every_block_and_marks_the_sequences():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=5, max_decode_steps=2)
+    sched.add(make_group([5, 6, 7], n=2, max_new_tokens=8))
+    sched.add(make_group(range(2, 14), prompt_index=1, first_id=2, max_new_tokens=8))  # chunked
+    sched.add(make_group([9], prompt_index=2, first_id=3, max_new_tokens=8))
+    batch = sched.schedule()
+    sched.postprocess(batch, [[40], [41]], [[0.0]] * 2)
+    assert sched.running and sched.prefilling and sched.waiting
+    aborted = sched.abort_all()
+    assert sorted(s.seq_id for s in aborted) == [0, 1, 2, 3]
+    assert all(s.finish_reason == "abort" for s in aborted)
+    assert not sched.has_unfinished() and bm.num_free_blocks == 32
