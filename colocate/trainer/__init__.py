@@ -1,0 +1,5 @@
+"""The training half: FSDP2 actor, reference and critic, packing, optimizer, offload."""
+
+from colocate.trainer.step import Trainer
+
+__all__ = ["Trainer"]

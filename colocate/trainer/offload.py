@@ -1,0 +1,185 @@
+"""Move trainer state (parameters, gradients, optimizer state) off the GPU and back, in place.
+
+Colocation needs the trainer's memory back for the rollout engine between training phases, and
+the trainer needs its tensors back unchanged afterwards: the same Python objects (FSDP holds its
+sharded parameters, the optimizer holds its state by identity), with the same values. Two methods:
+
+- "pinned" (default, faster): every distinct device storage behind the registered tensors is copied
+  into one pinned host buffer per group (allocated at the first offload and reused, since pinning
+  many GiB takes seconds), on a side stream, then the storage is resized to zero. Onload resizes it
+  back and copies the bytes home. Views into a storage (FSDP's padded shard, the parameter view)
+  keep working because they reference the storage, not its address.
+- "tms": the tensors are allocated inside a torch_memory_saver region with a CPU backup, and
+  offload/onload pause and resume that region. Slower (the library copies through freshly
+  allocated pinned memory each time), kept selectable for setups that already use the library.
+
+On CPU nothing moves; calls still return statistics (0 bytes) so callers need no special case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from colocate.trainer.parallelize import local_tensor
+
+OFFLOAD_METHODS = ("pinned", "tms")
+_ALIGN = 512
+"""Byte alignment of each storage's slot in the pinned buffer (keeps copies on fast paths)."""
+
+TensorSource = Callable[[], Iterable[torch.Tensor]]
+
+
+@dataclass
+class OffloadStats:
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def __add__(self, other: "OffloadStats") -> "OffloadStats":
+        return OffloadStats(self.num_bytes + other.num_bytes, self.seconds + other.seconds)
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """Distinct non-empty device storages behind these tensors, in first-seen order."""
+    seen, out = set(), []
+    for t in tensors:
+        if t is None:
+            continue
+        storage = local_tensor(t.detach()).untyped_storage()
+        ptr = storage.data_ptr()
+        if storage.device.type == "cpu" or storage.nbytes() == 0 or ptr in seen:
+            continue
+        seen.add(ptr)
+        out.append(storage)
+    return out
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+
+
+class _PinnedGroup:
+    """One group's storages and their slots in a reusable pinned host buffer."""
+
+    def __init__(self, source: TensorSource):
+        self.source = source
+        self.storages: list[torch.UntypedStorage] = []
+        self.sizes: list[int] = []
+        self.buffer: torch.Tensor | None = None  # (total_bytes,) uint8, pinned
+        self.offsets: list[int] = []
+        self.offloaded = False
+
+    def _slots(self) -> Iterator[tuple[torch.UntypedStorage, torch.Tensor]]:
+        for storage, offset, size in zip(self.storages, self.offsets, self.sizes):
+            yield storage, self.buffer[offset : offset + size]
+
+    def offload(self, stream: torch.cuda.Stream) -> int:
+        if self.offloaded:
+            return 0
+        self.storages = _storages(self.source())
+        sizes = [s.nbytes() for s in self.storages]
+        if sizes != self.sizes or self.buffer is None:
+            self.sizes = sizes
+            self.offsets, total = [], 0
+            for size in sizes:
+                self.offsets.append(total)
+                total += -(-size // _ALIGN) * _ALIGN
+            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for storage, slot in self._slots():
+                slot.copy_(_bytes_view(storage), non_blocking=True)
+        stream.synchronize()
+        for storage in self.storages:
+            storage.resize_(0)
+        self.offloaded = True
+        return sum(self.sizes)
+
+    def onload(self, stream: torch.cuda.Stream) -> int:
+        if not self.offloaded:
+            return 0
+        for storage, size in zip(self.storages, self.sizes):
+            storage.resize_(size)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for storage, slot in self._slots():
+                _bytes_view(storage).copy_(slot, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.offloaded = False
+        return sum(self.sizes)
+
+
+def _memory_saver():
+    """torch_memory_saver, in its in-process ("torch") hook mode unless the preload library is
+    already in the process (then that mode is the one in use)."""
+    from torch_memory_saver import torch_memory_saver as tms
+
+    if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", "") and getattr(tms, "_impl", None) is None:
+        tms.hook_mode = "torch"
+    return tms
+
+
+class StateOffloader:
+    """Named groups of device tensors that go to the host and come back together.
+
+    `register(tag, source)` names a group; `source()` returns its tensors at offload time (so
+    gradients and lazily created state are found as they are then). Under "tms" the group's
+    tensors must be allocated inside `region(tag)`; under "pinned" that context does nothing.
+    """
+
+    def __init__(self, method: str, device: torch.device):
+        if method not in OFFLOAD_METHODS:
+            raise ValueError(f"offload.method={method!r} must be one of {OFFLOAD_METHODS}")
+        self.method = method
+        self.enabled = device.type == "cuda"
+        self.groups: dict[str, _PinnedGroup] = {}
+        self.paused: set[str] = set()
+        self._stream = torch.cuda.Stream(device) if self.enabled and method == "pinned" else None
+        self._tms = _memory_saver() if self.enabled and method == "tms" else None
+
+    def register(self, tag: str, source: TensorSource) -> None:
+        assert tag not in self.groups, f"offload group {tag!r} registered twice"
+        self.groups[tag] = _PinnedGroup(source)
+
+    def region(self, tag: str):
+        if self._tms is None:
+            return contextlib.nullcontext()
+        return self._tms.region(tag=tag, enable_cpu_backup=True)
+
+    def is_offloaded(self, tag: str) -> bool:
+        return self.groups[tag].offloaded or tag in self.paused
+
+    def offload(self, tags: Iterable[str]) -> OffloadStats:
+        return self._move(list(tags), to_host=True)
+
+    def onload(self, tags: Iterable[str]) -> OffloadStats:
+        return self._move(list(tags), to_host=False)
+
+    def _move(self, tags: list[str], to_host: bool) -> OffloadStats:
+        for tag in tags:
+            if tag not in self.groups:
+                raise KeyError(f"unknown offload group {tag!r}; registered: {sorted(self.groups)}")
+        if not self.enabled:
+            return OffloadStats()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        num_bytes = 0
+        for tag in tags:
+            if self._tms is None:
+                group = self.groups[tag]
+                num_bytes += group.offload(self._stream) if to_host else group.onload(self._stream)
+            elif to_host != (tag in self.paused):
+                num_bytes += sum(s.nbytes() for s in _storages(self.groups[tag].source()))
+                (self._tms.pause if to_host else self._tms.resume)(tag)
+                (self.paused.add if to_host else self.paused.discard)(tag)
+        torch.cuda.synchronize()
+        return OffloadStats(num_bytes, time.perf_counter() - start)

@@ -1,0 +1,201 @@
+"""Turn a plain model into a trainable FSDP2 one, in a fixed order: activation checkpointing ->
+compile -> fully_shard per transformer block -> fully_shard of the root.
+
+The model is built on the meta device, wrapped, and only then materialised: each rank allocates
+just its own shards and fills them from the safetensors files (or a random init), so no rank ever
+holds a full copy of the weights. Parameter names stay the HF names: checkpointing and compiling
+replace a block's `forward`, they do not wrap the module.
+
+The root FSDP unit holds the embeddings, the final norm and the heads. `hidden_states` is
+registered as a forward method, so calling it gathers the root's parameters; the root keeps them
+gathered until its backward (FSDP never reshards the root after forward), which is what lets the
+caller use `lm_head.weight` on the hidden states right after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, ContextManager, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.utils.checkpoint import checkpoint
+
+from colocate.models.layers import rope_inv_freq
+
+
+def device_mesh(device: torch.device) -> DeviceMesh:
+    """The 1-D mesh over all ranks that FSDP shards over (it wraps the default process group)."""
+    return init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+
+
+def _checkpointed(forward):
+    """`forward` recomputed in backward instead of keeping its activations (non-reentrant, so
+    FSDP's hooks and torch.compile see ordinary autograd)."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None,
+    checkpoint_every: int = 0,
+    compile: bool = False,
+    forward_methods: tuple[str, ...] = ("hidden_states",),
+) -> nn.Module:
+    """AC -> compile -> fully_shard(block) -> fully_shard(root), in place; returns the model.
+
+    `param_dtype` is the compute dtype of the mixed-precision policy (gradients reduce in fp32);
+    None computes in the parameters' own dtype. `checkpoint_every` k > 0 recomputes blocks
+    0, k, 2k, ... in backward (1: every block; 0: none), trading compute for activation memory.
+    `compile` compiles each block's forward (shapes vary per micro-batch, so dynamic shapes).
+    `forward_methods` are methods other than `forward` that callers use as the model's entry.
+    """
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
+        MixedPrecisionPolicy()
+    blocks = list(model.model.layers)
+    for i, block in enumerate(blocks):
+        if checkpoint_every and i % checkpoint_every == 0:
+            block.forward = _checkpointed(block.forward)
+        if compile:
+            block.forward = torch.compile(block.forward, dynamic=True)
+        # The last block's parameters are needed again at once by the backward: keep them gathered.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for name in forward_methods:
+        register_fsdp_forward_method(model, name)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) parameters of a meta-device model on `device`, and recompute the
+    non-persistent rotary buffer (fp32) that `to_empty` leaves uninitialised."""
+    model.to_empty(device=device)
+    rotary = model.model.rotary
+    cfg = model.config
+    rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def _local_rows(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's dim-0 rows of `full`, as FSDP2 shards a parameter (torch.chunk sizes)."""
+    if not hasattr(param, "to_local"):
+        return full
+    mesh = param.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = full.shape[0]
+    chunk = -(-rows // world)
+    start = min(rank * chunk, rows)
+    return full[start : min(start + chunk, rows)]
+
+
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a full (unsharded) tensor into a parameter, plain or FSDP2-sharded."""
+    local = local_tensor(param)
+    rows = _local_rows(param, full)
+    if tuple(rows.shape) != tuple(local.shape):
+        raise ValueError(f"shard of shape {tuple(rows.shape)} does not fit local {tuple(local.shape)}")
+    local.copy_(rows)
+
+
+def load_sharded(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], source: str,
+                 *, skip: tuple[str, ...] = ()) -> set[str]:
+    """Copy HF-named full tensors into the model's shards; return the names that were filled.
+
+    Names starting with one of `skip` are ignored (e.g. `lm_head.` for a critic built from a
+    policy), as is `lm_head.weight` when the embeddings are tied.
+    """
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    filled = set()
+    for name, tensor in named:
+        if name.startswith(skip) or (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name not in params:
+            raise ValueError(f"{source}: unexpected tensor {name!r}")
+        p = params[name]
+        if tuple(tensor.shape) != tuple(p.shape):
+            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+        copy_full_(p, tensor.to(device=local_tensor(p).device, dtype=p.dtype))
+        filled.add(name)
+    return filled
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local data of a DTensor (an FSDP2 shard), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights in place (normal(0, std) matrices, unit norms, zero biases), for benchmarks
+    and new heads. Each rank draws its own shard, so values depend on the world size."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        local = local_tensor(p)
+        if local.device not in gens:
+            gens[local.device] = torch.Generator(device=local.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        elif name.endswith("bias"):
+            local.zero_()
+        else:
+            local.normal_(0.0, std, generator=gens[local.device])
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered parameter (the root stays gathered after a forward without backward)."""
+    for m in fsdp_modules(model):
+        m.reshard()
+
+
+def build_sharded(
+    make: Callable[[], nn.Module],
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    dtype: torch.dtype,
+    param_dtype: torch.dtype | None,
+    weights: Iterable[tuple[str, torch.Tensor]] | None,
+    source: str = "random init",
+    skip: tuple[str, ...] = (),
+    checkpoint_every: int = 0,
+    compile: bool = False,
+    forward_methods: tuple[str, ...] = ("hidden_states",),
+    region: ContextManager | None = None,
+    seed: int = 0,
+) -> tuple[nn.Module, set[str]]:
+    """Build `make()` on the meta device in `dtype`, parallelize it, allocate its shards (inside
+    `region` when given) and fill them from `weights`, or randomly when None.
+
+    Returns the model and the parameter names that `weights` did not fill (the caller decides
+    whether that is an error or a new head to initialise).
+    """
+    with torch.device("meta"):
+        model = make().to(dtype)  # before sharding: FSDP shards (and allocates) in this dtype
+    parallelize(model, mesh, param_dtype=param_dtype, checkpoint_every=checkpoint_every, compile=compile,
+                forward_methods=forward_methods)
+    with region if region is not None else contextlib.nullcontext():
+        materialize(model, device)
+    names = {n for n, _ in model.named_parameters()}
+    if weights is None:
+        init_random_(model, seed)
+        return model, set()
+    return model, names - load_sharded(model, weights, source, skip=skip)

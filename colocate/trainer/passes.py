@@ -1,0 +1,102 @@
+"""Passes over a rollout batch shared by the actor, the critic and the reference model: the
+micro-batch plan agreed over ranks, a no-grad pass that fills a per-token tensor, and one
+optimizer step accumulated over micro-batches.
+
+Exact aggregation: before a step's micro-batches run, the step's masked-token and sample counts
+are summed over ranks; each micro-batch's loss is its exact share of the global-batch loss under
+those fixed denominators (colocate.algo.aggregate). FSDP averages gradients over ranks, so each
+share is multiplied by the world size before backward: the sum over micro-batches and ranks is
+then the gradient of the global-batch loss, whatever the token budget or the number of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from colocate import dist
+from colocate.trainer.batch import MicroBatch, RolloutBatch, build_micro_batch
+from colocate.trainer.optim import OptimizerStep
+from colocate.trainer.packing import pack_micro_batches, step_slices
+from colocate.trainer.parallelize import reshard_all
+
+
+@dataclass
+class StepPlan:
+    parts: list[list[int]]
+    """Sample indices of each micro-batch of this rank (the count is the same on every rank)."""
+    num_tokens: float
+    """Masked response tokens of this step over all ranks (token_mean's denominator)."""
+    num_seqs: float
+    """Samples of this step over all ranks (the sequence means' denominator)."""
+
+
+def agreed_micro_batches(lengths: list[int], indices: list[int], max_tokens: int) -> list[list[int]]:
+    """Micro-batches of `indices` (sample indices with these `lengths`), as many as the rank that
+    needs the most (at least one, so every rank runs a forward)."""
+    parts = pack_micro_batches([lengths[i] for i in indices], max_tokens)
+    count = dist.all_reduce_max(max(1, len(parts)))
+    parts = pack_micro_batches([lengths[i] for i in indices], max_tokens, count)
+    return [[indices[j] for j in p] for p in parts]
+
+
+def plan_steps(batch: RolloutBatch, max_tokens: int, samples_per_step: int | None) -> list[StepPlan]:
+    """Consecutive slices of the batch, one per optimizer step (same count on every rank), each
+    cut into agreed micro-batches, with the step's global normalizers."""
+    local = step_slices(batch.num_samples, samples_per_step)
+    slices = step_slices(batch.num_samples, samples_per_step, dist.all_reduce_max(len(local)))
+    lengths = batch.lengths
+    mask_per_sample = torch.zeros(batch.num_samples, device=batch.mask.device).index_add_(
+        0, batch.seq_index, batch.mask).tolist()
+    plans = []
+    for sl in slices:
+        counts = dist.all_reduce_sum([sum(mask_per_sample[i] for i in sl), len(sl)], batch.mask.device)
+        parts = agreed_micro_batches(lengths, list(sl), max_tokens)
+        plans.append(StepPlan(parts, float(counts[0]), float(counts[1])))
+    return plans
+
+
+@torch.no_grad()
+def no_grad_pass(model: nn.Module, batch: RolloutBatch, parts: list[list[int]],
+                 fn: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
+    """Run `fn` (micro-batch -> (T_mb,) per response token) over every micro-batch and scatter
+    the results into one (T,) fp32 tensor; then free the gathered parameters the root kept."""
+    out = torch.zeros_like(batch.mask)  # (T,)
+    for part in parts:
+        mb = build_micro_batch(batch, part, batch.mask.device)
+        out[mb.token_index] = fn(mb).float()
+    reshard_all(model)
+    return out
+
+
+def gradient_step(
+    opt: OptimizerStep, batch: RolloutBatch, plan: StepPlan,
+    loss_fn: Callable[[MicroBatch, StepPlan], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+) -> tuple[dict[str, float], int]:
+    """Accumulate the step's gradient over its micro-batches and take the guarded optimizer step.
+
+    `loss_fn(mb, plan)` returns the micro-batch's loss share and metric shares (0-dim tensors,
+    the same names on every micro-batch and rank). Returns the global metrics (shares summed over
+    micro-batches and ranks, plus grad_norm, lr, skipped) and the rank's real token count.
+    """
+    world = dist.get_info().world_size
+    device = batch.mask.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sums: dict[str, torch.Tensor] = {}
+    num_tokens = 0
+    for part in plan.parts:
+        mb = build_micro_batch(batch, part, device)
+        loss, shares = loss_fn(mb, plan)
+        (loss * world).backward()
+        loss_sum += loss.detach().double()
+        for name, value in shares.items():
+            sums[name] = sums.get(name, 0.0) + value.detach().double()
+        num_tokens += mb.num_tokens
+    names = sorted(sums)
+    totals = dist.all_reduce_sum(torch.stack([loss_sum] + [sums[n] for n in names]), device)
+    out = opt.step(totals[0])
+    out.update({n: float(v) for n, v in zip(names, totals[1:].tolist())})
+    return out, num_tokens

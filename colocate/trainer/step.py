@@ -1,0 +1,229 @@
+"""`Trainer`: what the loop calls to train on a rollout batch and to move trainer state on and off
+the GPU. It owns the actor and, when the algorithm needs them, the reference model and the critic.
+
+Per `train` call: pack the rank's samples into micro-batches agreed over ranks; old log-probs
+(only when needed: several optimizer steps, or KL in the reward), reference log-probs, values;
+advantages; critic steps (before the actor, as GAE's targets come from the values just read);
+actor steps unless the run is still in its critic-only warm-up.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from colocate import dist
+from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype
+from colocate.rollout.sample import Sample
+from colocate.trainer.actor import Actor
+from colocate.trainer.advantage import compute_advantages, global_masked_mean
+from colocate.trainer.batch import RolloutBatch
+from colocate.trainer.critic import Critic, ValueModel, zero_value_head_
+from colocate.trainer.offload import OffloadStats, StateOffloader
+from colocate.trainer.optim import LRSchedule, OptimizerStep, init_optimizer_state
+from colocate.trainer.parallelize import build_sharded, device_mesh
+from colocate.trainer.passes import agreed_micro_batches, plan_steps
+from colocate.trainer.reference import Reference
+
+ACTOR_PARAMS, ACTOR_OPTIM = "actor_params", "actor_optim"
+CRITIC_PARAMS, CRITIC_OPTIM = "critic_params", "critic_optim"
+REFERENCE = "reference"
+
+
+def _optimizer_tensors(opt: OptimizerStep, model: nn.Module):
+    """Optimizer state and gradients: what the trainer can drop before the weight sync."""
+    for state in opt.optimizer.state.values():
+        yield from (v for v in state.values() if torch.is_tensor(v))
+    yield from (p.grad for p in model.parameters() if p.grad is not None)
+
+
+def _summarize(steps: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Per-step metrics -> one dict: shares averaged over steps, grad_norm averaged, the last lr,
+    the number of skipped steps."""
+    out = {f"{prefix}grad_norm": sum(s["grad_norm"] for s in steps) / len(steps),
+           f"{prefix}lr": steps[-1]["lr"],
+           f"{prefix}skipped_steps": sum(s["skipped"] for s in steps)}
+    for name in steps[0]:
+        if name not in ("grad_norm", "lr", "skipped"):
+            out[name] = sum(s[name] for s in steps) / len(steps)
+    return out
+
+
+class Trainer:
+    """Actor (+ reference, + critic) for one rank. `model_config` builds randomly initialised
+    models of that shape instead of loading cfg.model.path (benchmarks); `checkpoint_every`
+    overrides cfg.model.gradient_checkpointing with a block stride (see parallelize)."""
+
+    def __init__(self, cfg, info: dist.DistInfo, *, model_config: ModelConfig | None = None,
+                 checkpoint_every: int | None = None):
+        self.cfg, self.info = cfg, info
+        m, t, a, r = cfg.model, cfg.train, cfg.algorithm, cfg.rollout
+        self.device = info.device
+        if t.global_batch_size is not None and t.global_batch_size % info.world_size:
+            raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of the "
+                             f"world size {info.world_size} (each rank takes an equal share per step)")
+        if t.max_tokens_per_gpu < 1:
+            raise ValueError(f"train.max_tokens_per_gpu={t.max_tokens_per_gpu} must be >= 1")
+        self.compute_dtype = resolve_dtype(m.dtype, self.device)
+        self.mesh = device_mesh(self.device)
+        self.offloader = StateOffloader(cfg.offload.method, self.device)
+        self.random_config = model_config
+        self.checkpoint_every = int(bool(m.gradient_checkpointing)) if checkpoint_every is None else checkpoint_every
+        steps_per_rollout = -(-cfg.samples_per_rollout // cfg.global_batch_size)
+        actor_rollouts = t.num_rollout - (a.num_critic_only_steps if a.use_critic else 0)
+        norm_len = r.max_response_len
+
+        policy_cfg = model_config or ModelConfig.from_dir(m.path)
+        actor_model = self._build(lambda: CausalLM(policy_cfg), m.path, ACTOR_PARAMS, train=True)
+        actor_opt = self._optimizer(actor_model, t.lr, ACTOR_OPTIM, max(1, actor_rollouts * steps_per_rollout))
+        self.actor = Actor(actor_model, actor_opt, a, temperature=r.temperature, norm_len=norm_len)
+
+        self.reference = None
+        if a.needs_ref:
+            ref_path = m.ref_path or m.path
+            ref_model = self._build(lambda: CausalLM(model_config or ModelConfig.from_dir(ref_path)),
+                                    ref_path, REFERENCE, train=False)
+            self.reference = Reference(ref_model, self.offloader, REFERENCE, temperature=r.temperature)
+            self.offloader.offload([REFERENCE])
+
+        self.critic = None
+        if a.use_critic:
+            critic_path = m.critic_path or m.path
+            critic_cfg = model_config or ModelConfig.from_dir(critic_path)
+            critic_model = self._build(lambda: ValueModel(critic_cfg), critic_path, CRITIC_PARAMS, train=True,
+                                       skip=("lm_head.",), new=("value_head.",), forward_methods=())
+            critic_opt = self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,
+                                         max(1, t.num_rollout * steps_per_rollout))
+            self.critic = Critic(critic_model, critic_opt, a, norm_len=norm_len)
+        self.transfer_metrics: dict[str, float] = {}
+
+    def _build(self, make, path: str, tag: str, *, train: bool, skip: tuple[str, ...] = (),
+               new: tuple[str, ...] = (), forward_methods: tuple[str, ...] = ("hidden_states",)) -> nn.Module:
+        """Trained models keep fp32 master shards and compute in the compute dtype; the frozen
+        reference stores its shards in the compute dtype directly."""
+        mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
+        model, missing = build_sharded(
+            make, self.mesh, self.device,
+            dtype=torch.float32 if train else self.compute_dtype,
+            param_dtype=mixed if train else None,
+            weights=None if self.random_config is not None else iter_safetensors(path),
+            source=str(path), skip=skip,
+            checkpoint_every=self.checkpoint_every if train else 0,
+            compile=bool(self.cfg.model.compile),
+            forward_methods=forward_methods,
+            region=self.offloader.region(tag), seed=self.cfg.train.seed)
+        unexpected = sorted(n for n in missing if not n.startswith(new))
+        if unexpected:
+            raise ValueError(f"{path}: missing tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if missing and isinstance(model, ValueModel):
+            zero_value_head_(model)
+        self.offloader.register(tag, model.parameters)
+        return model
+
+    def _optimizer(self, model: nn.Module, lr: float, tag: str, total_steps: int) -> OptimizerStep:
+        t = self.cfg.train
+        schedule = LRSchedule(t.lr_schedule, t.lr_warmup_steps, total_steps, t.min_lr_ratio)
+        opt = OptimizerStep(model, lr=lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                            weight_decay=t.weight_decay, grad_clip=t.grad_clip, schedule=schedule)
+        with self.offloader.region(tag):
+            init_optimizer_state(opt.optimizer)
+        self.offloader.register(tag, lambda: _optimizer_tensors(opt, model))
+        return opt
+
+    @property
+    def actor_module(self) -> nn.Module:
+        """The FSDP2 policy (HF parameter names), for the weight sync."""
+        return self.actor.model
+
+    @contextmanager
+    def _timed(self, metrics: dict[str, float], name: str):
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        metrics[f"perf/{name}_time"] = time.perf_counter() - start
+
+    def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        """Train on this rank's samples (whole groups) of one rollout step.
+
+        Returns metrics over the global batch, the same on every rank, except the perf/*_time
+        phase durations, which are this rank's.
+        """
+        cfg, a = self.cfg, self.cfg.algorithm
+        t = cfg.train
+        metrics: dict[str, float] = dict(self.transfer_metrics)
+        batch = RolloutBatch.from_samples(samples, self.device)
+        per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
+        plans = plan_steps(batch, t.max_tokens_per_gpu, per_rank)
+        pass_parts = agreed_micro_batches(batch.lengths, list(range(batch.num_samples)), t.max_tokens_per_gpu)
+        actor_trains = not (a.use_critic and rollout_id < a.num_critic_only_steps)
+        if a.kl_in_reward or (actor_trains and len(plans) > 1):
+            with self._timed(metrics, "old_logprob"):
+                batch["old_logprobs"] = self.actor.logprobs(batch, pass_parts)
+        if self.reference is not None:
+            with self._timed(metrics, "ref_logprob"):
+                batch["ref_logprobs"] = self.reference.logprobs(batch, pass_parts)
+            if self.reference.last_onload.num_bytes:
+                metrics["perf/ref_onload_gb_per_s"] = self.reference.last_onload.gb_per_s
+        if self.critic is not None:
+            with self._timed(metrics, "values"):
+                batch["values"] = self.critic.values(batch, pass_parts)
+        compute_advantages(batch, a, cfg.rollout.n_samples_per_prompt)
+        metrics["train/advantage_mean"] = global_masked_mean(batch["advantages"], batch.mask)
+        if self.critic is not None:
+            with self._timed(metrics, "critic_train"):
+                metrics.update(_summarize(self.critic.train(batch, plans), "critic/"))
+        if actor_trains:
+            with self._timed(metrics, "actor_train"):
+                steps, num_tokens = self.actor.train(batch, plans)
+            metrics.update(_summarize(steps, "train/"))
+            total_tokens = float(dist.all_reduce_sum([num_tokens], self.device)[0])
+            metrics["perf/train_tokens_per_s"] = total_tokens / max(metrics["perf/actor_train_time"], 1e-9)
+        return metrics
+
+    def _transfer(self, tags: list[str], to_host: bool) -> OffloadStats:
+        tags = [tag for tag in tags if tag in self.offloader.groups]
+        stats = (self.offloader.offload if to_host else self.offloader.onload)(tags)
+        if to_host:
+            self.clear_memory()
+        if stats.num_bytes:
+            kind = "offload" if to_host else "onload"
+            self.transfer_metrics[f"perf/trainer_{kind}_gib"] = stats.num_bytes / (1 << 30)
+            self.transfer_metrics[f"perf/trainer_{kind}_gb_per_s"] = stats.gb_per_s
+        return stats
+
+    def offload_optimizer_and_grads(self) -> OffloadStats:
+        """Everything the weight sync does not need: actor optimizer state and gradients, the critic."""
+        return self._transfer([ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM], to_host=True)
+
+    def offload_params(self) -> OffloadStats:
+        return self._transfer([ACTOR_PARAMS], to_host=True)
+
+    def offload(self, keep_params: bool) -> OffloadStats:
+        stats = self.offload_optimizer_and_grads()
+        return stats if keep_params else stats + self.offload_params()
+
+    def onload_params(self) -> OffloadStats:
+        return self._transfer([ACTOR_PARAMS], to_host=False)
+
+    def onload(self) -> OffloadStats:
+        return self._transfer([ACTOR_PARAMS, ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM], to_host=False)
+
+    def clear_memory(self) -> None:
+        """Return cached, unused blocks to the device (no tensor is freed)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def checkpoint_states(self) -> dict:
+        """Stateful parts for colocate.checkpoint (DCP): the actor as "model", the critic as "critic"."""
+        from colocate.checkpoint import ACTOR_STATE, ModelOptimizerState
+
+        opt = self.actor.opt
+        states = {ACTOR_STATE: ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler)}
+        if self.critic is not None:
+            c = self.critic.opt
+            states["critic"] = ModelOptimizerState(self.critic.model, c.optimizer, c.scheduler)
+        return states

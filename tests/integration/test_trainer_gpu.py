@@ -1,0 +1,150 @@
+"""The trainer on one CUDA device: bf16 FSDP2 steps through the Triton log-prob kernel, the
+reference model's offload between uses, and the offload/onload round trip of both methods."""
+
+import math
+
+import pytest
+import torch
+
+from colocate.config import Config
+from colocate.models import from_pretrained
+from colocate.rollout.sample import Sample
+from tests.helpers import write_hf_model
+
+pytestmark = pytest.mark.gpu
+
+GROUP = 4
+# Flash attention wants head dims that are multiples of 8.
+SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+MEDIUM = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+              num_key_value_heads=2, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def info():
+    from colocate import dist
+
+    return dist.init()
+
+
+def _config(path, **overrides) -> Config:
+    cfg = Config()
+    cfg.model.path = str(path)
+    cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt = 4, GROUP
+    cfg.train.lr, cfg.train.max_tokens_per_gpu, cfg.train.num_rollout = 1e-4, 256, 4
+    for dotted, value in overrides.items():
+        section, name = dotted.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def _samples(vocab: int, num_groups: int = 4, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for group in range(num_groups):
+        prompt = torch.randint(2, vocab, (int(torch.randint(4, 24, (1,), generator=g)),), generator=g).tolist()
+        for j in range(GROUP):
+            n = int(torch.randint(4, 64, (1,), generator=g))
+            response = torch.randint(2, vocab, (n,), generator=g).tolist()
+            out.append(Sample(prompt, response, [0.0] * n, [1] * n, group, j, reward=float(torch.rand(1, generator=g))))
+    return out
+
+
+def _behaviour_logprobs(path, samples, temperature):
+    model = from_pretrained(path, dtype="float32", device="cuda")
+    with torch.no_grad():
+        for s in samples:
+            logits = model(torch.tensor(s.tokens, device="cuda")) / temperature  # (L, V)
+            logp = torch.log_softmax(logits, dim=-1)[len(s.prompt_ids) - 1:-1]
+            ids = torch.tensor(s.response_ids, device="cuda")[:, None]
+            s.rollout_logprobs = logp.gather(1, ids).squeeze(1).tolist()
+
+
+def _weights(trainer) -> dict:
+    return {n: p.full_tensor().float().clone() for n, p in trainer.actor_module.named_parameters()}
+
+
+def test_bf16_kernel_path_step_matches_the_fp32_behaviour_policy(tmp_path, info):
+    from colocate.trainer import Trainer
+
+    path, _ = write_hf_model(tmp_path, "qwen2", **SMALL)
+    samples = _samples(SMALL["vocab_size"])
+    _behaviour_logprobs(path, samples, temperature=0.8)
+    trainer = Trainer(_config(path, **{"rollout.temperature": 0.8, "model.gradient_checkpointing": True}), info)
+    assert trainer.compute_dtype == torch.bfloat16
+    before = _weights(trainer)
+    m = trainer.train(samples, rollout_id=0)
+    assert m["train/ppo_kl"] == 0.0 and m["train/pg_clipfrac"] == 0.0
+    # bf16 compute against the fp32 engine-side definition: close, not equal.
+    assert 0.0 < m["train/train_rollout_logprob_abs_diff"] < 2e-2
+    assert math.isfinite(m["train/grad_norm"]) and m["train/grad_norm"] > 0 and m["train/skipped_steps"] == 0
+    after = _weights(trainer)
+    assert any((after[n] - before[n]).abs().max() > 0 for n in before)
+    m2 = trainer.train(samples, rollout_id=1)
+    assert m2["train/ppo_kl"] == 0.0 and m2["train/train_rollout_logprob_abs_diff"] > 0.0
+
+
+def test_reference_is_offloaded_between_uses(tmp_path, info):
+    from colocate.trainer import Trainer
+
+    path, _ = write_hf_model(tmp_path, "qwen2", **SMALL)
+    cfg = _config(path, **{"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.01,
+                           "train.global_batch_size": 8})
+    trainer = Trainer(cfg, info)
+    ref_bytes = sum(p.to_local().nbytes for p in trainer.reference.model.parameters())
+    assert trainer.reference.offloaded
+    m = trainer.train(_samples(SMALL["vocab_size"]), rollout_id=0)
+    assert trainer.reference.offloaded
+    assert trainer.reference.last_onload.num_bytes >= ref_bytes
+    assert trainer.reference.last_offload.num_bytes >= ref_bytes
+    assert all(p.to_local().untyped_storage().nbytes() == 0 for p in trainer.reference.model.parameters())
+    assert math.isfinite(m["train/kl_loss"]) and m["train/kl_loss"] >= 0.0
+
+
+def _state_tensors(trainer) -> dict:
+    """Every parameter shard and optimizer-state tensor of the actor, by a stable key."""
+    out = {}
+    names = {id(p): n for n, p in trainer.actor_module.named_parameters()}
+    for p in trainer.actor_module.parameters():
+        out[names[id(p)]] = p.to_local()
+        for key, value in trainer.actor.opt.optimizer.state[p].items():
+            if torch.is_tensor(value):
+                out[f"{names[id(p)]}/{key}"] = value.to_local() if hasattr(value, "to_local") else value
+    return out
+
+
+@pytest.mark.parametrize("method", ["pinned", "tms"])
+def test_offload_round_trip_restores_values_and_frees_memory(tmp_path, info, method):
+    from colocate.trainer import Trainer
+
+    if method == "tms":
+        pytest.importorskip("torch_memory_saver")
+    path, _ = write_hf_model(tmp_path, "qwen2", **MEDIUM)
+    trainer = Trainer(_config(path, **{"offload.method": method}), info)
+    samples = _samples(MEDIUM["vocab_size"])
+    trainer.train(samples, rollout_id=0)
+    tensors = _state_tensors(trainer)
+    saved = {k: t.detach().cpu().clone() for k, t in tensors.items()}
+    state_bytes = sum(t.untyped_storage().nbytes() for t in tensors.values())
+    torch.cuda.synchronize()
+    trainer.clear_memory()
+    allocated, free = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+
+    stats = trainer.offload(keep_params=False)
+    torch.cuda.synchronize()
+    assert stats.num_bytes >= 0.95 * state_bytes and stats.gb_per_s > 0
+    if method == "pinned":
+        assert allocated - torch.cuda.memory_allocated() >= 0.95 * state_bytes
+    else:  # the memory saver unmaps pages behind the allocator: the device sees them free
+        assert torch.cuda.mem_get_info()[0] - free >= 0.95 * state_bytes
+
+    stats = trainer.onload()
+    assert stats.num_bytes >= 0.95 * state_bytes
+    after = _state_tensors(trainer)
+    assert set(after) == set(tensors)
+    for key, t in after.items():
+        # Same storage objects as before (FSDP and the optimizer still hold them), same bytes.
+        assert t.untyped_storage().data_ptr() == tensors[key].untyped_storage().data_ptr() != 0, key
+        assert torch.equal(t.cpu(), saved[key]), key
+    m = trainer.train(samples, rollout_id=1)  # the module and the optimizer still work
+    assert math.isfinite(m["train/grad_norm"]) and m["train/skipped_steps"] == 0

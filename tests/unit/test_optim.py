@@ -1,0 +1,121 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from colocate.trainer.optim import LRSchedule, OptimizerStep, clip_grad_norm, init_optimizer_state
+
+
+def test_schedules_match_their_formulas():
+    total, warmup, r = 20, 4, 0.1
+    for s in range(warmup):
+        for kind in ("constant", "linear", "cosine"):
+            assert LRSchedule(kind, warmup, total, r)(s) == pytest.approx((s + 1) / warmup)
+    for s in range(warmup, total + 3):
+        p = min(1.0, (s - warmup) / (total - warmup))
+        assert LRSchedule("constant", warmup, total, r)(s) == 1.0
+        assert LRSchedule("linear", warmup, total, r)(s) == pytest.approx(r + (1 - r) * (1 - p))
+        assert LRSchedule("cosine", warmup, total, r)(s) == pytest.approx(r + (1 - r) * 0.5 * (1 + math.cos(math.pi * p)))
+    assert LRSchedule("cosine", 0, 10, 0.0)(0) == 1.0
+    assert LRSchedule("linear", 0, 10, 0.25)(10) == pytest.approx(0.25)
+
+
+def test_schedule_rejects_bad_fields():
+    with pytest.raises(ValueError, match="lr_schedule"):
+        LRSchedule("step")
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        LRSchedule("cosine", 0, 10, 1.5)
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        LRSchedule("linear", -1, 10)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
+
+
+def _loss(model):
+    x = torch.arange(8.0).view(2, 4) / 8
+    return model(x).square().sum()
+
+
+def test_optimizer_step_follows_the_schedule_and_frees_grads():
+    model = _model()
+    sched = LRSchedule("linear", warmup_steps=2, total_steps=6, min_lr_ratio=0.0)
+    opt = OptimizerStep(model, lr=0.5, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_clip=None, schedule=sched)
+    lrs = []
+    for _ in range(6):
+        loss = _loss(model)
+        loss.backward()
+        out = opt.step(loss.detach())
+        lrs.append(out["lr"])
+        assert out["skipped"] == 0.0
+        assert all(p.grad is None for p in model.parameters())
+    assert lrs == pytest.approx([0.5 * sched(s) for s in range(6)])
+    # Weight decay on matrices only.
+    decays = {id(p): g["weight_decay"] for g in opt.optimizer.param_groups for p in g["params"]}
+    assert decays[id(model[0].weight)] == 0.1 and decays[id(model[0].bias)] == 0.0
+    assert decays[id(model[1].weight)] == 0.0
+
+
+def test_clip_grad_norm_returns_the_global_norm_and_clips():
+    model = _model()
+    _loss(model).backward()
+    params = list(model.parameters())
+    expected = torch.sqrt(sum(p.grad.square().sum() for p in params))
+    before = [p.grad.clone() for p in params]
+    norm = clip_grad_norm(params, max_norm=0.5 * float(expected))
+    assert float(norm) == pytest.approx(float(expected), rel=1e-6)
+    after = torch.sqrt(sum(p.grad.square().sum() for p in params))
+    assert float(after) == pytest.approx(0.5 * float(expected), rel=1e-4)
+    assert all(torch.allclose(p.grad, g * 0.5, rtol=1e-4) for p, g in zip(params, before))
+
+
+def test_non_finite_loss_or_grad_skips_the_step():
+    model = _model()
+    sched = LRSchedule()
+    opt = OptimizerStep(model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0, schedule=sched)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = _loss(model)
+    loss.backward()
+    out = opt.step(torch.tensor(float("nan")))
+    assert out["skipped"] == 1.0 and opt.num_skipped == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+    assert opt.scheduler.last_epoch == 0  # a skipped step does not advance the schedule
+    (_loss(model) * float("inf")).backward()
+    out = opt.step(torch.tensor(1.0))
+    assert out["skipped"] == 1.0 and not math.isfinite(out["grad_norm"])
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_eager_state_init_moves_nothing_and_matches_a_fresh_first_step():
+    a, b = _model(), _model()
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (a, b)]
+    init_optimizer_state(opts[0])
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(float(s["step"]) == 0 for s in opts[0].state.values())
+    for model, opt in zip((a, b), opts):
+        _loss(model).backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_scheduler_state_round_trip_keeps_the_step_and_the_configured_schedule():
+    def make(kind):
+        return OptimizerStep(_model(), lr=1.0, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=None,
+                             schedule=LRSchedule(kind, 1, 10, 0.2))
+
+    opt = make("cosine")
+    for _ in range(3):
+        opt.optimizer.step()  # no gradients: moves nothing, keeps the scheduler's order check quiet
+        opt.scheduler.step()
+    state = opt.scheduler.state_dict()
+    assert all(f is None for f in state["lr_lambdas"])  # nothing of the schedule itself is saved
+    other = make("linear")
+    other.scheduler.load_state_dict(state)
+    assert other.scheduler.last_epoch == 3
+    other.optimizer.step()
+    other.scheduler.step()
+    assert other.lr == pytest.approx(LRSchedule("linear", 1, 10, 0.2)(4))
