@@ -1,0 +1,584 @@
+"""Typed configuration: one dataclass per concern under a root `Config`, loaded from YAML + CLI.
+
+`load_config(["--config", "configs/x.yaml", "--rollout.top_p", "0.9"])` reads the YAML file into
+the dataclasses (checking every key and type), passes the result to tyro as the default so that
+command-line flags win, then checks value ranges and combinations. Every problem raises ValueError
+naming the dotted field and where it came from, before anything heavy is imported or allocated.
+
+The defaults describe the toy run (colocate/toy.py: a tiny model that GRPO visibly improves on a
+laptop CPU) without eval; configs/default.yaml adds eval, and recipes for real models set the
+model, data, reward and optimiser fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import tyro
+import yaml
+
+from colocate.toy import cache_root, default_cache_dir
+
+BUILTIN_REWARDS = ("toy", "math", "exact", "f1")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _toy_path(name: str) -> str:
+    return str(default_cache_dir() / name)
+
+
+def _ranged(default: Any, spec: str) -> Any:
+    """A field whose value must lie in `spec` (">= 1", "> 0", "(0, 1]", ...); None passes."""
+    return field(default=default, metadata={"range": spec})
+
+
+def _in_range(value: float, spec: str) -> bool:
+    if spec[0] in "[(":
+        lo, hi = (float(x) for x in spec[1:-1].split(","))
+        return (lo <= value if spec[0] == "[" else lo < value) and (
+            value <= hi if spec[-1] == "]" else value < hi)
+    op, bound = spec.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+@dataclass
+class ModelConfig:
+    path: str = field(default_factory=lambda: _toy_path("model"))
+    """HF model directory of the policy (default: the toy model, created on first use)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype of the engine's weights and the trainer's compute; auto = bf16 on CUDA, fp32 on CPU."""
+    critic_path: str | None = None
+    """HF model directory the critic starts from (None = model.path); used by gae only."""
+    ref_path: str | None = None
+    """HF model directory of the frozen reference policy (None = model.path)."""
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in backward to trade compute for memory."""
+    compile: bool = False
+    """torch.compile each transformer block of the trainer's model."""
+
+    def dtype_name(self, device_type: str) -> str:
+        """The concrete dtype for a device type ('cuda' or 'cpu')."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device_type == "cuda" else "float32"
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["native", "sglang"] = "native"
+    """Rollout backend: the embedded native engine or SGLang's offline Engine."""
+    prompt_data: str = field(default_factory=lambda: _toy_path("train.jsonl"))
+    """Training prompts, JSONL or Parquet (default: the toy task)."""
+    input_key: str = "prompt"
+    """Column holding the prompt: a string or a list of chat messages."""
+    label_key: str = "label"
+    """Column holding the reference answer given to the reward function."""
+    metadata_key: str = "metadata"
+    """Column holding a per-prompt mapping passed through to the reward function (optional)."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template (with the generation prompt)."""
+    max_prompt_len: int = _ranged(1024, ">= 1")
+    """Prompts longer than this many tokens are dropped (and counted) when the data is loaded."""
+    rollout_batch_size: int = _ranged(16, ">= 1")
+    """Prompts per rollout step, across all ranks."""
+    n_samples_per_prompt: int = _ranged(8, ">= 1")
+    """Completions sampled per prompt (the group size of group-relative estimators)."""
+    over_sampling_batch_size: int | None = None
+    """Prompts sampled per round when dynamic sampling refills (None = rollout_batch_size)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards all agree (no learning signal) and sample more to refill."""
+    max_sampling_rounds: int = _ranged(4, ">= 1")
+    """Cap on sampling rounds per step when dynamic sampling refills; a short batch trains as is."""
+    temperature: float = _ranged(1.0, ">= 0")
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = _ranged(1.0, "(0, 1]")
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 keeps the whole vocabulary."""
+    min_p: float = _ranged(0.0, "[0, 1)")
+    """Drop tokens below min_p times the top probability."""
+    max_response_len: int = _ranged(8, ">= 1")
+    """Maximum generated tokens per completion."""
+    stop_token_ids: list[int] = field(default_factory=list, metadata={"range": ">= 0"})
+    """Extra token ids that end a completion, on top of the tokenizer's eos ids."""
+    reward: str = "toy"
+    """Reward function: toy, math, exact, f1, or module:function for a custom batched one."""
+    custom_generate: str | None = None
+    """module:function replacing the default group sampling (None = built-in)."""
+    shuffle: bool = True
+    """Shuffle the prompts each epoch (seeded by rollout.seed and the epoch)."""
+    seed: int = 42
+    """Seed of the prompt order and of the sampling."""
+    gpu_memory_fraction: float = _ranged(0.5, "(0, 1)")
+    """KV cache share of free GPU memory (native engine), or SGLang's mem_fraction_static."""
+    max_kv_tokens: int = _ranged(65536, ">= 1")
+    """KV cache size in tokens when running on CPU."""
+    max_running_requests: int = _ranged(256, ">= 1")
+    """Most sequences decoded at once by one engine."""
+    cuda_graph: bool = True
+    """Capture decode steps as CUDA graphs (GPU only)."""
+    cuda_graph_max_bs: int = _ranged(256, ">= 1")
+    """Largest decode batch size captured as a CUDA graph."""
+    sglang_log_level: str = "error"
+    """Log level of SGLang's engine and scheduler."""
+    weight_sync_bucket_mb: int = _ranged(512, ">= 1")
+    """Weight sync hands the engine full tensors in buckets of about this many MiB."""
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage_estimator: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"
+    ] = "grpo"
+    """How advantages are computed from rewards (gae trains a critic)."""
+    normalize_advantage_std: bool = True
+    """Divide group-relative advantages by the group's reward std (GRPO); off: Dr. GRPO-style."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy objective: token-level PPO clip, sequence-level GSPO, or CISPO."""
+    eps_clip: float = _ranged(0.2, "> 0")
+    """Lower clip range of the importance ratio (1 - eps_clip)."""
+    eps_clip_high: float | None = None
+    """Upper clip range (1 + eps_clip_high); None = eps_clip, larger = clip-higher (DAPO)."""
+    dual_clip_c: float | None = _ranged(None, "> 1")
+    """Dual-clip bound on the loss of negative-advantage tokens (None = off; must be > 1)."""
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How token losses are averaged into the batch loss."""
+    use_kl_loss: bool = False
+    """Add a KL penalty to the reference policy to the loss (loads the reference model)."""
+    kl_loss_coef: float = _ranged(0.0, ">= 0")
+    """Weight of the KL loss term."""
+    kl_in_reward: bool = False
+    """Subtract a per-token KL to the reference from the reward (loads the reference model)."""
+    kl_reward_coef: float = _ranged(0.0, ">= 0")
+    """Weight of the KL reward penalty."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator used by the loss and the reward penalty."""
+    entropy_coef: float = _ranged(0.0, ">= 0")
+    """Weight of the entropy bonus."""
+    use_tis: bool = False
+    """Truncated importance sampling: weight tokens by min(p_train / p_rollout, tis_clip)."""
+    tis_clip: float = _ranged(2.0, "> 0")
+    """Upper bound of the truncated importance weight."""
+    use_mis: bool = False
+    """Masked importance sampling: drop tokens whose p_train / p_rollout is out of the mis range."""
+    mis_low: float = _ranged(0.5, "[0, 1]")
+    """Lower bound of the kept importance ratio."""
+    mis_high: float = _ranged(2.0, ">= 1")
+    """Upper bound of the kept importance ratio."""
+    overlong_buffer_len: int | None = None
+    """Soft overlong penalty over the last this-many tokens of max_response_len (None = off)."""
+    overlong_penalty_factor: float = _ranged(1.0, ">= 0")
+    """Reward penalty at max_response_len, ramping linearly over the overlong buffer."""
+    gamma: float = _ranged(1.0, "[0, 1]")
+    """Discount of the return (gae, reinforce_plus_plus)."""
+    lam: float = _ranged(0.95, "[0, 1]")
+    """GAE lambda."""
+    value_clip: float = _ranged(0.2, "> 0")
+    """Clip range of the critic's value update around its old value."""
+    num_critic_only_steps: int = _ranged(0, ">= 0")
+    """Rollout steps at the start that train the critic only (gae)."""
+
+    @property
+    def use_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.use_kl_loss or self.kl_in_reward
+
+
+@dataclass
+class TrainConfig:
+    num_rollout: int = _ranged(40, ">= 0")
+    """Rollout steps to train for; 0 with eval on is an eval-only run."""
+    lr: float = _ranged(5e-3, "> 0")
+    """Peak learning rate of the policy."""
+    critic_lr: float = _ranged(1e-5, "> 0")
+    """Peak learning rate of the critic."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, over the optimizer steps of the whole run, down to min_lr_ratio * lr."""
+    lr_warmup_steps: int = _ranged(0, ">= 0")
+    """Optimizer steps of linear warm-up from 0."""
+    min_lr_ratio: float = _ranged(0.0, "[0, 1]")
+    """Final learning rate as a fraction of the peak (linear and cosine schedules)."""
+    weight_decay: float = _ranged(0.0, ">= 0")
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = _ranged(0.9, "[0, 1)")
+    """AdamW beta1."""
+    adam_beta2: float = _ranged(0.999, "[0, 1)")
+    """AdamW beta2."""
+    adam_eps: float = _ranged(1e-8, "> 0")
+    """AdamW epsilon."""
+    grad_clip: float = _ranged(1.0, "> 0")
+    """Clip the global gradient norm to this value."""
+    max_tokens_per_gpu: int = _ranged(16384, ">= 1")
+    """Token budget of one packed micro-batch on one GPU."""
+    global_batch_size: int | None = _ranged(None, ">= 1")
+    """Samples per optimizer step across ranks (None = the rollout batch: one step per rollout)."""
+    seed: int = 1
+    """Seed of the trainer (initialisation of new heads, dropout-free otherwise)."""
+    strict: bool = False
+    """Make reward-function errors and memory-ledger growth fatal instead of logged."""
+
+
+@dataclass
+class OffloadConfig:
+    offload_rollout: bool = False
+    """Release the engine's weights, KV cache and CUDA graphs while training."""
+    offload_train: bool = False
+    """Move the trainer's parameters, gradients and optimizer state off the GPU while generating."""
+    method: Literal["pinned", "tms"] = "pinned"
+    """Trainer offload: copies to pinned host memory, or torch_memory_saver pause/resume."""
+
+
+@dataclass
+class EvalDataset:
+    name: str = "eval"
+    """Name used in the metric keys (eval/<name>/...)."""
+    path: str = ""
+    """Prompts, JSONL or Parquet."""
+    input_key: str = "prompt"
+    """Column holding the prompt."""
+    label_key: str = "label"
+    """Column holding the reference answer."""
+    metadata_key: str = "metadata"
+    """Column holding per-prompt metadata for the reward function."""
+    reward: str | None = None
+    """Reward function (None = rollout.reward)."""
+
+
+@dataclass
+class EvalConfig:
+    interval: int | None = _ranged(None, ">= 1")
+    """Evaluate every this-many rollout steps, before step 0 and at epoch ends (None = off)."""
+    datasets: list[EvalDataset] = field(default_factory=list)
+    """Evaluation sets (configs/default.yaml evaluates the toy task)."""
+    n_samples_per_eval_prompt: int = _ranged(1, ">= 1")
+    """Completions per eval prompt."""
+    temperature: float = _ranged(0.0, ">= 0")
+    """Eval sampling temperature; 0 is greedy."""
+    top_p: float = _ranged(1.0, "(0, 1]")
+    """Eval nucleus sampling mass."""
+    max_response_len: int | None = _ranged(None, ">= 1")
+    """Maximum generated tokens per eval completion (None = rollout.max_response_len)."""
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int | None = _ranged(None, ">= 1")
+    """Save every this-many rollout steps, and at epoch ends (None = off)."""
+    keep_last: int = _ranged(2, ">= 1")
+    """Number of most recent checkpoints kept on disk."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in dir when there is one."""
+    dir: str | None = None
+    """Checkpoint directory (None = <output_dir>/checkpoints)."""
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = False
+    """Log metrics to Weights & Biases (rank 0)."""
+    wandb_project: str = "colocate"
+    """W&B project."""
+    run_name: str | None = None
+    """Run name (None = the last part of output_dir)."""
+    console: bool = True
+    """Print a metrics table per step on rank 0."""
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/default"
+    """Run directory: resolved config, metrics JSONL, checkpoints."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy, reference and critic weights."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Prompts, sampling, rewards and the rollout engine."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and losses."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, optimiser and batching of the trainer."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Moving memory between the trainer and the engine on one GPU."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Periodic evaluation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Console, JSONL and W&B metrics."""
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.output_dir, "checkpoints")
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step, with None resolved to the whole rollout batch."""
+        return self.train.global_batch_size or self.samples_per_rollout
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Checks that need the number of ranks, run once the process group is up."""
+        per_rank = [("rollout.rollout_batch_size", self.rollout.rollout_batch_size),
+                    ("train.global_batch_size", self.global_batch_size),
+                    ("rollout.over_sampling_batch_size", self.rollout.over_sampling_batch_size)]
+        for name, value in per_rank:
+            if value is None:
+                continue
+            if value % world_size:
+                raise ValueError(f"{name}={value} must be divisible by the world size {world_size}")
+
+
+def save_yaml(cfg: Config, path: str | Path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Parse `[--config FILE.yaml] [--section.field VALUE ...]` into a validated Config."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    yaml_path, args = _pop_config_flag(args)
+    base = Config()
+    if yaml_path is not None:
+        base = config_from_yaml(yaml_path)
+    _expand_paths(base)
+    cfg = tyro.cli(
+        Config,
+        args=args,
+        default=base,
+        description="colocate run configuration. --config FILE.yaml sets the defaults; "
+        "flags override them.",
+        config=(tyro.conf.FlagConversionOff,),
+    )
+    origin = _Origin(base, yaml_path)
+    _expand_paths(cfg)
+    validate(cfg, origin)
+    return cfg
+
+
+def config_from_yaml(path: str | Path) -> Config:
+    """Build a Config from a YAML file; unknown keys and wrong types raise ValueError."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: config file not found")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+    data = {} if data is None else data
+    return _build(Config, data, "", str(path))
+
+
+def _pop_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
+    rest, path = [], None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--config":
+            if i + 1 >= len(args):
+                raise ValueError("--config needs a YAML file path")
+            path, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    """Instantiate dataclass `cls` from a mapping, checking keys and value types recursively."""
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: {where} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ValueError(f"{source}: unknown key {prefix}{key}{hint}")
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}", source)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, name: str, source: str) -> Any:
+    origin, targs = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in targs:
+            return None
+        inner = [t for t in targs if t is not type(None)]
+        assert len(inner) == 1, f"unsupported union type {tp} for {name}"
+        return _coerce(value, inner[0], name, source)
+    if origin is Literal:
+        if value not in targs:
+            raise ValueError(f"{source}: {name} must be one of {list(targs)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{source}: {name} must be a list, got {value!r}")
+        return [_coerce(v, targs[0], f"{name}[{i}]", source) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, f"{name}.", source)
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }
+    assert tp in ok, f"unsupported field type {tp} for {name}"
+    if not ok[tp]:
+        raise ValueError(f"{source}: {name} must be {tp.__name__}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def expand_path(path: str) -> str:
+    """Expand ~ and environment variables; $COLOCATE_CACHE defaults to the cache root."""
+    root = str(cache_root())
+    path = path.replace("${COLOCATE_CACHE}", root).replace("$COLOCATE_CACHE", root)
+    return os.path.expanduser(os.path.expandvars(path))
+
+
+def _expand_paths(cfg: Config) -> None:
+    cfg.output_dir = expand_path(cfg.output_dir)
+    cfg.model.path = expand_path(cfg.model.path)
+    for attr in ("critic_path", "ref_path"):
+        if getattr(cfg.model, attr) is not None:
+            setattr(cfg.model, attr, expand_path(getattr(cfg.model, attr)))
+    cfg.rollout.prompt_data = expand_path(cfg.rollout.prompt_data)
+    for ds in cfg.eval.datasets:
+        ds.path = expand_path(ds.path)
+    if cfg.checkpoint.dir is not None:
+        cfg.checkpoint.dir = expand_path(cfg.checkpoint.dir)
+
+
+class _Origin:
+    """Names where a field's value came from: the YAML file, or the command line if overridden."""
+
+    def __init__(self, base: Config, yaml_path: str | None):
+        self.base, self.yaml_path = base, yaml_path
+
+    def __call__(self, cfg: Config, dotted: str) -> str:
+        def get(obj: Any) -> Any:
+            for part in dotted.split("."):
+                obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part, None)
+            return obj
+
+        if self.yaml_path is None:
+            return "command line"
+        try:
+            overridden = get(self.base) != get(cfg)
+        except (IndexError, AttributeError):
+            overridden = True
+        return "command line" if overridden else self.yaml_path
+
+
+def validate(cfg: Config, origin: Callable[[Config, str], str] | None = None) -> None:
+    """Range and combination checks; the first failure raises ValueError naming field and source."""
+    origin = origin or (lambda _cfg, _name: "config")
+    r, a, t, e = cfg.rollout, cfg.algorithm, cfg.train, cfg.eval
+    n = r.n_samples_per_prompt
+    checks = list(_range_checks(cfg, ""))
+    checks += [
+        ("model.path", bool(cfg.model.path), "must name a model directory", cfg.model.path),
+        ("rollout.prompt_data", bool(r.prompt_data), "must name a data file", r.prompt_data),
+        ("rollout.input_key", bool(r.input_key), "must be non-empty", r.input_key),
+        ("rollout.over_sampling_batch_size",
+         r.over_sampling_batch_size is None or r.over_sampling_batch_size >= r.rollout_batch_size,
+         f"must be >= rollout.rollout_batch_size ({r.rollout_batch_size})",
+         r.over_sampling_batch_size),
+        ("rollout.dynamic_sampling", not (r.dynamic_sampling and n == 1),
+         "needs rollout.n_samples_per_prompt >= 2 (a group of one always agrees)",
+         r.dynamic_sampling),
+        ("rollout.top_k", r.top_k == -1 or r.top_k >= 1, "must be -1 (all) or >= 1", r.top_k),
+        ("rollout.reward", _reward_name_ok(r.reward),
+         f"must be one of {list(BUILTIN_REWARDS)} or module:function", r.reward),
+        ("rollout.custom_generate",
+         r.custom_generate is None or bool(_IMPORT_PATH.match(r.custom_generate)),
+         "must be module:function", r.custom_generate),
+        ("algorithm.advantage_estimator",
+         n >= 2 or a.advantage_estimator in ("reinforce_plus_plus", "gae"),
+         "needs rollout.n_samples_per_prompt >= 2 (its baseline is the group)",
+         a.advantage_estimator),
+        ("algorithm.eps_clip_high", a.eps_clip_high is None or a.eps_clip_high >= a.eps_clip,
+         f"must be >= algorithm.eps_clip ({a.eps_clip})", a.eps_clip_high),
+        ("algorithm.overlong_buffer_len",
+         a.overlong_buffer_len is None or 0 < a.overlong_buffer_len < r.max_response_len,
+         f"must be in (0, rollout.max_response_len={r.max_response_len})", a.overlong_buffer_len),
+        ("algorithm.num_critic_only_steps", a.num_critic_only_steps == 0 or a.use_critic,
+         "needs algorithm.advantage_estimator=gae (no critic otherwise)", a.num_critic_only_steps),
+        ("train.num_rollout", t.num_rollout > 0 or (e.interval is not None and bool(e.datasets)),
+         "is 0 (eval-only) but eval is off: set eval.interval and eval.datasets", t.num_rollout),
+        ("train.max_tokens_per_gpu", t.max_tokens_per_gpu >= r.max_prompt_len + r.max_response_len,
+         f"must hold one full sample (rollout.max_prompt_len + rollout.max_response_len = "
+         f"{r.max_prompt_len + r.max_response_len})", t.max_tokens_per_gpu),
+        ("train.global_batch_size", cfg.samples_per_rollout % cfg.global_batch_size == 0,
+         f"must divide rollout.rollout_batch_size * rollout.n_samples_per_prompt "
+         f"({cfg.samples_per_rollout})", t.global_batch_size),
+        ("offload.method", not (cfg.offload.method == "tms" and _expandable_segments()),
+         "tms cannot pause memory from expandable segments: unset expandable_segments in "
+         "PYTORCH_CUDA_ALLOC_CONF", cfg.offload.method),
+        ("offload.offload_rollout", not (cfg.offload.offload_rollout and _expandable_segments()),
+         "releases engine memory through torch_memory_saver, which cannot pause expandable "
+         "segments: unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF",
+         cfg.offload.offload_rollout),
+        ("eval.datasets", e.interval is None or bool(e.datasets),
+         "must not be empty when eval is on", e.datasets),
+    ]
+    names = [ds.name for ds in e.datasets]
+    for i, ds in enumerate(e.datasets):
+        checks += [
+            (f"eval.datasets.{i}.name", bool(ds.name) and names.count(ds.name) == 1,
+             "must be non-empty and unique", ds.name),
+            (f"eval.datasets.{i}.path", bool(ds.path), "must name a data file", ds.path),
+            (f"eval.datasets.{i}.reward", ds.reward is None or _reward_name_ok(ds.reward),
+             f"must be one of {list(BUILTIN_REWARDS)} or module:function", ds.reward),
+        ]
+    for name, ok, why, value in checks:
+        if not ok:
+            raise ValueError(f"{origin(cfg, name)}: {name} {why}, got {value!r}")
+
+
+def _range_checks(obj: Any, prefix: str):
+    """(dotted name, ok, requirement, value) for each field declared with `_ranged`, recursively."""
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _range_checks(value, f"{name}.")
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                yield from _range_checks(item, f"{name}.{i}.")
+        elif "range" in f.metadata and value is not None:
+            spec = f.metadata["range"]
+            ok = all(_in_range(v, spec) for v in (value if isinstance(value, list) else [value]))
+            why = f"must be in {spec}" if spec[0] in "[(" else f"must be {spec}"
+            yield name, ok, why, value
+
+
+def _reward_name_ok(name: str) -> bool:
+    return name in BUILTIN_REWARDS or bool(_IMPORT_PATH.match(name))
+
+
+def _expandable_segments() -> bool:
+    keys = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    conf = ",".join(os.environ.get(k, "") for k in keys)
+    return bool(re.search(r"expandable_segments\s*:\s*true", conf, re.IGNORECASE))

@@ -1,0 +1,201 @@
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from colocate.config import Config, load_config, save_yaml, validate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_yaml(tmp_path, data, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_defaults_are_valid_and_describe_the_toy_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLOCATE_CACHE", str(tmp_path / "cache"))
+    cfg = Config()
+    validate(cfg)
+    assert cfg.model.path == str(tmp_path / "cache" / "toy" / "model")
+    assert cfg.rollout.prompt_data == str(tmp_path / "cache" / "toy" / "train.jsonl")
+    assert cfg.rollout.reward == "toy"
+    assert cfg.global_batch_size == 16 * 8
+    assert load_config([]) == cfg
+    assert cfg.eval.interval is None and cfg.eval.datasets == []
+
+
+def test_default_yaml_loads_and_expands_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLOCATE_CACHE", str(tmp_path))
+    cfg = load_config(["--config", str(REPO / "configs" / "default.yaml")])
+    assert cfg.model.path == f"{tmp_path}/toy/model"
+    assert cfg.eval.datasets[0].path == f"{tmp_path}/toy/eval.jsonl"
+    assert cfg.rollout.max_response_len == 8
+
+
+def test_yaml_values_nested_by_section(tmp_path):
+    path = write_yaml(tmp_path, {
+        "output_dir": "~/runs/x",
+        "rollout": {"top_p": 0.9, "temperature": 1, "stop_token_ids": [3, 4]},
+        "algorithm": {"advantage_estimator": "gae", "eps_clip_high": 0.28},
+        "eval": {"datasets": [{"name": "a", "path": "a.jsonl", "reward": "math"}]},
+    })
+    cfg = load_config(["--config", path])
+    assert cfg.rollout.top_p == 0.9
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+    assert cfg.rollout.stop_token_ids == [3, 4]
+    assert cfg.algorithm.use_critic and not cfg.algorithm.needs_ref
+    assert cfg.eval.datasets[0].reward == "math"
+    assert cfg.output_dir == str(Path.home() / "runs" / "x")
+    assert cfg.checkpoint_dir == str(Path.home() / "runs" / "x" / "checkpoints")
+
+
+def test_cli_overrides_yaml(tmp_path):
+    path = write_yaml(tmp_path, {"rollout": {"top_p": 0.9, "n_samples_per_prompt": 4},
+                                 "train": {"strict": False}})
+    cfg = load_config(["--config", path, "--rollout.top_p", "0.5", "--train.strict", "True",
+                       "--algorithm.use-kl-loss", "True"])
+    assert cfg.rollout.top_p == 0.5
+    assert cfg.rollout.n_samples_per_prompt == 4
+    assert cfg.train.strict is True
+    assert cfg.algorithm.needs_ref
+    assert load_config([f"--config={path}"]).rollout.top_p == 0.9
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"rollout": {"topp": 0.9}}, "unknown key rollout.topp (did you mean rollout.top_p?)"),
+    ({"bogus": 1}, "unknown key bogus"),
+    ({"eval": {"datasets": [{"name": "a", "path": "p", "colour": 1}]}},
+     "unknown key eval.datasets[0].colour"),
+    ({"rollout": {"max_prompt_len": "long"}}, "rollout.max_prompt_len must be int, got 'long'"),
+    ({"rollout": {"max_prompt_len": 1.5}}, "rollout.max_prompt_len must be int, got 1.5"),
+    ({"train": {"strict": 1}}, "train.strict must be bool, got 1"),
+    ({"train": {"lr": "fast"}}, "train.lr must be float, got 'fast'"),
+    ({"rollout": {"stop_token_ids": [1, "x"]}}, "rollout.stop_token_ids[1] must be int"),
+    ({"rollout": {"stop_token_ids": 5}}, "rollout.stop_token_ids must be a list"),
+    ({"rollout": {"engine": "vllm"}}, "rollout.engine must be one of ['native', 'sglang']"),
+    ({"rollout": 3}, "rollout must be a mapping"),
+])
+def test_yaml_errors_name_file_and_field(tmp_path, data, message):
+    path = write_yaml(tmp_path, data)
+    with pytest.raises(ValueError) as info:
+        load_config(["--config", path])
+    assert str(info.value).startswith(f"{path}: ")
+    assert message in str(info.value)
+
+
+def test_missing_or_malformed_file(tmp_path):
+    with pytest.raises(ValueError, match="nope.yaml: config file not found"):
+        load_config(["--config", str(tmp_path / "nope.yaml")])
+    (tmp_path / "bad.yaml").write_text("rollout: [1, 2\n")
+    with pytest.raises(ValueError, match="bad.yaml: not valid YAML"):
+        load_config(["--config", str(tmp_path / "bad.yaml")])
+    with pytest.raises(ValueError, match="--config needs a YAML file path"):
+        load_config(["--config"])
+
+
+def test_range_error_message_format(tmp_path):
+    path = write_yaml(tmp_path, {"rollout": {"top_p": 1.5}})
+    with pytest.raises(ValueError, match=re.escape(f"{path}: rollout.top_p must be in (0, 1], got 1.5")):
+        load_config(["--config", path])
+    with pytest.raises(ValueError, match=re.escape("command line: rollout.top_p must be in (0, 1]")):
+        load_config(["--config", path, "--rollout.top_p", "2.0"])
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"train": {"global_batch_size": 48}}, "train.global_batch_size must divide"),
+    ({"rollout": {"over_sampling_batch_size": 8}}, "rollout.over_sampling_batch_size must be >="),
+    ({"rollout": {"dynamic_sampling": True, "n_samples_per_prompt": 1}}, "rollout.dynamic_sampling"),
+    ({"rollout": {"n_samples_per_prompt": 1}}, "algorithm.advantage_estimator needs"),
+    ({"rollout": {"n_samples_per_prompt": 1}, "algorithm": {"advantage_estimator": "rloo"}},
+     "algorithm.advantage_estimator needs"),
+    ({"algorithm": {"eps_clip_high": 0.1}}, "algorithm.eps_clip_high must be >= algorithm.eps_clip"),
+    ({"algorithm": {"dual_clip_c": 1.0}}, "algorithm.dual_clip_c must be > 1"),
+    ({"rollout": {"temperature": -0.1}}, "rollout.temperature must be >= 0"),
+    ({"rollout": {"reward": "no_such_reward"}}, "rollout.reward must be one of"),
+    ({"rollout": {"custom_generate": "not a path"}}, "rollout.custom_generate must be module:function"),
+    ({"rollout": {"top_k": 0}}, "rollout.top_k must be -1 (all) or >= 1"),
+    ({"algorithm": {"num_critic_only_steps": 2}}, "algorithm.num_critic_only_steps needs"),
+    ({"algorithm": {"overlong_buffer_len": 8}}, "algorithm.overlong_buffer_len must be in"),
+    ({"train": {"num_rollout": 0}}, "train.num_rollout is 0"),
+    ({"train": {"max_tokens_per_gpu": 100}}, "train.max_tokens_per_gpu must hold one full sample"),
+    ({"eval": {"interval": 5}}, "eval.datasets must not be empty"),
+    ({"eval": {"datasets": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}},
+     "eval.datasets.0.name must be non-empty and unique"),
+    ({"eval": {"datasets": [{"name": "a", "path": "x", "top_p": 1}]}}, "unknown key"),
+    ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last must be >= 1"),
+])
+def test_impossible_combinations(tmp_path, overrides, field):
+    path = write_yaml(tmp_path, overrides)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        load_config(["--config", path])
+
+
+def test_group_free_estimators_accept_one_sample(tmp_path):
+    for estimator in ("reinforce_plus_plus", "gae"):
+        path = write_yaml(tmp_path, {"rollout": {"n_samples_per_prompt": 1},
+                                     "algorithm": {"advantage_estimator": estimator}})
+        assert load_config(["--config", path]).samples_per_rollout == 16
+
+
+def test_custom_reward_syntax_accepted_without_import(tmp_path):
+    path = write_yaml(tmp_path, {"rollout": {"reward": "my_pkg.rewards:score"}})
+    assert load_config(["--config", path]).rollout.reward == "my_pkg.rewards:score"
+
+
+def test_tms_refuses_expandable_segments(tmp_path, monkeypatch):
+    path = write_yaml(tmp_path, {"offload": {"method": "tms"}})
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
+    with pytest.raises(ValueError, match="offload.method tms cannot pause"):
+        load_config(["--config", path])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert load_config(["--config", path]).offload.method == "tms"
+
+
+def test_world_size_check():
+    cfg = Config()
+    cfg.check_world_size(8)
+    with pytest.raises(ValueError, match="rollout.rollout_batch_size=16 must be divisible by the "
+                                         "world size 3"):
+        cfg.check_world_size(3)
+
+
+def test_dtype_resolution():
+    cfg = Config()
+    assert cfg.model.dtype_name("cuda") == "bfloat16"
+    assert cfg.model.dtype_name("cpu") == "float32"
+    cfg.model.dtype = "float16"
+    assert cfg.model.dtype_name("cpu") == "float16"
+
+
+def test_save_yaml_round_trip(tmp_path):
+    path = write_yaml(tmp_path, {"algorithm": {"eps_clip_high": 0.28, "dual_clip_c": 3},
+                                 "rollout": {"stop_token_ids": [7]}})
+    cfg = load_config(["--config", path, "--train.lr", "1e-4"])
+    saved = tmp_path / "resolved.yaml"
+    save_yaml(cfg, saved)
+    again = load_config(["--config", str(saved)])
+    assert again == cfg
+    assert again.to_dict()["algorithm"]["dual_clip_c"] == 3.0
+
+
+def test_help_shows_field_docstrings(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as info:
+        load_config(["--help"])
+    assert info.value.code == 0
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
+    assert "--rollout.top-p" in text
+    assert "Nucleus sampling mass." in text
+    assert "Samples per optimizer step across ranks" in text
+    assert "--config FILE.yaml" in text
+
+
+def test_eval_only_run_is_valid(tmp_path):
+    datasets = [{"name": "a", "path": "a.jsonl"}]
+    path = write_yaml(tmp_path, {"train": {"num_rollout": 0},
+                                 "eval": {"interval": 1, "datasets": datasets}})
+    cfg = load_config(["--config", path])
+    assert cfg.train.num_rollout == 0 and cfg.eval.datasets[0].reward is None
