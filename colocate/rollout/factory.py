@@ -1,0 +1,30 @@
+"""Build the configured rollout engine for this rank."""
+
+from __future__ import annotations
+
+from colocate.dist import DistInfo
+from colocate.models import resolve_dtype
+from colocate.rollout.protocol import RolloutEngine
+
+
+def build_engine(cfg, info: DistInfo, eos_token_ids: list[int]) -> RolloutEngine:
+    """The native engine (default) or SGLang's, sized for whatever the trainer left free."""
+    r = cfg.rollout
+    dtype = resolve_dtype(cfg.model.dtype, info.device)
+    if r.engine == "sglang":
+        from colocate.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(
+            model_path=cfg.model.path, dtype=dtype, seed=r.seed, rank=info.rank, local_rank=info.local_rank,
+            mem_fraction_static=r.gpu_memory_fraction, max_running_requests=r.max_running_requests,
+            cuda_graph_max_bs=r.cuda_graph_max_bs, release_cuda_graph=cfg.offload.offload_rollout,
+            eos_token_ids=eos_token_ids, load_dummy=True, log_level=r.sglang_log_level,
+        )
+    from colocate.rollout.native import NativeEngine
+
+    return NativeEngine(
+        cfg.model.path, dtype=dtype, device=info.device, eos_token_ids=eos_token_ids,
+        max_num_seqs=r.max_running_requests, kv_cache_fraction=r.gpu_memory_fraction,
+        max_kv_tokens=r.max_kv_tokens if info.device.type == "cpu" else None,
+        cuda_graph=r.cuda_graph, cuda_graph_max_bs=r.cuda_graph_max_bs, seed=r.seed + info.rank,
+    )

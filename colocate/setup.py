@@ -1,0 +1,78 @@
+"""Everything a run reads from the user, loaded and checked before any model is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from colocate import dist
+from colocate.config import Config
+from colocate.dist import DistInfo
+
+
+def _prepare_toy(cfg: Config, info: DistInfo):
+    """Create (or refresh a stale) toy model and task when the config points into the toy cache."""
+    from colocate.toy import default_cache_dir, ensure_toy
+
+    cache = default_cache_dir()
+    paths = [Path(cfg.model.path), Path(cfg.rollout.prompt_data)] + [Path(d.path) for d in cfg.eval.datasets]
+    if any(p.is_relative_to(cache) for p in paths):
+        if info.local_rank == 0:
+            ensure_toy(cache)
+        dist.barrier()
+
+
+@dataclass
+class RunInputs:
+    tokenizer: object
+    data: object
+    reward_fn: Callable
+    score: Callable
+    eval_sets: list
+    eos_token_ids: list[int]
+    overlong: tuple[int, float] | None
+    custom_generate: Callable | None
+    num_dropped_prompts: int = 0
+    """Training prompts dropped as longer than rollout.max_prompt_len."""
+
+    @classmethod
+    def load(cls, cfg: Config, info: DistInfo) -> "RunInputs":
+        from transformers import AutoTokenizer
+
+        from colocate.models import ModelConfig
+        from colocate.rollout.data import PromptDataset, PromptSampler
+        from colocate.rollout.orchestrator import load_hook
+        from colocate.rollout.rewards import RewardInput, compute_rewards, load_reward_fn
+
+        cfg.check_world_size(info.world_size)
+        _prepare_toy(cfg, info)
+        r = cfg.rollout
+        model_cfg = ModelConfig.from_dir(cfg.model.path)  # unsupported architectures fail here
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        eos = sorted(set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None}))
+        reward_fn = load_reward_fn(r.reward)
+
+        def dataset(path, input_key, label_key, metadata_key):
+            return PromptDataset(path, tokenizer, input_key=input_key, label_key=label_key,
+                                 metadata_key=metadata_key, max_prompt_len=r.max_prompt_len,
+                                 apply_chat_template=r.apply_chat_template)
+
+        train_set = dataset(r.prompt_data, r.input_key, r.label_key, r.metadata_key)
+        data = PromptSampler(train_set, rank=info.rank, world_size=info.world_size, seed=r.seed,
+                             shuffle=r.shuffle)
+        eval_sets = []
+        for d in cfg.eval.datasets:
+            ds = dataset(d.path, d.input_key, d.label_key, d.metadata_key)
+            mine = [ds[i] for i in range(info.rank, len(ds), info.world_size)]
+            eval_sets.append((d.name, mine, load_reward_fn(d.reward or r.reward)))
+
+        def score(fn, samples):
+            inputs = [RewardInput(s.prompt_text, s.response_text, s.label, s.metadata) for s in samples]
+            return compute_rewards(fn, inputs, strict=cfg.train.strict)
+
+        a = cfg.algorithm
+        overlong = (a.overlong_buffer_len, a.overlong_penalty_factor) if a.overlong_buffer_len else None
+        hook = load_hook(r.custom_generate, "rollout.custom_generate") if r.custom_generate else None
+        return cls(tokenizer, data, reward_fn, score, eval_sets, eos, overlong, hook,
+                   num_dropped_prompts=train_set.num_dropped)

@@ -1,0 +1,217 @@
+"""The colocated RL loop: `torchrun --nproc-per-node N -m colocate.train --config X.yaml`.
+
+Per rollout step, in this order (a memory contract, see DESIGN.md): generate -> release the engine
+-> train -> save -> offload trainer state -> resume engine weights, push weights, offload trainer
+parameters, resume the engine's graphs and KV cache -> eval.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from colocate import dist
+from colocate.config import Config, load_config, save_yaml
+
+
+class Phases:
+    """Per-phase wall seconds (perf/<phase>_time) and a ledger row at every transition."""
+
+    def __init__(self, ledger):
+        self.ledger, self.times, self.step = ledger, {}, 0
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.times[f"perf/{name}_time"] = time.perf_counter() - start
+        self.ledger.record(self.step, name)
+
+    def take(self) -> dict[str, float]:
+        out, self.times = self.times, {}
+        return out
+
+
+class Loop:
+    def __init__(self, cfg: Config, info: dist.DistInfo):
+        from colocate.colocation.memory import MemoryLedger
+        from colocate.metrics import MetricsLogger
+        from colocate.setup import RunInputs
+
+        self.cfg, self.info = cfg, info
+        self.out = Path(cfg.output_dir)
+        # Everything that can be wrong with the user's input is checked before any model is built.
+        self.inputs = RunInputs.load(cfg, info)
+        self.log = MetricsLogger(self.out, enabled=info.is_main, use_wandb=cfg.logging.wandb,
+                                 wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
+                                 config=cfg.to_dict(), console=cfg.logging.console)
+        self.ledger = MemoryLedger(info.device, strict=cfg.train.strict)
+        self.phase = Phases(self.ledger)
+        self.weight_version = 0
+        self.start_rollout_id = 0
+
+    def build(self):
+        from colocate.rollout.factory import build_engine
+        from colocate.rollout.orchestrator import RolloutManager
+        from colocate.trainer import Trainer
+
+        cfg, off = self.cfg, self.cfg.offload
+        self.trainer = Trainer(cfg, self.info)
+        self._maybe_resume()
+        if off.offload_train:  # the engine sizes its KV cache from what the trainer leaves free
+            self.trainer.offload_optimizer_and_grads()
+            self.trainer.offload_params()
+        self.engine = build_engine(cfg, self.info, self.inputs.eos_token_ids)
+        self.rollout = RolloutManager(
+            self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,
+            score_fn=self.inputs.score, overlong=self.inputs.overlong,
+            custom_generate=self.inputs.custom_generate, seed=cfg.rollout.seed)
+        # The engine always starts from the trainer's weights (they differ from disk after resume).
+        if off.offload_rollout:  # the first sync follows the same resume order as every later one
+            self.engine.release_memory()
+        self.sync()
+        self.ledger.record(self.start_rollout_id, "start")
+
+    def _maybe_resume(self):
+        from colocate.checkpoint import latest_checkpoint, load_checkpoint
+
+        if not self.cfg.checkpoint.resume:
+            return
+        path = latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            self.log.info(f"no checkpoint under {self.ckpt_dir}: starting from step 0")
+            return
+        extra = load_checkpoint(path, self.trainer.checkpoint_states())
+        self.inputs.data.load_state_dict(extra["data"])
+        self.start_rollout_id = extra["rollout_id"] + 1
+        self.weight_version = extra["weight_version"]
+        self.log.info(f"resumed from {path} at rollout {self.start_rollout_id}")
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(self.cfg.checkpoint.dir or self.out / "checkpoints")
+
+    def sync(self):
+        """Resume engine weights -> push -> offload trainer params -> resume graphs and KV cache."""
+        from colocate.colocation.weight_sync import sync_weights
+        from colocate.models import resolve_dtype
+
+        off = self.cfg.offload
+        if off.offload_train:
+            self.trainer.onload_params()
+        if off.offload_rollout:
+            self.engine.resume_memory(["weights"])
+        self.weight_version += 1
+        stats = sync_weights(self.trainer.actor_module, self.engine, version=self.weight_version,
+                             dtype=resolve_dtype(self.cfg.model.dtype, self.info.device),
+                             bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20)
+        if off.offload_train:
+            self.trainer.offload_params()
+        if off.offload_rollout:
+            self.engine.resume_memory(["cuda_graph", "kv_cache"])
+        return stats
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        if not self.inputs.eval_sets:
+            return {}
+        with self.phase("eval"):
+            return self.rollout.evaluate(self.inputs.eval_sets, rollout_id, self.cfg.eval)
+
+    def save(self, rollout_id: int):
+        from colocate.checkpoint import save_checkpoint
+
+        extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
+                 "data": self.inputs.data.state_dict()}
+        save_checkpoint(self.ckpt_dir, rollout_id, self.trainer.checkpoint_states(), extra=extra,
+                        model_dir=Path(self.cfg.model.path), keep_last=self.cfg.checkpoint.keep_last)
+
+    def run(self):
+        cfg, off = self.cfg, self.cfg.offload
+        eval_on = cfg.eval.interval is not None and bool(self.inputs.eval_sets)
+        if cfg.train.num_rollout == 0:
+            if eval_on:
+                self.log.log(0, self.evaluate(0))
+            return
+        for rollout_id in range(self.start_rollout_id, cfg.train.num_rollout):
+            self.phase.step = rollout_id
+            metrics = {}
+            if eval_on and rollout_id == 0:
+                metrics.update(self.evaluate(rollout_id))
+            epoch = self.inputs.data.epoch
+            groups = cfg.rollout.rollout_batch_size // self.info.world_size
+            with self.phase("generate"), self.log.progress(groups, f"rollout {rollout_id}") as bar:
+                samples, rollout_metrics = self.rollout.generate(self.inputs.data, rollout_id, bar.advance)
+            epoch_end = self.inputs.data.epoch != epoch
+            if off.offload_rollout:
+                with self.phase("release"):
+                    self.engine.flush_cache()
+                    self.engine.release_memory()
+            with self.phase("train"):
+                if off.offload_train:
+                    self.trainer.onload()
+                train_metrics = self.trainer.train(samples, rollout_id)
+            if cfg.checkpoint.save_interval is not None and (
+                    (rollout_id + 1) % cfg.checkpoint.save_interval == 0 or epoch_end
+                    or rollout_id + 1 == cfg.train.num_rollout):
+                with self.phase("save"):
+                    self.save(rollout_id)
+            with self.phase("offload"):
+                if off.offload_train:
+                    self.trainer.offload_optimizer_and_grads()
+                else:
+                    self.trainer.clear_memory()
+            with self.phase("sync"):
+                sync = self.sync()
+            if eval_on and ((rollout_id + 1) % cfg.eval.interval == 0 or epoch_end
+                            or rollout_id + 1 == cfg.train.num_rollout):
+                metrics.update(self.evaluate(rollout_id))
+            metrics.update(rollout_metrics)
+            metrics.update(train_metrics)
+            metrics.update(sync.metrics())
+            metrics.update(self.phase.take())
+            metrics.update(self.ledger.step_metrics(rollout_id))
+            metrics["rollout/weight_version"] = self.weight_version
+            metrics["rollout/dropped_long_prompts"] = self.inputs.num_dropped_prompts
+            metrics["rollout/epoch"] = self.inputs.data.epoch
+            self.log.log(rollout_id, metrics)
+
+    def close(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        self.log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    info = dist.init()
+    torch.manual_seed(cfg.train.seed)
+    loop = None
+    try:
+        if info.is_main:
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            save_yaml(cfg, Path(cfg.output_dir) / "config.yaml")
+        try:
+            loop = Loop(cfg, info)  # data, rewards, hooks and the model config are checked here
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error (rank {info.rank}): {e}", file=sys.stderr)
+            return 2
+        loop.build()
+        loop.run()
+    finally:
+        if loop is not None:
+            loop.close()
+        dist.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
