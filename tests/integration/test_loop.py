@@ -136,3 +136,23 @@ def test_bad_config_fails_before_any_model_work(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "rollout.top_p" in done.stderr
     assert "Traceback" not in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_default_run_learns(tmp_path):
+    """README's first command on the toy task: reward and eval accuracy rise within minutes on CPU."""
+    env = {**os.environ, "COLOCATE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2"}
+    out = tmp_path / "default"
+    start = time.time()
+    done = subprocess.run([sys.executable, "-m", "colocate.train", "--config", "configs/default.yaml",
+                           "--output-dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert time.time() - start < 300
+    rows = by_step(out)
+    rewards = [rows[s]["rollout/raw_reward"] for s in sorted(rows)]
+    fifth = len(rewards) // 5
+    first, last = sum(rewards[:fifth]) / fifth, sum(rewards[-fifth:]) / fifth
+    assert last - first >= 0.3, rewards
+    evals = [rows[s]["eval/toy/avg@1"] for s in sorted(rows) if "eval/toy/avg@1" in rows[s]]
+    assert len(evals) >= 2 and evals[-1] - evals[0] >= 0.3, evals
