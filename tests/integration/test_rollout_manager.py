@@ -1,0 +1,114 @@
+"""Rollout orchestration on the toy model with the native engine (CPU, one process)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from colocate import dist
+from colocate.rollout.data import PromptDataset, PromptSampler
+from colocate.rollout.native import NativeEngine
+from colocate.rollout.orchestrator import RolloutManager, load_hook
+from colocate.rollout.rewards import RewardInput, compute_rewards, load_reward_fn
+from colocate.toy import ensure_toy
+from tests.multiturn_hook import TOOL_REPLY
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    dist.init()
+    path = ensure_toy(tmp_path_factory.mktemp("toy") / "toy")
+    yield path
+    dist.destroy()
+
+
+def rollout_cfg(**over):
+    base = dict(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=None,
+                dynamic_sampling=False, max_sampling_rounds=3, temperature=1.0, top_p=1.0, top_k=-1,
+                min_p=0.0, max_response_len=6, stop_token_ids=[])
+    return SimpleNamespace(**{**base, **over})
+
+
+def manager(toy, reward="toy", **over):
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    engine = NativeEngine(toy / "model", dtype=torch.float32, device="cpu", max_kv_tokens=4096)
+    strict = over.pop("strict", False)
+    hook = over.pop("custom_generate", None)
+
+    def score(fn, samples):
+        return compute_rewards(fn, [RewardInput(s.prompt_text, s.response_text, s.label, s.metadata)
+                                    for s in samples], strict=strict)
+
+    data = PromptSampler(PromptDataset(toy / "train.jsonl", tok), seed=0)
+    fn = reward if callable(reward) else load_reward_fn(reward)
+    return RolloutManager(engine, tok, rollout_cfg(**over), reward_fn=fn, score_fn=score, seed=1,
+                          custom_generate=hook), data
+
+
+def test_groups_rewards_and_metrics(toy):
+    rm, data = manager(toy)
+    samples, m = rm.generate(data, rollout_id=0)
+    assert len(samples) == 16 and [s.group_index for s in samples[:4]] == [samples[0].group_index] * 4
+    assert all(s.weight_version == 0 and len(s.rollout_logprobs) == s.response_len for s in samples)
+    assert m["rollout/raw_reward"] == pytest.approx(sum(s.raw_reward for s in samples) / 16)
+    assert m["rollout/num_samples"] == 16 and m["rollout/sampling_rounds"] == 1
+    again, _ = manager(toy)[0].generate(manager(toy)[1], rollout_id=0)
+    assert [s.response_ids for s in again] == [s.response_ids for s in samples]  # seeded
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_tops_up(toy):
+    # A reward that is 1 for every sample of even-indexed prompts: those groups carry no signal.
+    def reward(prompts, responses, labels, metadata):
+        return [float(len(r) % 2) if int(m["start"] == "a") else 1.0 for r, m in zip(responses, metadata)]
+
+    rm, data = manager(toy, reward=reward, dynamic_sampling=True, over_sampling_batch_size=8)
+    samples, m = rm.generate(data, rollout_id=0)
+    assert len(samples) == 16
+    assert m["rollout/dynamic_filtered_groups"] >= 1
+    assert m["rollout/generated_groups"] == 8 * m["rollout/sampling_rounds"]
+    varied = [len({s.reward for s in samples[i:i + 4]}) > 1 for i in range(0, 16, 4)]
+    assert sum(varied) == 4 - m["rollout/topped_up_groups"]
+
+
+def test_raising_reward_counted_and_strict_fatal(toy):
+    def reward(prompts, responses, labels, metadata):
+        if any("a" in r for r in responses):
+            raise RuntimeError("grader crashed")
+        return [1.0] * len(responses)
+
+    rm, data = manager(toy, reward=reward)
+    samples, m = rm.generate(data, rollout_id=0)
+    failed = [s for s in samples if "a" in s.response_text]
+    assert m["rollout/reward_errors"] == len(failed) and all(s.raw_reward == 0 for s in failed)
+    rm, data = manager(toy, reward=reward, strict=True)
+    with pytest.raises(RuntimeError, match="failed on sample"):
+        rm.generate(data, rollout_id=0)
+
+
+def test_custom_generate_hook_masks_tool_tokens(toy):
+    hook = load_hook("tests.multiturn_hook:two_turns", "rollout.custom_generate")
+    rm, data = manager(toy, custom_generate=hook)
+    samples, _ = rm.generate(data, rollout_id=0)
+    assert len(samples) == 16
+    for s in samples:
+        assert s.response_ids[3:5] == TOOL_REPLY and s.loss_mask == [1, 1, 1, 0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="rollout.custom_generate"):
+        load_hook("tests.multiturn_hook:nope", "rollout.custom_generate")
+
+
+def test_weight_version_mismatch_fails_loudly(toy):
+    rm, data = manager(toy)
+    rm.engine.weight_version = 5  # the engine moved on while completions still carry version 0
+
+    def stale_generate(prompt_ids, sampling, _orig=rm.engine.generate):
+        out = _orig(prompt_ids, sampling)
+        for c in out:
+            c.weight_version = 4
+        return out
+
+    rm.engine.generate = stale_generate
+    with pytest.raises(RuntimeError, match="weight version 4"):
+        rm.generate(data, rollout_id=0)
