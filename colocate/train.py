@@ -28,6 +28,8 @@ class Phases:
     def __call__(self, name: str):
         start = time.perf_counter()
         yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # queued kernels belong to this phase, not the next
         self.times[f"perf/{name}_time"] = time.perf_counter() - start
         self.ledger.record(self.step, name)
 

@@ -1,0 +1,428 @@
+"""One GRPO step end to end on one GPU: our colocated loop side by side with TRL's GRPOTrainer.
+
+Model: a Qwen2.5-0.5B-shaped Qwen2 (hidden 896, 24 layers, 14 heads, 2 kv heads, head_dim 64,
+intermediate 4864, vocab 151936, tied embeddings, qkv bias), randomly initialised and written once
+as bf16 safetensors into a temporary HF directory, with a merge-free Qwen2 byte-level tokenizer
+(`byte_level_tokenizer`), so prompts of 128 random letters are exactly 128 tokens.
+Batch: 16 prompts x 8 samples x 256 response tokens, temperature 1, no KL (no reference model).
+Both sides train fp32 master weights with bf16 compute and take one optimizer step per rollout.
+
+- Ours: `colocate.train.Loop` from a YAML config, with offload on (engine released and trainer
+  state moved to pinned host memory every step) and/or off. Response lengths are exact because
+  group sampling goes through `fixed_length_generate` (rollout.custom_generate), which sets the
+  engine's `ignore_eos`. Reported: median of each perf/<phase>_time and of the step's wall time
+  (between consecutive metric records), over the steps after warm-up. Phase seconds are host wall
+  times (the loop does not synchronise the device at phase ends, so queued kernels may land in the
+  next phase); the step time is exact, since every step waits for its generated tokens.
+- TRL: GRPOTrainer with transformers' generate (no vLLM), 32-completion micro-batches with 4
+  accumulation steps (one generation of 128 completions per optimizer step), gradient
+  checkpointing off as in ours, `min_new_tokens` = max_completion_length for exact lengths.
+  Runs in its own process; `--trl-site DIR` puts DIR (where trl and datasets were installed)
+  first on that process's PYTHONPATH only. If it fails, the reason is recorded in the JSON.
+
+The reward (`vowel_reward`) is cheap and varies within a group, so advantages are not zero.
+Each variant runs in a child process (one CUDA context each; the native engine's graph memory
+needs torch_memory_saver's preload hook set before the process starts, as launch.sh does).
+
+Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--skip-trl] [--trl-site DIR]
+     python bench/e2e.py --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
+Writes bench/results/e2e.json (--cpu-smoke: a file in its temporary directory unless --out) and
+prints one summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import string
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "e2e.json"
+HOOKS = Path(__file__).stem  # module name of this file for the config's module:function hooks
+SHAPES = {
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, head_dim=64),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+BATCHES = {
+    "0.5b": dict(prompts=16, samples_per_prompt=8, prompt_tokens=128, response_tokens=256),
+    "tiny": dict(prompts=4, samples_per_prompt=4, prompt_tokens=16, response_tokens=16),
+}
+TRL_MICRO_BATCH = 32
+OURS_TIMEOUT_S, TRL_TIMEOUT_S = 200.0, 300.0
+"""Per-process limits that keep a hung run from eating the whole GPU session."""
+LR = 1e-6
+LOOP_PHASES = ("generate", "release", "train", "save", "offload", "sync", "eval")
+"""The loop's perf/<phase>_time keys in step order; other perf/*_time keys time parts of these."""
+
+
+def vowel_reward(prompts: list[str], responses: list[str], labels: list, metadata: list[dict]) -> list[float]:
+    """Share of vowels in the response text: cheap, and it differs between samples of one group,
+    so the group-relative advantages and the policy update are not zero."""
+    return [sum(c in "aeiou" for c in r) / max(len(r), 1) for r in responses]
+
+
+def fixed_length_generate(engine, prompts, sampling, tokenizer):
+    """The default group sampling with the engine's `ignore_eos` set: every completion is exactly
+    max_new_tokens long whatever the random model samples, as in the TRL run."""
+    from colocate.rollout.sample import Sample
+
+    sampling = [dataclasses.replace(sp, ignore_eos=True) for sp in sampling]
+    completions = engine.generate([p.prompt_ids for p in prompts], sampling)
+    samples = []
+    for c in completions:
+        p = prompts[c.prompt_index]
+        samples.append(Sample(prompt_ids=list(p.prompt_ids), response_ids=c.output_ids,
+                              rollout_logprobs=c.logprobs, loss_mask=[1] * len(c.output_ids),
+                              group_index=p.index, sample_index=c.sample_index,
+                              finish_reason=c.finish_reason, weight_version=c.weight_version,
+                              prompt_text=p.prompt_text, label=p.label, metadata=p.metadata))
+    return samples
+
+
+def byte_level_tokenizer(vocab_size: int):
+    """A Qwen2 byte-level BPE tokenizer without merges, the class AutoTokenizer picks for a qwen2
+    model directory: ids 0-255 are the 256 byte symbols, so a run of n letters is exactly n tokens;
+    the other ids decode to four-letter words (` abaa`, ...); the last id is eos and pad, as in Qwen."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    base = len(vocab)
+    # Four letters in base 26 name each id uniquely (26**4 > any vocabulary here).
+    vocab.update({"\u0120" + "".join(chr(ord("a") + i // 26**k % 26) for k in range(4)): i
+                  for i in range(base, vocab_size - 1)})
+    vocab["<|endoftext|>"] = vocab_size - 1
+    return Qwen2Tokenizer(vocab=vocab, merges=[])
+
+
+def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Path]:
+    """The model directory (random bf16 weights + tokenizer) and a JSONL of random-letter prompts."""
+    import torch
+
+    from colocate.models import ModelConfig, from_config, save_pretrained
+
+    s = SHAPES[shape]
+    eos = s["vocab_size"] - 1
+    mcfg = ModelConfig(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                       attention_bias=True, bos_token_id=eos, eos_token_id=eos, **s)
+    torch.manual_seed(0)
+    model_dir = save_pretrained(from_config(mcfg, torch.bfloat16, "cpu", init=True), workdir / "model")
+    tokenizer = byte_level_tokenizer(s["vocab_size"])
+    tokenizer.save_pretrained(model_dir)
+    rng = random.Random(0)
+    length = BATCHES[shape]["prompt_tokens"]
+    texts = ["".join(rng.choice(string.ascii_lowercase) for _ in range(length)) for _ in range(num_prompts)]
+    assert all(len(ids) == length for ids in tokenizer(texts)["input_ids"]), "prompt lengths are not exact"
+    prompts = workdir / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t, "label": ""}) + "\n" for t in texts))
+    return model_dir, prompts
+
+
+def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, offload: bool, num_steps: int) -> dict:
+    b = BATCHES[shape]
+    return {
+        "output_dir": str(workdir / f"ours_offload_{'on' if offload else 'off'}"),
+        "model": {"path": str(model_dir), "dtype": "auto"},
+        "rollout": {"prompt_data": str(prompts), "max_prompt_len": b["prompt_tokens"],
+                    "rollout_batch_size": b["prompts"], "n_samples_per_prompt": b["samples_per_prompt"],
+                    "max_response_len": b["response_tokens"], "temperature": 1.0,
+                    "reward": f"{HOOKS}:vowel_reward", "custom_generate": f"{HOOKS}:fixed_length_generate"},
+        "algorithm": {"advantage_estimator": "grpo"},
+        "train": {"num_rollout": num_steps, "lr": LR},
+        "offload": {"offload_rollout": offload, "offload_train": offload},
+        "checkpoint": {"save_interval": None, "resume": False},
+        "logging": {"wandb": False, "console": False},
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def run_ours(config_path: Path, warmup: int) -> dict:
+    """Run the loop in this process; per-phase and per-step seconds of the steps after warm-up."""
+    import torch
+
+    from colocate import dist
+    from colocate.config import load_config
+    from colocate.metrics import read_metrics
+    from colocate.train import Loop
+
+    cfg = load_config(["--config", str(config_path)])
+    info = dist.init()
+    torch.manual_seed(cfg.train.seed)
+    loop = Loop(cfg, info)
+    try:
+        start = time.perf_counter()
+        loop.build()
+        build_s = time.perf_counter() - start
+        start = time.time()  # metric records carry time.time() stamps
+        loop.run()
+    finally:
+        loop.close()
+        dist.destroy()
+    rows = read_metrics(cfg.output_dir)
+    stamps = [start] + [r["time"] for r in rows]
+    steps = [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
+    timed = rows[warmup:]
+    timers = {k[len("perf/"):-len("_time")] for r in timed for k in r if k.startswith("perf/") and k.endswith("_time")}
+    phases = [p for p in LOOP_PHASES if p in timers]
+
+    def med(key):
+        return _median([r[key] for r in timed if r.get(key) is not None])
+
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "build_s": build_s,
+        "steps_s": steps,
+        "step_median_s": _median(steps),
+        "phase_median_s": {p: med(f"perf/{p}_time") for p in phases},
+        "phase_sum_median_s": _median([sum(r.get(f"perf/{p}_time") or 0.0 for p in phases) for r in timed]),
+        "sub_phase_median_s": {p: med(f"perf/{p}_time") for p in sorted(timers - set(phases))},
+        "response_len_mean": med("rollout/response_len/mean"),
+        "truncated_ratio": med("rollout/truncated_ratio"),
+        "rollout_tokens_per_s": med("perf/rollout_tokens_per_s"),
+        "grad_norm": med("train/grad_norm"),
+        "peak_allocated_gib": max((v for r in timed for k, v in r.items()
+                                   if k.startswith("memory/") and k.endswith("allocated_gib") and v is not None),
+                                  default=None),
+    }
+
+
+def run_trl(model_dir: Path, prompts: Path, shape: str, steps: int, warmup: int) -> dict:
+    """TRL's GRPOTrainer (transformers generate) on the same model, prompts and batch."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    b = BATCHES[shape]
+    cuda = torch.cuda.is_available()
+    total = b["prompts"] * b["samples_per_prompt"]
+    micro = min(TRL_MICRO_BATCH, total)
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    train = datasets.Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    class StepClock(TrainerCallback):
+        """Wall seconds between the ends of consecutive optimizer steps, and completion lengths."""
+
+        def __init__(self):
+            self.last, self.steps, self.lengths = 0.0, [], []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            sync()
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sync()
+            now = time.perf_counter()
+            self.steps.append(now - self.last)
+            self.last = now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+
+    generate_s: list[float] = []
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Records the seconds of each generation (transformers generate + decoding)."""
+
+        def _generate(self, *args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            out = super()._generate(*args, **kwargs)
+            sync()
+            generate_s.append(time.perf_counter() - start)
+            return out
+
+    def reward(prompts, completions, **kwargs):
+        return vowel_reward(prompts, completions, [], [])
+
+    config = dict(
+        output_dir=str(model_dir.parent / "trl_out"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=total // micro, num_generations=b["samples_per_prompt"],
+        max_completion_length=b["response_tokens"], temperature=1.0, top_p=1.0, beta=0.0,
+        generation_kwargs={"min_new_tokens": b["response_tokens"]}, learning_rate=LR,
+        bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"},
+        max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0, seed=1,
+    )
+    clock = StepClock()
+    trainer = TimedGRPOTrainer(model=str(model_dir), reward_funcs=reward, args=GRPOConfig(**config),
+                               train_dataset=train, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                               callbacks=[clock])
+    trainer.train()
+    timed = clock.steps[warmup:]
+    return {
+        "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
+                     "datasets": datasets.__version__, "torch": torch.__version__},
+        "config": {k: v for k, v in config.items() if k != "output_dir"},
+        "steps_s": timed,
+        "step_median_s": _median(timed),
+        "generate_median_s": _median(generate_s[warmup:]),
+        "response_len_mean": _median(clock.lengths[warmup:]),
+    }
+
+
+def _child(args: list[str], env: dict, timeout: float) -> dict:
+    """Run this script as a worker: its result, or {"error": last line, "output_tail": ...}."""
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        return {"error": f"timed out after {timeout:.0f} s", "output_tail": output[-3000:]}
+    out = Path(args[args.index("--result") + 1])
+    if done.returncode != 0 or not out.exists():
+        output = done.stdout + done.stderr
+        lines = [line for line in output.splitlines() if line.strip()]
+        return {"error": f"exit code {done.returncode}: {lines[-1] if lines else 'no output'}",
+                "output_tail": output[-3000:]}
+    return {**json.loads(out.read_text()), "process_s": time.perf_counter() - start}
+
+
+def _child_env(extra_path: str | None = None, preload: bool = False, cpu: bool = False) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(ROOT), env.get("PYTHONPATH")) if p)
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if preload and "torch_memory_saver" not in env.get("LD_PRELOAD", ""):
+        from colocate.colocation.preload import preload_library
+
+        library = preload_library()
+        if library:
+            env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD")) if p)
+    return env
+
+
+def _write(results: dict, out: Path) -> None:
+    """Ratios from what has run so far, then the JSON (after each run: a cut-short run keeps its data)."""
+    trl_s = results["trl"].get("step_median_s")
+    results["ratio_trl_over_ours"] = {name: trl_s / e["step_median_s"] for name, e in results["ours"].items()
+                                      if trl_s and e.get("step_median_s")}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+
+def orchestrate(args, out: Path, workdir: Path) -> dict:
+    import torch
+    import transformers
+    import yaml
+
+    shape = "tiny" if args.cpu_smoke else "0.5b"
+    steps = args.steps or (1 if args.cpu_smoke else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if args.cpu_smoke else 2)
+    start = time.perf_counter()
+    model_dir, prompts = write_inputs(workdir, shape, BATCHES[shape]["prompts"] * (warmup + steps))
+    results = {
+        "machine": {"host": socket.gethostname(), "device": None, "python": platform.python_version(),
+                    "torch": torch.__version__, "transformers": transformers.__version__},
+        "shape": {"model_type": "qwen2", "tie_word_embeddings": True, "attention_bias": True, **SHAPES[shape]},
+        "batch": BATCHES[shape],
+        "weights": "random init, bf16 safetensors on disk; both trainers keep fp32 master weights; "
+                   "compute and our engine's weights are bf16 on GPU, fp32 on CPU",
+        "warmup_steps": warmup, "timed_steps": steps, "workdir": str(workdir),
+        "ours": {}, "trl": {"skipped": True} if args.skip_trl else {}, "ratio_trl_over_ours": {},
+    }
+    env = _child_env(preload=not args.cpu_smoke, cpu=args.cpu_smoke)
+    for offload in {"on": [True], "off": [False], "both": [True, False]}[args.offload]:
+        name = f"offload_{'on' if offload else 'off'}"
+        cfg = ours_config(workdir, model_dir, prompts, shape, offload, warmup + steps)
+        cfg_path = workdir / f"{name}.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        result = _child(["--worker", "ours", "--config", str(cfg_path), "--warmup", str(warmup),
+                         "--result", str(workdir / f"result_{name}.json")], env, OURS_TIMEOUT_S)
+        results["ours"][name] = {"config": cfg, **result}
+        results["machine"]["device"] = results["machine"]["device"] or result.get("device")
+        _write(results, out)
+    if not args.skip_trl:
+        env = _child_env(extra_path=args.trl_site, cpu=args.cpu_smoke)
+        results["trl"] = _child(["--worker", "trl", "--model-dir", str(model_dir), "--prompts", str(prompts),
+                                 "--shape", shape, "--steps", str(steps), "--warmup", str(warmup),
+                                 "--result", str(workdir / "result_trl.json")], env, TRL_TIMEOUT_S)
+    shutil.rmtree(model_dir)  # the largest file by far; configs and metrics stay for inspection
+    results["total_s"] = time.perf_counter() - start
+    _write(results, out)
+    return results
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary(results: dict) -> str:
+    b = results["batch"]
+    parts = [f"e2e GRPO step ({results['machine']['device']}, {b['prompts']}x{b['samples_per_prompt']}x"
+             f"{b['response_tokens']} tok):"]
+    for name, e in results["ours"].items():
+        if "error" in e:
+            parts.append(f"ours {name} FAILED ({e['error']})")
+            continue
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in e["phase_median_s"].items() if v is not None)
+        parts.append(f"ours {name} {_fmt(e['step_median_s'])} s ({phases}; len {_fmt(e['response_len_mean'], '.0f')})")
+    trl = results["trl"]
+    if "error" in trl:
+        parts.append(f"| TRL FAILED ({trl['error']})")
+    elif trl.get("step_median_s") is not None:
+        gen, length = trl.get("generate_median_s"), trl.get("response_len_mean")
+        parts.append(f"| TRL {trl['step_median_s']:.3f} s (generate {_fmt(gen)}; len {_fmt(length, '.0f')})")
+    for name, r in results["ratio_trl_over_ours"].items():
+        parts.append(f"| TRL/ours {name} {r:.2f}x")
+    return " ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --cpu-smoke 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; --cpu-smoke 1)")
+    parser.add_argument("--offload", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--trl-site", default=None, help="directory with trl and datasets, for the TRL process")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and batch on CPU")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/e2e.json)")
+    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--shape", "--result"):
+        parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.worker == "ours":
+        result = run_ours(Path(args.config), args.warmup)
+    elif args.worker == "trl":
+        result = run_trl(Path(args.model_dir), Path(args.prompts), args.shape, args.steps, args.warmup)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="colocate_e2e_"))
+        out = args.out or (workdir / "e2e.json" if args.cpu_smoke else RESULTS)
+        results = orchestrate(args, out, workdir)
+        print(summary(results), flush=True)
+        print(f"wrote {out}")
+        return 0 if all("error" not in e for e in results["ours"].values()) else 1
+    Path(args.result).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
