@@ -1,29 +1,34 @@
 """Trainer throughput on one GPU: tokens/s, MFU and peak memory of our FSDP2 trainer on packed
-mixed-length sequences, side by side with transformers + FSDP2 on a padded batch, in one run;
-plus the trainer's offload/onload bandwidth for both methods.
+mixed-length sequences, side by side with transformers + FSDP2 on a padded batch, in one run; the
+trainer's offload/onload bandwidth for both methods; with --profile, where the device time goes.
 
-Shapes: Qwen2.5-0.5B and -1.5B (random init). Ours: GRPO steps through `Trainer.train` on packed
-samples of 160..4160 tokens, 16k-token micro-batches, bf16 compute / fp32 master weights, fused
-AdamW, the Triton log-prob kernel; a few activation-checkpointing strides, compiled blocks.
-Baseline: AutoModelForCausalLM (sdpa) + FSDP2 (bf16 params, fp32 reduce), fused AdamW, 8 x 2048
-padded batch, fp32 logits and cross-entropy.
+Ours: GRPO steps through `Trainer.train` (Qwen2.5-0.5B / -1.5B shapes, random init) on about 28k
+tokens of packed 160..4160-token samples a step, bf16 compute / fp32 master weights, fused AdamW,
+the Triton log-prob kernel, compiled blocks, over a grid of activation-checkpointing plans x
+micro-batch token budgets. Baseline (run first): AutoModelForCausalLM (sdpa) + FSDP2, fused AdamW,
+8 x 2048 padded, fp32 logits; a 1.5B plan counts only within MEMORY_FRACTION of its peak memory.
 
-MFU counts model FLOPs the way the baseline figure in docs/MEASURED.md does (PaLM): 6 N per token
-plus 12 * layers * (heads * head_dim) * L per token of a length-L sequence (non-causal attention),
-against 989 TFLOP/s dense bf16 (H200). Recomputation by activation checkpointing is not counted.
-Peak memory is torch.cuda.max_memory_allocated over the measured steps, states included.
+MFU counts model FLOPs, never recomputation (checkpointing, the log-prob kernel's backward), the
+same way for both: 6 per parameter per token, the tied embedding once, as the lm_head matmul, only
+where logits are formed (ours: response tokens; baseline: every position); attention as PaLM,
+12 * layers * heads * head_dim * L per token of a length-L sequence (`mfu`, the targets'
+convention), or half that (`mfu_causal`, what a causal kernel computes); 989 TFLOP/s bf16 peak.
+Peak memory: max_memory_allocated over the measured steps. Warm-up (compilation) is never timed.
 
-Run: python bench/train.py [--models 1.5b,0.5b] [--steps 3]
-Writes bench/results/train.json and prints one summary line per model.
+Run: python bench/train.py [--models 1.5b,0.5b] [--steps 3] [--profile] [--trace DIR] [--budget-s 280]
+Writes bench/results/train.json (and train_profile.txt); prints one summary line per model.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import pathlib
 import random
+import re
+import tempfile
 import time
 
 import torch
@@ -33,11 +38,15 @@ from colocate import dist
 from colocate.config import Config
 from colocate.models import CausalLM, ModelConfig
 from colocate.rollout.sample import Sample
+from colocate.trainer.packing import pack_micro_batches
+from colocate.trainer.parallelize import ActivationCheckpointing
 
+START = time.monotonic()
 RESULTS = pathlib.Path(__file__).parent / "results" / "train.json"
+PROFILE = RESULTS.with_name("train_profile.txt")
 PEAK_TFLOPS = 989.0
-MICRO_BATCH_TOKENS = 16384
-STEP_TOKENS = 2 * MICRO_BATCH_TOKENS
+STEP_TOKENS = 32768
+MEMORY_FRACTION = 0.4
 GROUP = 4
 SHAPES = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -45,11 +54,18 @@ SHAPES = {
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960),
 }
-# (compile, checkpoint every k-th block; 0 = none): the strides trade recompute for memory.
-VARIANTS = {
-    "0.5b": [(True, 0), (False, 0)],
-    "1.5b": [(True, 1), (True, 2), (True, 3), (False, 1)],
+# (fraction of blocks fully recomputed, what the others recompute, micro-batch token budget), most
+# informative first; each block kind ("none", "ops", "full") compiles once, at its first use. The
+# first 1.5B plan ignores the memory limit on purpose: it is the no-recompute ceiling.
+GRID = {
+    "1.5b": [(0.0, "none", 32768), (0.0, "none", 8192), (0.0, "ops", 12288), (1 / 3, "ops", 16384),
+             (0.0, "ops", 8192), (0.5, "ops", 16384), (0.0, "none", 6144), (1.0, "none", 32768)],
+    "0.5b": [(0.0, "none", 32768), (0.0, "none", 16384)],
 }
+MEMORY_TARGET = ("1.5b",)
+"""Models whose plans must fit in MEMORY_FRACTION of the baseline's peak (the others: speed only)."""
+SECONDS_PER_PLAN = 15
+"""Rough cost of one more plan whose blocks are already compiled (build, warm-up, measure)."""
 
 
 def model_config(name: str) -> ModelConfig:
@@ -63,9 +79,17 @@ def num_params(cfg: ModelConfig) -> int:
         return sum(p.numel() for p in CausalLM(cfg).parameters())
 
 
-def model_flops(cfg: ModelConfig, seq_lengths: list[int]) -> float:
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * sum(n * n for n in seq_lengths)
-    return 6.0 * num_params(cfg) * sum(seq_lengths) + attn
+def model_flops(cfg: ModelConfig, seq_lengths: list[int], num_logits: int) -> tuple[float, float]:
+    """(PaLM FLOPs, causal FLOPs) of one forward + backward over these sequences."""
+    head = cfg.vocab_size * cfg.hidden_size
+    tables = head * (1 if cfg.tie_word_embeddings else 2)
+    dense = 6.0 * (num_params(cfg) - tables) * sum(seq_lengths) + 6.0 * head * num_logits
+    attn = 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * sum(n * n for n in seq_lengths)
+    return dense + attn, dense + attn / 2
+
+
+def _mfu(flops: float, seconds: float) -> float:
+    return flops / seconds / (PEAK_TFLOPS * 1e12)
 
 
 def make_samples(rng: random.Random, vocab: int) -> list[Sample]:
@@ -84,11 +108,11 @@ def make_samples(rng: random.Random, vocab: int) -> list[Sample]:
             total += len(prompt) + n
 
 
-def _config(num_samples: int, compiled: bool, method: str = "pinned") -> Config:
+def _config(num_samples: int, max_tokens: int, method: str, compiled: bool) -> Config:
     cfg = Config()
     cfg.model.compile = compiled
     cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size = GROUP, num_samples // GROUP
-    cfg.train.max_tokens_per_gpu, cfg.train.lr, cfg.train.num_rollout = MICRO_BATCH_TOKENS, 1e-6, 1000
+    cfg.train.max_tokens_per_gpu, cfg.train.lr, cfg.train.num_rollout = max_tokens, 1e-6, 1000
     cfg.offload.method = method
     return cfg
 
@@ -106,26 +130,51 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_ours(name: str, compiled: bool, checkpoint_every: int, steps: int, info) -> tuple[dict, object]:
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _trainer(name: str, spec, info, num_samples: int, method: str = "pinned", compiled: bool = True):
+    """A trainer for plan `spec` = (fraction of blocks fully recomputed, the others' mode, token budget)."""
     from colocate.trainer import Trainer
 
+    full, rest, max_tokens = spec
+    return Trainer(_config(num_samples, max_tokens, method, compiled), info, model_config=model_config(name),
+                   checkpointing=ActivationCheckpointing(full_fraction=full, rest=rest))
+
+
+def bench_ours(name: str, spec, steps: int, info, limit_gib: float | None) -> tuple[dict, object]:
     mcfg = model_config(name)
     rng = random.Random(0)
     batches = [make_samples(rng, mcfg.vocab_size) for _ in range(2 + steps)]
-    base = torch.cuda.memory_allocated()
-    trainer = Trainer(_config(len(batches[0]), compiled), info, model_config=mcfg, checkpoint_every=checkpoint_every)
+    full, rest, max_tokens = spec
+    parts = [pack_micro_batches([len(s.tokens) for s in b], max_tokens) for b in batches[2:]]
+    base, graphs = torch.cuda.memory_allocated(), _graphs()
+    trainer = _trainer(name, spec, info, len(batches[0]))
     warmup_s = sum(_timed(lambda b=b: trainer.train(b, 0)) for b in batches[:2])
+    warm_graphs = _graphs()
     torch.cuda.reset_peak_memory_stats()
-    seconds, tokens, flops, metrics = 0.0, 0, 0.0, {}
+    times, tokens, flops, causal, metrics = [], 0, 0.0, 0.0, {}
     for batch in batches[2:]:
         lengths = [len(s.tokens) for s in batch]
-        seconds += _timed(lambda b=batch: metrics.update(trainer.train(b, 1)))
+        times.append(_timed(lambda b=batch: metrics.update(trainer.train(b, 1))))
         tokens += sum(lengths)
-        flops += model_flops(mcfg, lengths)
-    peak = torch.cuda.max_memory_allocated() - base
-    return dict(compile=compiled, checkpoint_every=checkpoint_every, tokens_per_s=tokens / seconds,
-                mfu=flops / seconds / (PEAK_TFLOPS * 1e12), peak_gib=peak / 2**30, warmup_s=warmup_s,
-                step_tokens=tokens / steps, grad_norm=metrics.get("train/grad_norm")), trainer
+        palm, caus = model_flops(mcfg, lengths, sum(s.response_len for s in batch))
+        flops, causal = flops + palm, causal + caus
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    seconds = sum(times)
+    return dict(compile=True, checkpoint_every=(round(1 / full) if full else 0) if rest == "none" else None,
+                full_fraction=round(full, 4), rest=rest, max_tokens_per_gpu=max_tokens,
+                num_micro_batches=max(len(p) for p in parts),
+                max_micro_batch_tokens=max(sum(len(batches[2 + i][j].tokens) for j in q)
+                                           for i, p in enumerate(parts) for q in p),
+                tokens_per_s=tokens / seconds, mfu=_mfu(flops, seconds), mfu_causal=_mfu(causal, seconds),
+                peak_gib=peak, fits=None if limit_gib is None else peak <= limit_gib,
+                warmup_s=warmup_s, step_s=times, step_tokens=tokens / steps,
+                graphs_compiled=warm_graphs - graphs, graphs_compiled_while_measured=_graphs() - warm_graphs,
+                grad_norm=metrics.get("train/grad_norm")), trainer
 
 
 def bench_hf(name: str, steps: int) -> dict:
@@ -164,13 +213,13 @@ def bench_hf(name: str, steps: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     seconds = sum(_timed(step) for _ in range(steps))
     peak = torch.cuda.max_memory_allocated() - base
-    tokens = ids.numel() * steps
-    return dict(tokens_per_s=tokens / seconds, mfu=model_flops(mcfg, [2048] * 8) * steps / seconds / (PEAK_TFLOPS * 1e12),
-                peak_gib=peak / 2**30)
+    palm, causal = model_flops(mcfg, [2048] * 8, ids.numel())
+    return dict(tokens_per_s=ids.numel() * steps / seconds, mfu=_mfu(palm * steps, seconds),
+                mfu_causal=_mfu(causal * steps, seconds), peak_gib=peak / 2**30)
 
 
 def bench_offload(trainer, rounds: int = 2) -> list[dict]:
-    """Offload everything, then onload, `rounds` times (the first pinned round allocates)."""
+    """Offload everything, then onload, `rounds` times."""
     out = []
     for _ in range(rounds):
         off = trainer.offload(keep_params=False)
@@ -178,6 +227,13 @@ def bench_offload(trainer, rounds: int = 2) -> list[dict]:
         out.append(dict(gib=off.num_bytes / 2**30, offload_s=off.seconds, onload_s=on.seconds,
                         offload_gb_per_s=off.gb_per_s, onload_gb_per_s=on.gb_per_s))
     return out
+
+
+def _tms_offload(name: str, info) -> list[dict]:
+    batch = make_samples(random.Random(1), model_config(name).vocab_size)
+    trainer = _trainer(name, (1.0, "none", 16384), info, len(batch), method="tms", compiled=False)
+    trainer.train(batch, 0)
+    return bench_offload(trainer)
 
 
 def _guarded(fn, *args):
@@ -190,62 +246,209 @@ def _guarded(fn, *args):
     return error
 
 
+_CATEGORIES = [("inductor", r"^triton_"), ("gemm", r"gemm|cutlass|nvjet|xmma|cublas"), ("attention", r"flash|fmha"),
+               ("log-prob kernel", r"^(stats|grad)$"), ("nccl", r"nccl"), ("foreach", r"multi_tensor|adam"),
+               ("memcpy/memset", r"^Memcpy|^Memset")]
+"""Kernel name -> category, first match (foreach: the optimizer, clipping, some FSDP copies)."""
+
+
+def _category(name: str) -> str:
+    return next((c for c, pattern in _CATEGORIES if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+PHASES = ("train.prepare", "micro_batch.inputs", "micro_batch.forward", "micro_batch.backward", "optimizer.step")
+"""The trainer's record_function labels (colocate.trainer.passes / step); they do not nest."""
+
+
+def _timeline(events: list[dict]) -> tuple[list[str], dict]:
+    """Device busy/idle time over the profiled window, idle time per trainer phase, the largest
+    idle gaps with what the host was doing, and device time per kernel category."""
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    host = [e for e in spans if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")]
+    phases = [e for e in spans if e.get("cat") == "user_annotation" and e["name"] in PHASES]
+    begin, end = min(e["ts"] for e in host), max(b for _, b, _ in gpu)
+    busy, gaps, cursor = 0.0, [], begin
+    for a, b, _ in gpu:
+        if a > cursor:
+            gaps.append((cursor, a))
+        if b > cursor:
+            busy += b - max(a, cursor)
+            cursor = b
+    window = end - begin
+    stalls = sum(b - a for a, b in gaps if b - a > 100)
+    idle: dict[str, float] = {}
+    for a, b in gaps:
+        rest = b - a
+        for e in phases:
+            overlap = min(b, e["ts"] + e["dur"]) - max(a, e["ts"])
+            if overlap > 0:
+                idle[e["name"]] = idle.get(e["name"], 0.0) + overlap
+                rest -= overlap
+        idle["(between phases)"] = idle.get("(between phases)", 0.0) + rest
+    by_category: dict[str, float] = {}
+    for a, b, name in gpu:
+        by_category[_category(name)] = by_category.get(_category(name), 0.0) + b - a
+
+    def ms(d: dict) -> str:
+        return ", ".join(f"{k} {v / 1e3:.1f}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]))
+
+    lines = [f"window {window / 1e3:.1f} ms, device busy {busy / 1e3:.1f} ms, idle {1 - busy / window:.1%} "
+             f"({stalls / 1e3:.1f} ms of it in gaps over 0.1 ms)",
+             f"device idle by trainer phase (ms): {ms(idle)}",
+             f"device time by kernel category (ms, streams overlap): {ms(by_category)}",
+             "largest idle gaps: at ms, length ms, phase | host op running when the device ran dry "
+             "| longest host ops started in the gap (ms)"]
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:12]:
+        phase = next((e["name"] for e in phases if e["ts"] <= a < e["ts"] + e["dur"]), "-")
+        running = [e for e in host if e["ts"] <= a < e["ts"] + e["dur"]]
+        inner = max(running, key=lambda e: e["ts"])["name"] if running else "-"
+        started = sorted((e for e in host if a < e["ts"] < b), key=lambda e: -e["dur"])[:3]
+        lines.append(f"  {(a - begin) / 1e3:8.1f} {(b - a) / 1e3:6.2f}  {phase:20s} | {inner} | "
+                     + "; ".join(f"{e['name']} ({e['dur'] / 1e3:.2f})" for e in started))
+    summary = dict(window_ms=window / 1e3, gpu_idle_fraction=1 - busy / window, idle_ms_in_long_gaps=stalls / 1e3,
+                   idle_ms_by_phase={k: v / 1e3 for k, v in idle.items()},
+                   device_ms_by_category={k: v / 1e3 for k, v in by_category.items()})
+    return lines, summary
+
+
+def profile_plan(name: str, spec, info, trace_dir: str | None) -> tuple[str, dict]:
+    """torch.profiler over 2 steps of one plan (after a warm-up step): tables and the timeline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = random.Random(0)
+    batches = [make_samples(rng, model_config(name).vocab_size) for _ in range(3)]
+    trainer = _trainer(name, spec, info, len(batches[0]))
+    trainer.train(batches[0], 0)
+    torch.cuda.synchronize()
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for batch in batches[1:]:
+            walls.append(_timed(lambda b=batch: trainer.train(b, 1)))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        raw = path.read_bytes()
+    if trace_dir:
+        (pathlib.Path(trace_dir) / f"train_trace_{name}.json.gz").write_bytes(gzip.compress(raw))
+    lines, summary = _timeline(json.loads(raw)["traceEvents"])
+    averages = prof.key_averages()
+    phases = [e for e in averages if e.key in PHASES]
+    text = [f"== {name}: full {spec[0]:.2f} + {spec[1]}, {spec[2]} tokens per micro-batch; "
+            f"profiled step wall times {', '.join(f'{w:.3f}' for w in walls)} s", *lines,
+            "labelled phases (host ms total / device ms of kernels launched inside):",
+            *[f"  {e.key:22s} {e.cpu_time_total / 1e3:9.1f} {e.device_time_total / 1e3:9.1f}" for e in phases],
+            "top device ops by self device time:",
+            averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
+            "top scopes by device time of everything launched inside (compiled blocks, log-prob kernel, FSDP):",
+            averages.table(sort_by="device_time_total", row_limit=25, max_name_column_width=70),
+            "top host ops by self host time:",
+            averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)]
+    return "\n".join(text), dict(summary, step_wall_s=walls, plan=list(spec))
+
+
+def _time_left(budget_s: float) -> float:
+    return budget_s - (time.monotonic() - START)
+
+
+def run_model(name: str, args, info, entry: dict) -> None:
+    hf = entry["hf_fsdp2"] = _guarded(bench_hf, name, args.steps)
+    _free()
+    limit = MEMORY_FRACTION * hf["peak_gib"] if "peak_gib" in hf and name in MEMORY_TARGET else None
+    entry["memory_limit_gib"] = limit
+    models = args.models.split(",")
+    later = 90 * len(models[models.index(name) + 1:])  # seconds kept for the models still to run
+    reserve = later + (30 if args.profile else 0)
+    for k, spec in enumerate(GRID[name]):
+        if k and _time_left(args.budget_s) < reserve + SECONDS_PER_PLAN:
+            entry["ours"].append(dict(full_fraction=round(spec[0], 4), rest=spec[1], max_tokens_per_gpu=spec[2],
+                                      skipped="time budget"))
+            continue
+        out = _guarded(bench_ours, name, spec, args.steps, info, limit)
+        run, trainer = out if isinstance(out, tuple) else (out, None)
+        entry["ours"].append(run)
+        if trainer is not None and name == "0.5b" and "offload_pinned" not in entry:
+            entry["offload_pinned_reserve_s"] = trainer.reserve_offload_buffers()
+            entry["offload_pinned"] = _guarded(bench_offload, trainer)
+        del trainer
+        _free()
+    if name == "0.5b" and _time_left(args.budget_s) > 20 + reserve:
+        entry["offload_tms"] = _guarded(_tms_offload, name, info)
+        _free()
+    runs = [r for r in entry["ours"] if "mfu" in r]
+    best = _best(entry) or max(runs, key=lambda r: r["mfu"], default=None)
+    if args.profile and best is not None and _time_left(args.budget_s) > 20 + later:
+        out = _guarded(profile_plan, name, (best["full_fraction"], best["rest"], best["max_tokens_per_gpu"]),
+                       info, args.trace)
+        if isinstance(out, tuple):
+            text, entry["profile"] = out
+            with PROFILE.open("a") as f:
+                f.write(text + "\n\n")
+        else:
+            entry["profile"] = out
+        _free()
+
+
+def _best(entry: dict) -> dict | None:
+    """The fastest plan within the memory limit (any plan when the model has no limit)."""
+    runs = [r for r in entry["ours"] if "mfu" in r]
+    if entry.get("memory_limit_gib") is not None:
+        runs = [r for r in runs if r["fits"]]
+    return max(runs, key=lambda r: r["mfu"]) if runs else None
+
+
+def _summary(name: str, entry: dict) -> str:
+    hf, best = entry["hf_fsdp2"], _best(entry)
+    runs = [r for r in entry["ours"] if "mfu" in r]
+    if not runs or "error" in hf:
+        return f"{name}: ours {best or entry['ours']} | hf+fsdp2 {hf}"
+    note = ""
+    if best is None:
+        best, note = max(runs, key=lambda r: r["mfu"]), " [no plan fits]"
+    line = (f"{name}: ours{note} {best['mfu']:.1%} MFU ({best['mfu_causal']:.1%} causal), "
+            f"{best['tokens_per_s'] / 1e3:.1f}k tok/s, {best['peak_gib']:.1f} GiB peak "
+            f"(full {best['full_fraction']:.2f} + {best['rest']}, {best['max_tokens_per_gpu']} tok/mb, "
+            f"{best['num_micro_batches']} mb) | hf+fsdp2 {hf['mfu']:.1%} MFU ({hf['mfu_causal']:.1%} causal), "
+            f"{hf['tokens_per_s'] / 1e3:.1f}k tok/s, {hf['peak_gib']:.1f} GiB | memory ratio "
+            f"{best['peak_gib'] / hf['peak_gib']:.2f} | tok/s ratio {best['tokens_per_s'] / hf['tokens_per_s']:.2f} | "
+            + (f"{sum(bool(r['fits']) for r in runs)}/{len(runs)} plans fit {entry['memory_limit_gib']:.1f} GiB"
+               if entry.get("memory_limit_gib") is not None else "no memory limit"))
+    for key in ("offload_pinned", "offload_tms"):  # pinned: buffers reserved beforehand (offload_pinned_reserve_s)
+        if isinstance(entry.get(key), list):
+            last = entry[key][-1]
+            line += (f" | {key[8:]} offload {last['offload_gb_per_s']:.1f} GB/s, "
+                     f"onload {last['onload_gb_per_s']:.1f} GB/s")
+    if isinstance(entry.get("profile"), dict) and "gpu_idle_fraction" in entry["profile"]:
+        line += f" | profiled device idle {entry['profile']['gpu_idle_fraction']:.1%}"
+    return line
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1.5b,0.5b", help="comma-separated, from: " + ", ".join(SHAPES))
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="profile each model's best plan")
+    parser.add_argument("--trace", default=None, help="directory for gzipped chrome traces of the profiles")
+    parser.add_argument("--budget-s", type=float, default=280.0,
+                        help="wall-clock budget: optional plans are skipped when it runs short")
     args = parser.parse_args(argv)
+    for name in args.models.split(","):
+        if name not in SHAPES:
+            raise ValueError(f"--models: unknown model {name!r}; known: {', '.join(SHAPES)}")
     info = dist.init()
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "peak_tflops": PEAK_TFLOPS, "models": {}}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        PROFILE.write_text("")
     for name in args.models.split(","):
         entry = results["models"][name] = {"params": num_params(model_config(name)), "ours": []}
-        for compiled, every in VARIANTS[name]:
-            out = _guarded(bench_ours, name, compiled, every, args.steps, info)
-            run, trainer = out if isinstance(out, tuple) else (out, None)
-            entry["ours"].append(run)
-            if trainer is not None and name == "0.5b" and "offload_pinned" not in entry:
-                entry["offload_pinned"] = _guarded(bench_offload, trainer)
-            del trainer
-            _free()
-        if name == "0.5b":
-            entry["offload_tms"] = _guarded(_tms_offload, name, info)
-        entry["hf_fsdp2"] = _guarded(bench_hf, name, args.steps)
-        _free()
+        run_model(name, args, info, entry)
+        entry["elapsed_s"] = time.monotonic() - START
         print(_summary(name, entry), flush=True)
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(results, indent=2))  # after each model: a cut-short run keeps its data
     dist.destroy()
-
-
-def _tms_offload(name: str, info) -> list[dict]:
-    from colocate.trainer import Trainer
-
-    mcfg = model_config(name)
-    batch = make_samples(random.Random(1), mcfg.vocab_size)
-    trainer = Trainer(_config(len(batch), compiled=False, method="tms"), info, model_config=mcfg, checkpoint_every=1)
-    trainer.train(batch, 0)
-    return bench_offload(trainer)
-
-
-def _summary(name: str, entry: dict) -> str:
-    hf = entry["hf_fsdp2"]
-    runs = [r for r in entry["ours"] if "error" not in r]
-    if not runs or "error" in hf:
-        return f"{name}: ours {runs[0] if runs else entry['ours']} | hf+fsdp2 {hf}"
-    fitting = [r for r in runs if r["peak_gib"] <= 0.4 * hf["peak_gib"]]
-    best = max(fitting or runs, key=lambda r: r["mfu"])
-    line = (f"{name}: ours {best['mfu']:.1%} MFU, {best['tokens_per_s'] / 1e3:.1f}k tok/s, "
-            f"{best['peak_gib']:.1f} GiB peak (compile={best['compile']}, ac every {best['checkpoint_every']}) | "
-            f"hf+fsdp2 {hf['mfu']:.1%} MFU, {hf['tokens_per_s'] / 1e3:.1f}k tok/s, {hf['peak_gib']:.1f} GiB | "
-            f"memory ratio {best['peak_gib'] / hf['peak_gib']:.2f}")
-    for key in ("offload_pinned", "offload_tms"):
-        rounds = entry.get(key)
-        if isinstance(rounds, list):
-            last = rounds[-1]
-            line += (f" | {key.split('_')[1]} offload {last['offload_gb_per_s']:.1f} GB/s, "
-                     f"onload {last['onload_gb_per_s']:.1f} GB/s")
-    return line
 
 
 if __name__ == "__main__":

@@ -8,10 +8,16 @@ A micro-batch packs whole samples (prompt + response, no padding) into one varle
 tokens and carries, for each of its T_mb response tokens, the position whose hidden state predicts
 it (`logit_index`, into N), the token itself (`targets`) and where it lives in the batch
 (`token_index`, into T): per-token results are gathered and scattered through that index.
+
+Inputs reach the device without making the host wait: each is built on the host, pinned, and
+copied with non_blocking, so the copy queues behind the work already on the stream while the host
+goes on (a pageable source would make the host wait for that work first, and the device would
+then idle while the host prepares the next launches).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +38,8 @@ class RolloutBatch:
     rewards: torch.Tensor  # (S,) fp32
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)
     """Computed (T,) tensors by name: old_logprobs, ref_logprobs, values, advantages, returns."""
+    mask_sums: list[float] = field(default_factory=list)
+    """(S) sum of each sample's loss mask, on the host (step planning needs it before any launch)."""
 
     @classmethod
     def from_samples(cls, samples: list[Sample], device: torch.device) -> "RolloutBatch":
@@ -47,8 +55,9 @@ class RolloutBatch:
         mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float32)
         rollout = torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        return cls(samples, offsets, mask.to(device), seq_index.to(device), rollout.to(device),
-                   rewards.to(device))
+        mask_sums = torch.zeros(len(samples)).index_add_(0, seq_index, mask).tolist()
+        return cls(samples, offsets, to_device(mask, device), to_device(seq_index, device),
+                   to_device(rollout, device), to_device(rewards, device), mask_sums=mask_sums)
 
     @property
     def num_samples(self) -> int:
@@ -65,6 +74,13 @@ class RolloutBatch:
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         assert value.shape == self.mask.shape, f"{name}: {tuple(value.shape)} vs {tuple(self.mask.shape)}"
         self.per_token[name] = value
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fresh host tensor on `device`; on CUDA through pinned memory, without a host wait."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -108,16 +124,14 @@ def build_micro_batch(batch: RolloutBatch, indices: list[int], device: torch.dev
     num_tokens = len(ids)
     if not indices:
         ids, positions, cu = [0, 0], [0, 1], [0, 2]
-    long = dict(dtype=torch.long)
+    # One host buffer, one copy; the fields are views of the device copy.
+    fields = (ids, positions, cu, logit_index, targets, token_index, seq_index)
+    flat = to_device(torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long), device)
+    views = flat.split([len(f) for f in fields])
     return MicroBatch(
-        input_ids=torch.tensor(ids, **long).to(device, non_blocking=True),
-        positions=torch.tensor(positions, **long).to(device, non_blocking=True),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True),
+        input_ids=views[0], positions=views[1], cu_seqlens=views[2].to(torch.int32),
         max_seqlen=max(b - a for a, b in zip(cu, cu[1:])),
-        logit_index=torch.tensor(logit_index, **long).to(device, non_blocking=True),
-        targets=torch.tensor(targets, **long).to(device, non_blocking=True),
-        token_index=torch.tensor(token_index, **long).to(device, non_blocking=True),
-        seq_index=torch.tensor(seq_index, **long).to(device, non_blocking=True),
+        logit_index=views[3], targets=views[4], token_index=views[5], seq_index=views[6],
         sample_indices=list(indices),
         num_tokens=num_tokens,
     )

@@ -5,10 +5,10 @@ the trainer needs its tensors back unchanged afterwards: the same Python objects
 sharded parameters, the optimizer holds its state by identity), with the same values. Two methods:
 
 - "pinned" (default, faster): every distinct device storage behind the registered tensors is copied
-  into one pinned host buffer per group (allocated at the first offload and reused, since pinning
-  many GiB takes seconds), on a side stream, then the storage is resized to zero. Onload resizes it
-  back and copies the bytes home. Views into a storage (FSDP's padded shard, the parameter view)
-  keep working because they reference the storage, not its address.
+  into one pinned host buffer per group (allocated by `reserve` or at the first offload, then
+  reused, since pinning many GiB takes seconds), on a side stream, then the storage is resized to
+  zero. Onload resizes it back and copies the bytes home. Views into a storage (FSDP's padded
+  shard, the parameter view) keep working because they reference the storage, not its address.
 - "tms": the tensors are allocated inside a torch_memory_saver region with a CPU backup, and
   offload/onload pause and resume that region. Slower (the library copies through freshly
   allocated pinned memory each time), kept selectable for setups that already use the library.
@@ -82,9 +82,9 @@ class _PinnedGroup:
         for storage, offset, size in zip(self.storages, self.offsets, self.sizes):
             yield storage, self.buffer[offset : offset + size]
 
-    def offload(self, stream: torch.cuda.Stream) -> int:
-        if self.offloaded:
-            return 0
+    def prepare(self) -> None:
+        """Find the group's storages as they are now; (re)allocate the pinned buffer if their sizes
+        differ from the last layout."""
         self.storages = _storages(self.source())
         sizes = [s.nbytes() for s in self.storages]
         if sizes != self.sizes or self.buffer is None:
@@ -94,6 +94,11 @@ class _PinnedGroup:
                 self.offsets.append(total)
                 total += -(-size // _ALIGN) * _ALIGN
             self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+
+    def offload(self, stream: torch.cuda.Stream) -> int:
+        if self.offloaded:
+            return 0
+        self.prepare()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for storage, slot in self._slots():
@@ -157,6 +162,16 @@ class StateOffloader:
 
     def is_offloaded(self, tag: str) -> bool:
         return self.groups[tag].offloaded or tag in self.paused
+
+    def reserve(self, tags: Iterable[str]) -> float:
+        """Allocate the pinned buffers of these groups (not yet offloaded) for their tensors as they
+        are now; returns the seconds it took. Without it the first offload allocates them."""
+        start = time.perf_counter()
+        if self._stream is not None:
+            for tag in tags:
+                if not self.groups[tag].offloaded:
+                    self.groups[tag].prepare()
+        return time.perf_counter() - start
 
     def offload(self, tags: Iterable[str]) -> OffloadStats:
         return self._move(list(tags), to_host=True)

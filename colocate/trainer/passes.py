@@ -7,6 +7,11 @@ are summed over ranks; each micro-batch's loss is its exact share of the global-
 those fixed denominators (colocate.algo.aggregate). FSDP averages gradients over ranks, so each
 share is multiplied by the world size before backward: the sum over micro-batches and ranks is
 then the gradient of the global-batch loss, whatever the token budget or the number of ranks.
+
+The micro-batch loop reads nothing back from the device (a read makes the host wait, and the
+device then idles while the host catches up): metric shares stay on the device and are read once,
+after the optimizer step. The phases are labelled (torch.profiler.record_function) so that a profile
+attributes device time and idle gaps to them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from colocate import dist
 from colocate.trainer.batch import MicroBatch, RolloutBatch, build_micro_batch
@@ -49,11 +55,9 @@ def plan_steps(batch: RolloutBatch, max_tokens: int, samples_per_step: int | Non
     local = step_slices(batch.num_samples, samples_per_step)
     slices = step_slices(batch.num_samples, samples_per_step, dist.all_reduce_max(len(local)))
     lengths = batch.lengths
-    mask_per_sample = torch.zeros(batch.num_samples, device=batch.mask.device).index_add_(
-        0, batch.seq_index, batch.mask).tolist()
     plans = []
     for sl in slices:
-        counts = dist.all_reduce_sum([sum(mask_per_sample[i] for i in sl), len(sl)], batch.mask.device)
+        counts = dist.all_reduce_sum([sum(batch.mask_sums[i] for i in sl), len(sl)], batch.mask.device)
         parts = agreed_micro_batches(lengths, list(sl), max_tokens)
         plans.append(StepPlan(parts, float(counts[0]), float(counts[1])))
     return plans
@@ -88,15 +92,19 @@ def gradient_step(
     sums: dict[str, torch.Tensor] = {}
     num_tokens = 0
     for part in plan.parts:
-        mb = build_micro_batch(batch, part, device)
-        loss, shares = loss_fn(mb, plan)
-        (loss * world).backward()
+        with record_function("micro_batch.inputs"):
+            mb = build_micro_batch(batch, part, device)
+        with record_function("micro_batch.forward"):
+            loss, shares = loss_fn(mb, plan)
+        with record_function("micro_batch.backward"):
+            (loss * world).backward()
         loss_sum += loss.detach().double()
         for name, value in shares.items():
             sums[name] = sums.get(name, 0.0) + value.detach().double()
         num_tokens += mb.num_tokens
-    names = sorted(sums)
-    totals = dist.all_reduce_sum(torch.stack([loss_sum] + [sums[n] for n in names]), device)
-    out = opt.step(totals[0])
-    out.update({n: float(v) for n, v in zip(names, totals[1:].tolist())})
+    with record_function("optimizer.step"):
+        names = sorted(sums)
+        totals = dist.all_reduce_sum(torch.stack([loss_sum] + [sums[n] for n in names]), device)
+        out = opt.step(totals[0])
+        out.update({n: float(v) for n, v in zip(names, totals[1:].tolist())})
     return out, num_tokens

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from colocate import dist
 from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype
@@ -24,7 +25,7 @@ from colocate.trainer.batch import RolloutBatch
 from colocate.trainer.critic import Critic, ValueModel, zero_value_head_
 from colocate.trainer.offload import OffloadStats, StateOffloader
 from colocate.trainer.optim import LRSchedule, OptimizerStep, init_optimizer_state
-from colocate.trainer.parallelize import build_sharded, device_mesh
+from colocate.trainer.parallelize import ActivationCheckpointing, build_sharded, device_mesh
 from colocate.trainer.passes import agreed_micro_batches, plan_steps
 from colocate.trainer.reference import Reference
 
@@ -54,11 +55,13 @@ def _summarize(steps: list[dict[str, float]], prefix: str) -> dict[str, float]:
 
 class Trainer:
     """Actor (+ reference, + critic) for one rank. `model_config` builds randomly initialised
-    models of that shape instead of loading cfg.model.path (benchmarks); `checkpoint_every`
-    overrides cfg.model.gradient_checkpointing with a block stride (see parallelize)."""
+    models of that shape instead of loading cfg.model.path (benchmarks); `checkpointing`
+    overrides cfg.model.gradient_checkpointing (every block recomputed, or none) with a finer plan.
+    With cfg.offload.offload_train the pinned host buffers are allocated here, once, so that no
+    offload during training pays for pinning host memory."""
 
     def __init__(self, cfg, info: dist.DistInfo, *, model_config: ModelConfig | None = None,
-                 checkpoint_every: int | None = None):
+                 checkpointing: ActivationCheckpointing | None = None):
         self.cfg, self.info = cfg, info
         m, t, a, r = cfg.model, cfg.train, cfg.algorithm, cfg.rollout
         self.device = info.device
@@ -71,7 +74,8 @@ class Trainer:
         self.mesh = device_mesh(self.device)
         self.offloader = StateOffloader(cfg.offload.method, self.device)
         self.random_config = model_config
-        self.checkpoint_every = int(bool(m.gradient_checkpointing)) if checkpoint_every is None else checkpoint_every
+        self.checkpointing = checkpointing or ActivationCheckpointing(
+            full_fraction=1.0 if m.gradient_checkpointing else 0.0)
         steps_per_rollout = -(-cfg.samples_per_rollout // cfg.global_batch_size)
         actor_rollouts = t.num_rollout - (a.num_critic_only_steps if a.use_critic else 0)
         norm_len = r.max_response_len
@@ -99,6 +103,8 @@ class Trainer:
                                          max(1, t.num_rollout * steps_per_rollout))
             self.critic = Critic(critic_model, critic_opt, a, norm_len=norm_len)
         self.transfer_metrics: dict[str, float] = {}
+        if cfg.offload.offload_train:
+            self.reserve_offload_buffers()
 
     def _build(self, make, path: str, tag: str, *, train: bool, skip: tuple[str, ...] = (),
                new: tuple[str, ...] = (), forward_methods: tuple[str, ...] = ("hidden_states",)) -> nn.Module:
@@ -111,7 +117,7 @@ class Trainer:
             param_dtype=mixed if train else None,
             weights=None if self.random_config is not None else iter_safetensors(path),
             source=str(path), skip=skip,
-            checkpoint_every=self.checkpoint_every if train else 0,
+            checkpointing=self.checkpointing if train else ActivationCheckpointing(),
             compile=bool(self.cfg.model.compile),
             forward_methods=forward_methods,
             region=self.offloader.region(tag), seed=self.cfg.train.seed)
@@ -155,10 +161,11 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algorithm
         t = cfg.train
         metrics: dict[str, float] = dict(self.transfer_metrics)
-        batch = RolloutBatch.from_samples(samples, self.device)
-        per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
-        plans = plan_steps(batch, t.max_tokens_per_gpu, per_rank)
-        pass_parts = agreed_micro_batches(batch.lengths, list(range(batch.num_samples)), t.max_tokens_per_gpu)
+        with record_function("train.prepare"):
+            batch = RolloutBatch.from_samples(samples, self.device)
+            per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
+            plans = plan_steps(batch, t.max_tokens_per_gpu, per_rank)
+            pass_parts = agreed_micro_batches(batch.lengths, list(range(batch.num_samples)), t.max_tokens_per_gpu)
         actor_trains = not (a.use_critic and rollout_id < a.num_critic_only_steps)
         if a.kl_in_reward or (actor_trains and len(plans) > 1):
             with self._timed(metrics, "old_logprob"):
@@ -194,6 +201,11 @@ class Trainer:
             self.transfer_metrics[f"perf/trainer_{kind}_gib"] = stats.num_bytes / (1 << 30)
             self.transfer_metrics[f"perf/trainer_{kind}_gb_per_s"] = stats.gb_per_s
         return stats
+
+    def reserve_offload_buffers(self) -> float:
+        """Allocate the host buffers of every offload group now (seconds it took); gradients are
+        freed after each optimizer step, so the buffers are sized for parameters and optimizer state."""
+        return self.offloader.reserve(list(self.offloader.groups))
 
     def offload_optimizer_and_grads(self) -> OffloadStats:
         """Everything the weight sync does not need: actor optimizer state and gradients, the critic."""

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
+#   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout train kernels units
+# Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
+set -u
+out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
+shift
+steps=${*:-loop default engine e2e rollout train kernels units}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+pytest_gpu() { python -m pytest -q -s -rA -m gpu -p no:cacheprovider "$@"; }
+
+run() {
+  local name=$1 seconds=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$seconds" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  printf '%-8s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" "$(grep -E 'passed|failed|error|tok/s|MFU|TRL|->' "$out/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+}
+
+for step in $steps; do
+  case $step in
+    loop) run loop 100 pytest_gpu tests/integration/test_loop_gpu.py ;;
+    default) run default 60 python -m colocate.train --config configs/default.yaml \
+               --output-dir "$out/default_run" --logging.console False ;;
+    engine) run engine 100 pytest_gpu tests/integration/test_engine_gpu.py -k "not 0_5b" ;;
+    e2e) run e2e 210 python bench/e2e.py --steps 3 --warmup 1 ;;
+    rollout) run rollout 160 python bench/rollout.py --cases b256,shared --peers plain,static --profile ;;
+    train) run train 330 python bench/train.py ;;
+    kernels) run kernels 60 python bench/kernels.py ;;
+    units) run units 200 pytest_gpu tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
+    *) echo "unknown step $step" >&2 ;;
+  esac
+done
+cp bench/results/*.json bench/results/*.txt "$out/" 2>/dev/null
+true
