@@ -105,13 +105,17 @@ def _two_ranks(rank, world_size, path, out_file):
 
 def _budgets(path, info) -> list[dict]:
     from colocate.trainer import Trainer
+    from colocate.trainer.parallelize import ActivationCheckpointing
 
     samples = _samples(vocab=101, num_groups=3, seed=1)
     results = []
-    # One micro-batch vs. about one sample per micro-batch, the latter with every block recomputed.
-    for budget, recompute in ((4096, False), (16, True)):
+    # One micro-batch vs. about one sample per micro-batch, the latter with every block recomputed,
+    # and a middle budget with half the blocks recomputed and the rest recomputing elementwise ops.
+    plans = ((4096, False, None), (16, True, None), (64, False, ActivationCheckpointing(0.5, "ops")))
+    for budget, recompute, checkpointing in plans:
         trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": budget,
-                                           "model.gradient_checkpointing": recompute}), info)
+                                           "model.gradient_checkpointing": recompute}), info,
+                          checkpointing=checkpointing)
         grads = _capture_grads(trainer)
         trainer.train(samples, rollout_id=0)
         results.append(grads)
@@ -302,8 +306,9 @@ def test_gradients_match_a_plain_torch_reference(model_path, one_rank):
 
 
 def test_gradients_do_not_depend_on_the_token_budget_or_recomputation(one_rank):
-    big, small = one_rank["budgets"]
+    big, small, selective = one_rank["budgets"]
     _assert_close(big, small, 1e-6)
+    _assert_close(big, selective, 1e-6)
 
 
 def test_first_step_log_probs_match_the_behaviour_policy(one_rank):
