@@ -15,11 +15,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 import sys
 import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,10 +25,9 @@ from typing import Any, Literal
 import tyro
 import yaml
 
+from colocate.config_checks import Origin, validate
 from colocate.toy import cache_root, default_cache_dir
 
-BUILTIN_REWARDS = ("toy", "math", "exact", "f1")
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def _toy_path(name: str) -> str:
@@ -40,15 +37,6 @@ def _toy_path(name: str) -> str:
 def _ranged(default: Any, spec: str) -> Any:
     """A field whose value must lie in `spec` (">= 1", "> 0", "(0, 1]", ...); None passes."""
     return field(default=default, metadata={"range": spec})
-
-
-def _in_range(value: float, spec: str) -> bool:
-    if spec[0] in "[(":
-        lo, hi = (float(x) for x in spec[1:-1].split(","))
-        return (lo <= value if spec[0] == "[" else lo < value) and (
-            value <= hi if spec[-1] == "]" else value < hi)
-    op, bound = spec.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
 
 
 @dataclass
@@ -367,7 +355,7 @@ def load_config(argv: list[str] | None = None) -> Config:
         "flags override them.",
         config=(tyro.conf.FlagConversionOff,),
     )
-    origin = _Origin(base, yaml_path)
+    origin = Origin(base, yaml_path)
     _expand_paths(cfg)
     validate(cfg, origin)
     return cfg
@@ -469,116 +457,3 @@ def _expand_paths(cfg: Config) -> None:
         ds.path = expand_path(ds.path)
     if cfg.checkpoint.dir is not None:
         cfg.checkpoint.dir = expand_path(cfg.checkpoint.dir)
-
-
-class _Origin:
-    """Names where a field's value came from: the YAML file, or the command line if overridden."""
-
-    def __init__(self, base: Config, yaml_path: str | None):
-        self.base, self.yaml_path = base, yaml_path
-
-    def __call__(self, cfg: Config, dotted: str) -> str:
-        def get(obj: Any) -> Any:
-            for part in dotted.split("."):
-                obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part, None)
-            return obj
-
-        if self.yaml_path is None:
-            return "command line"
-        try:
-            overridden = get(self.base) != get(cfg)
-        except (IndexError, AttributeError):
-            overridden = True
-        return "command line" if overridden else self.yaml_path
-
-
-def validate(cfg: Config, origin: Callable[[Config, str], str] | None = None) -> None:
-    """Range and combination checks; the first failure raises ValueError naming field and source."""
-    origin = origin or (lambda _cfg, _name: "config")
-    r, a, t, e = cfg.rollout, cfg.algorithm, cfg.train, cfg.eval
-    n = r.n_samples_per_prompt
-    checks = list(_range_checks(cfg, ""))
-    checks += [
-        ("model.path", bool(cfg.model.path), "must name a model directory", cfg.model.path),
-        ("rollout.prompt_data", bool(r.prompt_data), "must name a data file", r.prompt_data),
-        ("rollout.input_key", bool(r.input_key), "must be non-empty", r.input_key),
-        ("rollout.over_sampling_batch_size",
-         r.over_sampling_batch_size is None or r.over_sampling_batch_size >= r.rollout_batch_size,
-         f"must be >= rollout.rollout_batch_size ({r.rollout_batch_size})",
-         r.over_sampling_batch_size),
-        ("rollout.dynamic_sampling", not (r.dynamic_sampling and n == 1),
-         "needs rollout.n_samples_per_prompt >= 2 (a group of one always agrees)",
-         r.dynamic_sampling),
-        ("rollout.top_k", r.top_k == -1 or r.top_k >= 1, "must be -1 (all) or >= 1", r.top_k),
-        ("rollout.reward", _reward_name_ok(r.reward),
-         f"must be one of {list(BUILTIN_REWARDS)} or module:function", r.reward),
-        ("rollout.custom_generate",
-         r.custom_generate is None or bool(_IMPORT_PATH.match(r.custom_generate)),
-         "must be module:function", r.custom_generate),
-        ("algorithm.advantage_estimator",
-         n >= 2 or a.advantage_estimator in ("reinforce_plus_plus", "gae"),
-         "needs rollout.n_samples_per_prompt >= 2 (its baseline is the group)",
-         a.advantage_estimator),
-        ("algorithm.eps_clip_high", a.eps_clip_high is None or a.eps_clip_high >= a.eps_clip,
-         f"must be >= algorithm.eps_clip ({a.eps_clip})", a.eps_clip_high),
-        ("algorithm.overlong_buffer_len",
-         a.overlong_buffer_len is None or 0 < a.overlong_buffer_len < r.max_response_len,
-         f"must be in (0, rollout.max_response_len={r.max_response_len})", a.overlong_buffer_len),
-        ("algorithm.num_critic_only_steps", a.num_critic_only_steps == 0 or a.use_critic,
-         "needs algorithm.advantage_estimator=gae (no critic otherwise)", a.num_critic_only_steps),
-        ("train.num_rollout", t.num_rollout > 0 or (e.interval is not None and bool(e.datasets)),
-         "is 0 (eval-only) but eval is off: set eval.interval and eval.datasets", t.num_rollout),
-        ("train.max_tokens_per_gpu", t.max_tokens_per_gpu >= r.max_prompt_len + r.max_response_len,
-         f"must hold one full sample (rollout.max_prompt_len + rollout.max_response_len = "
-         f"{r.max_prompt_len + r.max_response_len})", t.max_tokens_per_gpu),
-        ("train.global_batch_size", cfg.samples_per_rollout % cfg.global_batch_size == 0,
-         f"must divide rollout.rollout_batch_size * rollout.n_samples_per_prompt "
-         f"({cfg.samples_per_rollout})", t.global_batch_size),
-        ("offload.method", not (cfg.offload.method == "tms" and _expandable_segments()),
-         "tms cannot pause memory from expandable segments: unset expandable_segments in "
-         "PYTORCH_CUDA_ALLOC_CONF", cfg.offload.method),
-        ("offload.offload_rollout", not (cfg.offload.offload_rollout and _expandable_segments()),
-         "releases engine memory through torch_memory_saver, which cannot pause expandable "
-         "segments: unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF",
-         cfg.offload.offload_rollout),
-        ("eval.datasets", e.interval is None or bool(e.datasets),
-         "must not be empty when eval is on", e.datasets),
-    ]
-    names = [ds.name for ds in e.datasets]
-    for i, ds in enumerate(e.datasets):
-        checks += [
-            (f"eval.datasets.{i}.name", bool(ds.name) and names.count(ds.name) == 1,
-             "must be non-empty and unique", ds.name),
-            (f"eval.datasets.{i}.path", bool(ds.path), "must name a data file", ds.path),
-            (f"eval.datasets.{i}.reward", ds.reward is None or _reward_name_ok(ds.reward),
-             f"must be one of {list(BUILTIN_REWARDS)} or module:function", ds.reward),
-        ]
-    for name, ok, why, value in checks:
-        if not ok:
-            raise ValueError(f"{origin(cfg, name)}: {name} {why}, got {value!r}")
-
-
-def _range_checks(obj: Any, prefix: str):
-    """(dotted name, ok, requirement, value) for each field declared with `_ranged`, recursively."""
-    for f in dataclasses.fields(obj):
-        value, name = getattr(obj, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            yield from _range_checks(value, f"{name}.")
-        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-            for i, item in enumerate(value):
-                yield from _range_checks(item, f"{name}.{i}.")
-        elif "range" in f.metadata and value is not None:
-            spec = f.metadata["range"]
-            ok = all(_in_range(v, spec) for v in (value if isinstance(value, list) else [value]))
-            why = f"must be in {spec}" if spec[0] in "[(" else f"must be {spec}"
-            yield name, ok, why, value
-
-
-def _reward_name_ok(name: str) -> bool:
-    return name in BUILTIN_REWARDS or bool(_IMPORT_PATH.match(name))
-
-
-def _expandable_segments() -> bool:
-    keys = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-    conf = ",".join(os.environ.get(k, "") for k in keys)
-    return bool(re.search(r"expandable_segments\s*:\s*true", conf, re.IGNORECASE))
