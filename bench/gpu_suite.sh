@@ -8,7 +8,6 @@ shift
 steps=${*:-loop default engine e2e rollout train kernels units}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-pytest_gpu() { python -m pytest -q -s -rA -m gpu -p no:cacheprovider "$@"; }
 
 run() {
   local name=$1 seconds=$2
@@ -21,15 +20,15 @@ run() {
 
 for step in $steps; do
   case $step in
-    loop) run loop 100 pytest_gpu tests/integration/test_loop_gpu.py ;;
+    loop) run loop 100 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_loop_gpu.py ;;
     default) run default 60 python -m colocate.train --config configs/default.yaml \
                --output-dir "$out/default_run" --logging.console False ;;
-    engine) run engine 100 pytest_gpu tests/integration/test_engine_gpu.py -k "not 0_5b" ;;
-    e2e) run e2e 210 python bench/e2e.py --steps 3 --warmup 1 ;;
-    rollout) run rollout 160 python bench/rollout.py --cases b256,shared --peers plain,static --profile ;;
+    engine) run engine 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
+    e2e) run e2e 240 python bench/e2e.py --steps 3 --warmup 1 ;;
+    rollout) run rollout 160 python bench/rollout.py --cases b256 --peers plain,static ;;
     train) run train 330 python bench/train.py ;;
     kernels) run kernels 60 python bench/kernels.py ;;
-    units) run units 200 pytest_gpu tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
+    units) run units 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
     *) echo "unknown step $step" >&2 ;;
   esac
 done

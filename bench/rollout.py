@@ -14,14 +14,8 @@ Reported per run: output tokens/s (wall time of the whole generate, prefill incl
 ms per decode step and the fraction of the memory-bandwidth roofline of a decode step, i.e.
 (weight bytes + KV bytes read per step) / 4.3 TB/s over the measured step time.
 
-With --profile, torch.profiler also records a few decode windows of the b256 case (after its
-prefill and one warm window) and writes, next to the JSON (rollout.profile.txt), the top CUDA
-kernels and CPU ops by total time, kernel time per category, the GPU-busy fraction (kernel time
-over wall time) and the largest idle gaps between kernels (host work between windows), plus a
-Chrome trace (rollout.trace.json.gz).
-
 Writes JSON (default bench/results/rollout.json) and prints one summary line.
-Run: python bench/rollout.py [--cases b256,b64,long,shared] [--peers plain,static] [--long-hf] [--profile]
+Run: python bench/rollout.py [--cases b256,b64,long,shared] [--peers plain,static] [--long-hf]
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 import time
 
 import torch
@@ -103,92 +96,6 @@ def run_ours(engine: NativeEngine, case: str) -> dict:
     }
 
 
-KERNEL_CATEGORIES = (
-    # (category, regex on the kernel name); the first match wins
-    ("paged attention", r"^(decode|merge)"),  # colocate.kernels.paged_attention's Triton kernels
-    ("kv store", r"^store"),
-    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce"),
-    ("sort / scan", r"[Ss]ort|[Ss]can|radix|cub::"),
-    ("sampler, compiled", r"^triton_.*(argmax|bitwise)"),  # the noise hash and the argmax
-    ("inductor fused", r"^triton_"),
-    ("memcpy / memset", r"^Memcpy|^Memset"),
-)
-
-
-def _merge(spans: list[tuple[float, float]]) -> list[list[float]]:
-    """Union of [start, end) intervals, sorted."""
-    merged: list[list[float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def profile_decode(engine: NativeEngine, out: pathlib.Path, num_windows: int = 4) -> dict:
-    """torch.profiler over `num_windows` decode windows of the b256 case. Writes the report and a
-    Chrome trace beside the JSON `out` (<stem>.profile.txt, <stem>.trace.json.gz) and returns its
-    headline numbers."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    num, n, prompt_len, output_len = CASES["b256"]
-    sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=output_len, ignore_eos=True, seed=0)
-    for i, prompt in enumerate(make_prompts(num, prompt_len)):
-        engine.add_request(prompt, sp, prompt_index=i)
-    while engine.scheduler.waiting or engine.scheduler.prefilling:
-        engine.step()
-    engine.step()  # one decode window first: nothing left to compile or capture
-    steps_before = engine.stats["decode_steps"]
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(num_windows):
-            engine.step()
-        torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - start) * 1e6
-    steps = engine.stats["decode_steps"] - steps_before
-    engine.abort()
-
-    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    merged = _merge([(e.time_range.start, e.time_range.end) for e in device_events])
-    busy_us = sum(end - start for start, end in merged)
-    origin = merged[0][0] if merged else 0.0
-    gaps = sorted(((b[0] - a[1], a[1] - origin) for a, b in zip(merged, merged[1:])), reverse=True)
-    by_category: dict[str, float] = {}
-    for e in device_events:
-        category = next((c for c, pattern in KERNEL_CATEGORIES if re.search(pattern, e.name)), "other")
-        by_category[category] = by_category.get(category, 0.0) + e.time_range.end - e.time_range.start
-    summary = {
-        "decode_steps": steps, "wall_ms_per_step": wall_us / steps / 1e3,
-        "device_busy_ms_per_step": busy_us / steps / 1e3, "device_busy_fraction": busy_us / wall_us,
-        "device_events_per_step": len(device_events) / steps,
-        "idle_gaps_over_50us": sum(1 for g, _ in gaps if g > 50),
-        "idle_ms_in_gaps_over_50us": sum(g for g, _ in gaps if g > 50) / 1e3,
-        "ms_per_step_by_category": {c: t / steps / 1e3 for c, t in sorted(by_category.items(), key=lambda x: -x[1])},
-    }
-    averages = prof.key_averages()
-    lines = [
-        f"Decode profile: b256 case, {num_windows} windows, {steps} decode steps (under the profiler, which "
-        f"adds host time), block_size {engine.block_manager.block_size}.",
-        json.dumps(summary, indent=2),
-        "Largest idle gaps between device events (us, at us from the first event):",
-        "  " + ", ".join(f"{g:.0f} at {t:.0f}" for g, t in gaps[:16]),
-        "",
-        "Top device kernels by self device time:",
-        averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90),
-        "Top CPU ops by total CPU time:",
-        averages.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=90),
-        "Top CPU ops by self CPU time:",
-        averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90),
-    ]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_name(out.stem + ".profile.txt").write_text("\n".join(lines) + "\n")
-    prof.export_chrome_trace(str(out.with_name(out.stem + ".trace.json.gz")))
-    return summary
-
-
 def run_hf(hf, case: str, static: bool) -> dict:
     num, n, prompt_len, output_len = CASES[case]
     ids = torch.tensor(make_prompts(num, prompt_len), device="cuda")
@@ -220,9 +127,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-hf", action="store_true", help="also run HF plain on the long case (minutes)")
     parser.add_argument("--max-decode-steps", type=int, default=16, help="decode steps per host round trip")
     parser.add_argument("--no-compile-decode", action="store_true", help="run our decode forward uncompiled")
-    parser.add_argument("--block-size", type=int, default=16, help="KV-cache block size (tokens) of our engine")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile decode windows of the b256 case; report beside the JSON")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="JSON output path")
     args = parser.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
@@ -236,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     hf, ours = build_models()
     start = time.perf_counter()
     engine = NativeEngine(ours, max_kv_tokens=1 << 20, max_num_seqs=256, max_decode_steps=args.max_decode_steps,
-                          compile_decode=not args.no_compile_decode, block_size=args.block_size)
+                          compile_decode=not args.no_compile_decode)
     del ours
     init_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -246,17 +150,13 @@ def main(argv: list[str] | None = None) -> None:
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": HF_CONFIG,
         "engine": {"init_seconds": init_s, "warmup_seconds": warmup_s, "memory": engine.memory_stats(),
-                   "max_decode_steps": args.max_decode_steps, "compile_decode": not args.no_compile_decode,
-                   "block_size": args.block_size},
+                   "max_decode_steps": args.max_decode_steps, "compile_decode": not args.no_compile_decode},
         "cases": {},
     }
     for case in cases:
         results["cases"][case] = {"shape": dict(zip(("prompts", "n", "prompt_tokens", "output_tokens"), CASES[case])),
                                   "ours": run_ours(engine, case)}
         print(f"{case} ours: {results['cases'][case]['ours']}", flush=True)
-    if args.profile:
-        results["profile"] = profile_decode(engine, args.out)
-        print(f"profile: {results['profile']}", flush=True)
     engine.shutdown()
     torch.cuda.empty_cache()
     for case in cases:

@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Iterable, Sequence as SequenceType
 
 import torch
-from torch.profiler import record_function
 
 from colocate.models import CausalLM, from_config, from_pretrained, load_weights, resolve_dtype
 from colocate.models.layers import rope_inv_freq
 from colocate.rollout.native.block_manager import BlockManager
 from colocate.rollout.native.memory import DeviceMemory
 from colocate.rollout.native.model_runner import ModelRunner
-from colocate.rollout.native.sampler import PLAIN, SamplingBatch
+from colocate.rollout.native.sampler import SamplingBatch
 from colocate.rollout.native.scheduler import Scheduler, Sequence
 from colocate.rollout.protocol import Completion, SamplingParams, check_tags
 
@@ -87,11 +86,11 @@ class NativeEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_decode_steps)
         self.runner = ModelRunner(
             self.model, memory=self.memory, block_size=block_size, num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, max_decode_steps=max_decode_steps,
+            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             cuda_graph_max_bs=cuda_graph_max_bs if cuda_graph else None,
             compile_decode=self.device.type == "cuda" if compile_decode is None else compile_decode)
         if self.runner.graphs is not None:
-            self.runner.graphs.capture(PLAIN)
+            self.runner.graphs.capture()
         self.weight_version = 0
         self._weights_valid = True
         self._released: set[str] = set()
@@ -186,8 +185,7 @@ class NativeEngine:
         """Run one scheduled batch (a prefill step, or a few decode steps); return what finished."""
         self._check_ready()
         start = time.perf_counter()
-        with record_function("engine.schedule"):
-            batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()
         self.runner.copy_blocks(batch.copies)
         vocab = self.model.config.vocab_size
         if batch.is_prefill:
@@ -205,14 +203,11 @@ class NativeEngine:
                 self._decode_sampling = (key, SamplingBatch.build(_rows(batch.seqs), vocab, self.device))
             sampling = self._decode_sampling[1]  # same rows as the last window: its tensors still hold
             ids, logprobs = self.runner.decode(batch.seqs, batch.num_steps, sampling)  # (k, B)
-            with record_function("engine.read_back"):
-                token_ids, token_logprobs = ids.T.tolist(), logprobs.T.tolist()
+            token_ids, token_logprobs = ids.T.tolist(), logprobs.T.tolist()
             self.stats["decode_steps"] += batch.num_steps
             self.stats["decode_tokens"] += batch.num_steps * len(batch.seqs)
             self.stats["decode_seconds"] += time.perf_counter() - start
-        with record_function("engine.postprocess"):
-            finished = self.scheduler.postprocess(batch, token_ids, token_logprobs)
-        return [self._completion(s) for s in finished]
+        return [self._completion(s) for s in self.scheduler.postprocess(batch, token_ids, token_logprobs)]
 
     def _completion(self, seq: Sequence) -> Completion:
         return Completion(seq.prompt_index, seq.sample_index, seq.output_ids, seq.logprobs, seq.finish_reason,
@@ -357,5 +352,5 @@ class NativeEngine:
             torch.cuda.empty_cache()
 
 
-def _rows(seqs: list[Sequence]) -> list[tuple[SamplingParams, int, frozenset[int], int, int]]:
-    return [(s.params, s.seed, s.stop_ids, s.num_prompt_tokens, s.num_output_tokens) for s in seqs]
+def _rows(seqs: list[Sequence]) -> list[tuple[SamplingParams, int, frozenset[int], int]]:
+    return [(s.params, s.seed, s.stop_ids, s.num_output_tokens) for s in seqs]

@@ -9,14 +9,11 @@ cache and attends over it, so the model never knows about paging:
   bottom-right aligned over prefix + new keys. On CUDA (half precision) one varlen flash-attention
   call covers the batch; elsewhere one SDPA call per sequence (never a quadratic packed mask).
 - decode: one token per sequence through `paged_decode_attention` (wrapped as a custom op, so that
-  torch.compile can fuse the rest of the forward around it). A decode step — cache slots and
-  context lengths from the positions, forward, fp32 logits, sampling, feeding the sampled ids and
-  positions to the next step, recording the output — reads and writes only static buffers, so one
-  CUDA graph per batch-size bucket (and sampler variant) captures all of it: the host replays
-  `num_steps` graphs back to back and reads the whole window's ids and log-probs at once.
+  torch.compile can fuse the rest of the forward around it), from static buffers that CUDA graphs
+  replay; several decode steps run back to back on the device, each step feeding its sampled ids
+  to the next, and the host reads all of them at once.
 
-Logits are computed for the sampled positions only, in fp32 from the final hidden states (the
-trainer's log-prob definition), outside the compiled forward: one cuBLAS GEMM with fp32 output.
+Logits are computed for the sampled positions only, in fp32 (the trainer's log-prob definition).
 """
 
 from __future__ import annotations
@@ -27,13 +24,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 from colocate.kernels.paged_attention import paged_decode_attention, store_kv
 from colocate.models import CausalLM
 from colocate.rollout.native.cuda_graphs import DecodeGraphs
 from colocate.rollout.native.memory import DeviceMemory
-from colocate.rollout.native.sampler import SamplingBatch, Variant
+from colocate.rollout.native.sampler import SamplingBatch
 from colocate.rollout.native.scheduler import PrefillChunk, Sequence
 
 
@@ -65,40 +61,32 @@ class _PrefillContext:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, *, memory: DeviceMemory, block_size: int, num_blocks: int,
-                 max_num_seqs: int, max_model_len: int, max_decode_steps: int, cuda_graph_max_bs: int | None,
-                 compile_decode: bool):
+                 max_num_seqs: int, max_model_len: int, cuda_graph_max_bs: int | None, compile_decode: bool):
         cfg = model.config
         self.model = model
         self.memory = memory
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.vocab_size = cfg.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.scale = cfg.head_dim ** -0.5
         self.kv: torch.Tensor | None = None
         self.allocate_kv()
-        # Static decode state (outside any releasable region: small, and graphs read it). A row
-        # with position -1 is inert: no K/V write, empty context.
+        # Static decode inputs (outside any releasable region: small, and graphs read them).
         max_blocks_per_seq = -(-max_model_len // block_size)
         dev = dict(device=self.device)
-        self.tokens = torch.zeros((2, max_num_seqs), dtype=torch.int64, **dev)  # input ids; positions
-        self.input_ids, self.positions = self.tokens[0], self.tokens[1]
-        self.positions.fill_(-1)
+        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, **dev)
+        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, **dev)
+        self.slot_mapping = torch.full((max_num_seqs,), -1, dtype=torch.int64, **dev)
         self.block_tables = torch.full((max_num_seqs, max_blocks_per_seq), -1, dtype=torch.int32, **dev)
-        self.out_ids = torch.zeros((max_decode_steps, max_num_seqs), dtype=torch.int64, **dev)
-        self.out_logprobs = torch.zeros((max_decode_steps, max_num_seqs), dtype=torch.float32, **dev)
-        self.step = torch.zeros((), dtype=torch.int64, **dev)
-        """Index of the current step in the window (out_ids row), advanced on the device."""
-        self._step_rows = torch.arange(max_decode_steps, **dev)[:, None]  # (k, 1)
-        self._sampling: dict[Variant, SamplingBatch] = {}
+        self.context_lens = torch.zeros(max_num_seqs, dtype=torch.int32, **dev)
         self._prefill: _PrefillContext | None = None
         # Eager, a decode step is ~40 small kernels per layer; compiled, the elementwise work
         # between the GEMMs and the attention op fuses (the graphs then replay fewer launches).
-        self._decode_fn = self._decode_hidden
+        self._decode_fn = self._decode_logits
         if compile_decode:
-            self._decode_fn = torch.compile(self._decode_hidden, dynamic=True, fullgraph=True)
+            self._decode_fn = torch.compile(self._decode_logits, dynamic=True, fullgraph=True)
         self.graphs = None
         if cuda_graph_max_bs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_num_seqs))
@@ -127,7 +115,7 @@ class ModelRunner:
         weight = self.model.lm_head.weight
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             return torch.mm(hidden, weight.T, out_dtype=torch.float32)
-        return F.linear(hidden.float(), weight.float())
+        return F.linear(hidden, weight).float()
 
     # ---------------------------------------------------------------- prefill
 
@@ -184,79 +172,60 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- decode
 
-    def reset_rows(self) -> None:
-        """Make every decode row inert (before warming up or capturing a graph)."""
-        self.positions.fill_(-1)
+    def reset_padding(self, batch_size: int) -> None:
+        """Make rows batch_size.. inert: no K/V write, empty context."""
+        self.slot_mapping[batch_size:].fill_(-1)
+        self.context_lens[batch_size:].zero_()
 
-    def static_sampling(self, variant: Variant) -> SamplingBatch:
-        """The static sampling buffers of one sampler variant (all rows)."""
-        if variant not in self._sampling:
-            self._sampling[variant] = SamplingBatch.static(self.input_ids.shape[0], self.vocab_size, self.device,
-                                                           variant)
-        return self._sampling[variant]
-
-    def _decode_hidden(self, input_ids, positions, kv, block_tables):
-        """Final hidden states (B, H) of one decode token per row; rows at position -1 are inert."""
-        live = positions >= 0
-        pos = positions.clamp(min=0)
-        block = block_tables.gather(1, (pos // self.block_size)[:, None]).squeeze(1)  # (B,)
-        slots = torch.where(live, block.long() * self.block_size + pos % self.block_size, -1)
-        context_lens = torch.where(live, pos + 1, 0).to(torch.int32)
-
-        def attn(layer, q, k, v):
-            return decode_attention(q, k, v, kv, layer, slots, block_tables, context_lens, self.scale)
-
-        return self.model.hidden_states(input_ids, positions=pos, attn=attn)
-
-    def decode_step(self, batch_size: int, variant: Variant) -> None:
-        """One decode step of the first `batch_size` static rows, on the device only (what a graph
-        captures): sample from each row's last token, record the sample at row `step` of the
-        output buffers, feed it back, advance live positions."""
+    def decode_forward(self, batch_size: int) -> torch.Tensor:
+        """Logits (B, V) fp32 for the first `batch_size` rows of the static decode buffers."""
         b = batch_size
-        input_ids, positions = self.input_ids[:b], self.positions[:b]
-        hidden = self._decode_fn(input_ids, positions, self.kv, self.block_tables[:b])  # (b, H)
-        ids, logprobs = self.static_sampling(variant).head(b).sample(self._logits(hidden), positions)
-        now = self._step_rows == self.step  # (k, 1)
-        self.out_ids[:, :b].copy_(torch.where(now, ids, self.out_ids[:, :b]))
-        self.out_logprobs[:, :b].copy_(torch.where(now, logprobs, self.out_logprobs[:, :b]))
-        self.step.add_(1)
-        input_ids.copy_(ids)
-        positions.add_(positions >= 0)
+        return self._decode_fn(self.input_ids[:b], self.positions[:b], self.kv, self.slot_mapping[:b],
+                               self.block_tables[:b], self.context_lens[:b])
+
+    def _decode_logits(self, input_ids, positions, kv, slot_mapping, block_tables, context_lens):
+        def attn(layer, q, k, v):
+            return decode_attention(q, k, v, kv, layer, slot_mapping, block_tables, context_lens, self.scale)
+
+        return self._logits(self.model.hidden_states(input_ids, positions=positions, attn=attn))
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence], num_steps: int, sampling: SamplingBatch
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `num_steps` decode steps for `seqs`; ids and log-probs (num_steps, B) on the device,
-        views of static buffers that the next call overwrites."""
+        """Run `num_steps` decode steps for `seqs`; ids and log-probs (num_steps, B) on the device."""
         b = len(seqs)
-        assert 1 <= num_steps <= self.out_ids.shape[0] and 1 <= b <= self.input_ids.shape[0]
-        variant = sampling.variant
-        rows, graph = b, None
-        if self.graphs is not None and self.graphs.bucket(b) is not None:
-            rows = self.graphs.bucket(b)
-            graph = self.graphs.get(rows, variant)  # captured on first use (leaves every row inert)
-        with record_function("decode.prepare"):
-            self.static_sampling(variant).copy_(sampling)
-            width = max(len(s.block_table) for s in seqs)
-            flat = array.array("i")  # ~4x faster than torch.tensor on nested lists, per decode window
-            for s in seqs:
-                flat.extend(s.block_table)
-                flat.extend([-1] * (width - len(s.block_table)))
-            self.block_tables[:b, :width].copy_(torch.frombuffer(flat, dtype=torch.int32).view(b, width))
-            pad = rows - b
-            tokens = array.array("q", [s.token_ids[-1] for s in seqs])
-            tokens.extend([0] * pad)
-            tokens.extend([s.num_tokens - 1 for s in seqs])
-            tokens.extend([-1] * pad)  # padding rows of the bucket stay inert
-            self.tokens[:, :rows].copy_(torch.frombuffer(tokens, dtype=torch.int64).view(2, rows))
-            self.step.zero_()
-        with record_function("decode.steps"):
-            for _ in range(num_steps):
-                if graph is not None:
-                    graph.replay()
-                else:
-                    self.decode_step(rows, variant)
-        return self.out_ids[:num_steps, :b], self.out_logprobs[:num_steps, :b]
+        to = dict(device=self.device)
+        use_graph = self.graphs is not None and self.graphs.bucket(b) is not None
+        if use_graph and not self.graphs.captured:
+            self.graphs.capture()  # again, after the tensors it read were reallocated
+        width = max(len(s.block_table) for s in seqs)
+        flat = array.array("i")  # ~4x faster than torch.tensor on nested lists, per decode window
+        for s in seqs:
+            flat.extend(s.block_table)
+            flat.extend([-1] * (width - len(s.block_table)))
+        tables = torch.frombuffer(flat, dtype=torch.int32).view(b, width)
+        self.block_tables[:b, :width].copy_(tables)
+        self.input_ids[:b].copy_(torch.tensor([s.token_ids[-1] for s in seqs]), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor([s.num_tokens - 1 for s in seqs]), non_blocking=True)
+        self.context_lens[:b].copy_(torch.tensor([s.num_tokens for s in seqs], dtype=torch.int32),
+                                    non_blocking=True)
+        self.reset_padding(b)
+        out_ids = torch.empty((num_steps, b), dtype=torch.int64, **to)
+        out_logprobs = torch.empty((num_steps, b), dtype=torch.float32, **to)
+        rows = torch.arange(b, **to)
+        for step in range(num_steps):
+            if step:
+                self.positions[:b] += 1
+                self.context_lens[:b] += 1
+            pos = self.positions[:b]
+            blocks = self.block_tables[rows, pos // self.block_size].long()  # (B,)
+            self.slot_mapping[:b] = blocks * self.block_size + pos % self.block_size
+            logits = self.graphs.replay(b) if use_graph else self.decode_forward(b)  # (B, V)
+            ids, logprobs = sampling.sample(logits, pos)
+            out_ids[step], out_logprobs[step] = ids, logprobs
+            self.input_ids[:b] = ids
+            sampling.advance()
+        return out_ids, out_logprobs
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
