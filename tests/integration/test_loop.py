@@ -48,7 +48,8 @@ def torchrun(config: Path, out: Path, *flags: str, nproc: int = 2, extra: tuple[
     cmd = [sys.executable, "-m", "torch.distributed.run", *(extra or ("--standalone",)),
            f"--nproc-per-node={nproc}", "-m", "colocate.train", "--config", str(config),
            "--output-dir", str(out), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -47,9 +47,19 @@ def write_model(root: Path, tied: bool = False, weights: bool = True, eos: int =
 
 
 def free_base_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1] - 1
+    """A port p with p and p + 1 both free (the engine's port and its NCCL port)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("", port))
+                b.bind(("", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
 
 
 def new_weights(norm_value: float, skip=()):
