@@ -44,7 +44,7 @@ def init(timeout_minutes: int = 30, backend: str | None = None) -> DistInfo:
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(
             backend=backend, rank=rank, world_size=world,
@@ -54,7 +54,8 @@ def init(timeout_minutes: int = 30, backend: str | None = None) -> DistInfo:
     return DistInfo(rank, world, local_rank, local_world, device)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
     import socket
 
     with socket.socket() as s:

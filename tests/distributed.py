@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from colocate.dist import free_port
 
 
 def _worker(rank, world_size, port, fn, args, errors):
@@ -34,7 +29,7 @@ def run_ranks(fn, world_size: int, *args):
     """Call fn(rank, world_size, *args) on every rank; re-raise the first rank's failure."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 import yaml
 
 from colocate.metrics import read_metrics
-from tests.distributed import _free_port
+from colocate.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,7 +119,7 @@ def test_two_node_rendezvous_on_one_machine(tmp_path):
     config = toy_config(tmp_path, train={"num_rollout": 2}, eval={"interval": None},
                         checkpoint={"save_interval": None})
     out = tmp_path / "two_nodes"
-    port = _free_port()
+    port = free_port()
     procs = [torchrun(config, out, nproc=1, wait=False,
                       extra=("--nnodes=2", f"--node-rank={r}", "--rdzv-backend=c10d",
                              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=colocate-test"))
