@@ -7,10 +7,16 @@
   SDPA over K/V gathered from the paged cache into dense tensors (gather included, and alone).
 
 Prints one summary line and writes bench/results/kernels.json. Run: python bench/kernels.py
+
+`--decode-sweep` instead times every decode-kernel launch shape (tile, splits, warps, stages) on
+engine-like decode batches: the kernel runs over 24 layers' caches in one CUDA graph, as in a
+decode step, so no layer's K/V is still in L2. Writes bench/results/paged_decode_sweep.json.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import pathlib
 
@@ -22,8 +28,13 @@ from colocate.kernels import (
     reference_token_logprobs,
     token_logprobs,
 )
+from colocate.kernels import paged_attention
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "kernels.json"
+SWEEP_RESULTS = RESULTS.parent / "paged_decode_sweep.json"
+SWEEP_SHAPES = [(256, 256), (256, 384), (256, 1024), (64, 384), (64, 2048), (16, 3072)]
+"""(batch, context) pairs: the rollout benchmark's b256, b64 and long cases at mid-generation."""
+HBM_BYTES_PER_S = 4.3e12
 
 
 def _peak_extra_bytes(fn) -> int:
@@ -103,9 +114,75 @@ def bench_paged_decode(do_bench, batch=256, context=384, num_q_heads=14, num_kv_
     return result
 
 
+def sweep_paged_decode(batch, context, num_layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64,
+                       block_size=16, max_model_len=32768) -> dict:
+    """Microseconds per layer of every launch shape, for one decode batch of Qwen2.5-0.5B shape."""
+    from triton.testing import do_bench_cudagraph
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    kv = torch.randn((2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), device="cuda",
+                     generator=gen).bfloat16()
+    tables = torch.full((batch, max_model_len // block_size), -1, dtype=torch.int32, device="cuda")
+    tables[:, :blocks_per_seq] = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(batch, -1)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, num_q_heads, head_dim, device="cuda", generator=gen).bfloat16()
+    scale = head_dim**-0.5
+    want = paged_attention.reference_paged_decode_attention(q, kv[0, 0], kv[1, 0], tables, lens, scale).float()
+
+    def time_us(config) -> float:
+        def step():
+            for layer in range(num_layers):
+                paged_attention._paged_decode_triton(q, kv[0, layer], kv[1, layer], tables, lens, scale, config)
+
+        got = paged_attention._paged_decode_triton(q, kv[0, 0], kv[1, 0], tables, lens, scale, config)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+        return do_bench_cudagraph(step, rep=20, return_mode="median") * 1e3 / num_layers
+
+    auto = paged_attention.decode_config(batch, num_kv_heads, head_dim, tables.shape[1] * block_size, q.device)
+    rows = []
+    for block_n, splits, warps, stages in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (2, 4, 8), (1, 3)):
+        config = paged_attention.DecodeConfig(block_n, splits, warps, stages)
+        try:
+            rows.append(dict(vars(config), us=time_us(config)))
+        except Exception as exc:  # a shape Triton cannot build (registers, shared memory) is skipped
+            rows.append(dict(vars(config), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+    timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * 2
+    auto_us = time_us(auto)
+    return {
+        "shape": dict(batch=batch, context=context, q_heads=num_q_heads, kv_heads=num_kv_heads,
+                      head_dim=head_dim, block_size=block_size),
+        "roofline_us": kv_bytes / HBM_BYTES_PER_S * 1e6,
+        "auto": dict(vars(auto), us=auto_us),
+        "best": timed[:5],
+        "all": rows,
+    }
+
+
+def decode_sweep() -> None:
+    results = {"device": torch.cuda.get_device_name(), "shapes": []}
+    for batch, context in SWEEP_SHAPES:
+        r = sweep_paged_decode(batch, context)
+        results["shapes"].append(r)
+        best = r["best"][0]
+        print(f"B={batch} ctx={context}: roofline {r['roofline_us']:.1f} us | auto {r['auto']['us']:.1f} us "
+              f"{ {k: r['auto'][k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} } | best "
+              f"{best['us']:.1f} us { {k: best[k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} }",
+              flush=True)
+    SWEEP_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    SWEEP_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
+    if args.decode_sweep:
+        return decode_sweep()
     from triton.testing import do_bench
 
     results = {

@@ -14,7 +14,9 @@ Reported per run: output tokens/s (wall time of the whole generate, prefill incl
 ms per decode step and the fraction of the memory-bandwidth roofline of a decode step, i.e.
 (weight bytes + KV bytes read per step) / 4.3 TB/s over the measured step time.
 
-Writes JSON (default bench/results/rollout.json) and prints one summary line.
+Writes JSON (default bench/results/rollout.json) and prints one summary line. `--profile PATH`
+also writes the device time per kernel of a b256 generate (64 output tokens), with the decode
+graphs replayed and again run eagerly (compiled), to PATH.
 Run: python bench/rollout.py [--cases b256,b64,long,shared] [--peers plain,static] [--long-hf]
 """
 
@@ -120,6 +122,28 @@ def run_hf(hf, case: str, static: bool) -> dict:
     return result
 
 
+def profile_decode(engine: NativeEngine, path: pathlib.Path) -> None:
+    """Kernel table (device time, sorted) of one b256 generate, with and without the decode graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = make_prompts(256, 128)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=0)
+    graphs = engine.runner.graphs
+    sections = []
+    for name in ("cuda graphs", "eager (compiled)"):
+        engine.runner.graphs = graphs if name == "cuda graphs" else None
+        engine.generate(prompts, sp)  # warm this path
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, sp)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+        sections.append(f"== b256 x 64 tokens, {name}\n{table}")
+    engine.runner.graphs = graphs
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(sections) + "\n")
+    print(f"decode profile -> {path}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="b256,b64,long,shared", help="comma-separated subset of " + ",".join(CASES))
@@ -128,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-decode-steps", type=int, default=16, help="decode steps per host round trip")
     parser.add_argument("--no-compile-decode", action="store_true", help="run our decode forward uncompiled")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="JSON output path")
+    parser.add_argument("--profile", type=pathlib.Path, default=None, help="write a decode kernel profile here")
     args = parser.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in cases if c not in CASES]
@@ -157,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         results["cases"][case] = {"shape": dict(zip(("prompts", "n", "prompt_tokens", "output_tokens"), CASES[case])),
                                   "ours": run_ours(engine, case)}
         print(f"{case} ours: {results['cases'][case]['ours']}", flush=True)
+    if args.profile:
+        profile_decode(engine, args.profile)
     engine.shutdown()
     torch.cuda.empty_cache()
     for case in cases:

@@ -7,28 +7,42 @@ head h // (Hq // Hk). Rows of block_tables may be padded with -1 past the used b
 context length of 0 (a padded CUDA-graph row) gives a zero output. The CUDA kernel takes block
 sizes that are powers of two >= 16; the plain-torch path takes any.
 
-The Triton kernel runs one program per (sequence, kv head) that serves all query heads of the
-group, so each K/V tile is read once per group, with an online softmax in fp32. A tile never
-crosses a cache block, so its addresses are one block-table lookup plus fixed offsets (per-token
-lookups made the address tensors spill registers). When there are too few (sequence, kv head)
-pairs to fill the GPU and contexts may be long, the context is split across programs
-(flash-decoding) and a second kernel merges the partial softmaxes. Everything is shaped by
-(B, max_blocks_per_seq) alone and the launch never reads device values back, so both kernels can
-be captured in a CUDA graph.
+The Triton kernel runs one program per (sequence, kv head, context split) that serves all query
+heads of the group, so each K/V tile is read once per group, with an online softmax in fp32. A
+tile of at most one cache block needs one block-table lookup; a larger tile looks up one block id
+per token. The context of a sequence is split across programs (flash-decoding) and a second
+kernel merges the partial softmaxes: a decode step is bound by memory latency, and more, shorter
+programs keep more loads in flight. Tile size, splits, warps and pipeline stages come from
+`DecodeConfig` (`decode_config` picks them from the shapes; bench/kernels.py --decode-sweep
+measures the alternatives). Everything is shaped by (B, max_blocks_per_seq) alone and the launch
+never reads device values back, so both kernels can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_BLOCK_N = 32
-"""Most context tokens per kernel iteration; larger tiles spill registers at head_dim 128."""
 _MIN_SPLIT_TOKENS = 256
 """Fewest context tokens worth a program of their own in the split kernel."""
 _MAX_SPLITS = 16
+_PROGRAMS_PER_SM = 4
+"""Programs per SM the split count aims for: enough loads in flight to cover memory latency."""
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the decode kernel."""
+
+    block_n: int = 64
+    """Context tokens per loop iteration (a power of two >= 16)."""
+    num_splits: int = 1
+    """Programs per (sequence, kv head), each over an equal share of the context (a power of two)."""
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def reference_paged_decode_attention(
@@ -71,9 +85,9 @@ def paged_decode_attention(
         return reference_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     if not _kernel_block_size_ok(k_cache.shape[1]):
         raise ValueError(f"the CUDA kernel needs a power-of-two block_size >= 16, got {k_cache.shape[1]}")
-    max_context = block_tables.shape[1] * k_cache.shape[1]
-    num_splits = _num_splits(q.shape[0] * k_cache.shape[2], max_context, q.device)
-    return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
+    config = decode_config(q.shape[0], k_cache.shape[2], q.shape[2], block_tables.shape[1] * k_cache.shape[1],
+                           q.device)
+    return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, config)
 
 
 def store_kv(
@@ -176,22 +190,22 @@ def _check_cache(k_cache, v_cache) -> None:
 
 
 def _kernel_block_size_ok(block_size: int) -> bool:
-    """A power of two >= 16: tiles of min(block_size, 32) tokens then never straddle two blocks."""
+    """A power of two >= 16, so that tiles and cache blocks nest."""
     return block_size >= 16 and block_size & (block_size - 1) == 0
 
 
-def _num_splits(num_programs: int, max_context: int, device: torch.device) -> int:
-    """Context splits per (sequence, kv head): > 1 only when the programs would not fill the SMs.
-
-    Depends on shapes alone, so one captured graph keeps one choice for every replay.
-    """
-    num_sms = _sm_count(device)
-    if num_programs == 0 or num_programs >= num_sms:
-        return 1
-    by_occupancy = -(-2 * num_sms // num_programs)
-    by_length = max_context // _MIN_SPLIT_TOKENS
-    splits = min(by_occupancy, by_length, _MAX_SPLITS)
-    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # a power of two: fewer compiles
+def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_context: int,
+                  device: torch.device) -> DecodeConfig:
+    """The launch shape for these sizes, from the H200 sweep (bench/kernels.py --decode-sweep): big
+    tiles with a 3-stage pipeline, and the context split only as far as it takes to give each SM
+    about four programs. Depends on shapes alone, so one captured graph keeps one choice for every
+    replay (the kernel sizes each split from the real context length)."""
+    num_programs = batch * num_kv_heads
+    splits = _PROGRAMS_PER_SM * _sm_count(device) // max(num_programs, 1)
+    splits = max(1, min(splits, max_context // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+    splits = 1 << (splits.bit_length() - 1)  # a power of two: fewer compiles
+    # 128 x 64 and 64 x 128 tiles are the same bytes; larger ones spill registers.
+    return DecodeConfig(block_n=128 if head_dim <= 64 else 64, num_splits=splits, num_warps=4, num_stages=3)
 
 
 @functools.cache
@@ -204,22 +218,19 @@ def _next_pow2(n: int) -> int:
     return max(16, 1 << max(n - 1, 0).bit_length())
 
 
-def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits):
-    """Launch the decode kernel (and the merge kernel when `num_splits` > 1)."""
+def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, config: DecodeConfig):
+    """Launch the decode kernel (and the merge kernel when the context is split)."""
     decode_kernel, merge_kernel, _ = _triton_kernels()
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    num_splits = config.num_splits
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     assert _kernel_block_size_ok(block_size)
+    assert config.block_n >= 16 and config.block_n & (config.block_n - 1) == 0
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
-    meta = dict(
-        GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim,
-        D_PAD=_next_pow2(head_dim), BLOCK_N=min(block_size, _MAX_BLOCK_N), BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
-    )
     if num_splits == 1:
         part_out, part_stats = out, out  # the stats pointers are unused without splits
     else:
@@ -231,12 +242,15 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), block_tables.shape[1],
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
-        **meta,
+        GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim),
+        BLOCK_N=config.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         merge_kernel[(batch, num_q_heads)](
             part_out, part_stats, out, num_q_heads, head_dim,
-            NUM_SPLITS=num_splits, D_PAD=meta["D_PAD"], num_warps=4,
+            NUM_SPLITS=num_splits, D_PAD=_next_pow2(head_dim), num_warps=4,
         )
     return out
 
@@ -260,8 +274,6 @@ def _triton_kernels():
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         context = tl.load(lens_ptr + seq)
-        # BLOCK_N divides BLOCK_SIZE, so a tile of BLOCK_N tokens lies inside one cache block and
-        # needs one block-table entry: the tile's addresses are a scalar base plus fixed offsets.
         num_tiles = tl.cdiv(context, BLOCK_N)
         tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
         first = split * tiles_per_split
@@ -278,21 +290,28 @@ def _triton_kernels():
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         table = tables_ptr + seq.to(tl.int64) * stride_tb
-        tile_offs = t[:, None] * stride_ct + d[None, :]  # (N, D)
+        head_off = kv_head * stride_ch
         for tile in range(first, last):
             pos = tile * BLOCK_N
-            block = tl.load(table + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1) * stride_tn)
-            base = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            if BLOCK_N <= BLOCK_SIZE:
+                # The tile lies inside one cache block: one lookup, then fixed offsets.
+                block = tl.load(table + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1) * stride_tn)
+                rows = block.to(tl.int64) * stride_cb + ((pos % BLOCK_SIZE) + t) * stride_ct + head_off
+            else:
+                tok = pos + t
+                block = tl.load(table + tl.minimum(tok // BLOCK_SIZE, max_blocks - 1) * stride_tn)  # (N,)
+                rows = block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + head_off
             valid = pos + t < context  # (N,)
             kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + base + tile_offs, mask=kv_mask, other=0.0)  # (N, D)
+            offs = rows[:, None] + d[None, :]  # (N, D)
+            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # (N, D)
+            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)  # (N, D)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (GP, N) fp32
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])  # (GP, N)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + base + tile_offs, mask=kv_mask, other=0.0)  # (N, D)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out_offs = (seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh

@@ -151,14 +151,17 @@ _GPU_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_splits", [1, 2, 8])
+@pytest.mark.parametrize("block_n, num_splits, num_warps", [(16, 1, 4), (32, 2, 2), (64, 8, 4), (128, 1, 8)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size",
                          [(14, 2, 64, 16), (8, 8, 128, 32), (16, 8, 128, 128)])
-def test_triton_matches_reference(dtype, num_splits, num_q_heads, num_kv_heads, head_dim, block_size):
+def test_triton_matches_reference(dtype, block_n, num_splits, num_warps, num_q_heads, num_kv_heads, head_dim,
+                                  block_size):
+    """Tiles inside one cache block and tiles over several, with and without context splits."""
     context_lens = [1, block_size, 700, 129, 0, 64 * 5]
     inputs = _paged_inputs(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, "cuda")
     scale = head_dim**-0.5
-    got = paged_attention._paged_decode_triton(*inputs, scale, num_splits)
+    config = paged_attention.DecodeConfig(block_n=block_n, num_splits=num_splits, num_warps=num_warps)
+    got = paged_attention._paged_decode_triton(*inputs, scale, config)
     want = reference_paged_decode_attention(*inputs, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=_GPU_TOL[dtype], rtol=_GPU_TOL[dtype])
@@ -169,8 +172,8 @@ def test_triton_matches_reference(dtype, num_splits, num_q_heads, num_kv_heads, 
 def test_split_heuristic_and_public_path():
     """Two long sequences over two kv heads cannot fill the GPU alone: the public call splits."""
     inputs = _paged_inputs([3000, 2500], 16, 2, 128, 16, torch.bfloat16, "cuda")
-    assert paged_attention._num_splits(2 * 2, inputs[3].shape[1] * 16, inputs[0].device) > 1
-    assert paged_attention._num_splits(256 * 2, 384, inputs[0].device) == 1
+    assert paged_attention.decode_config(2, 2, 128, inputs[3].shape[1] * 16, inputs[0].device).num_splits > 1
+    assert paged_attention.decode_config(1024, 8, 128, 4096, inputs[0].device).num_splits == 1
     got = paged_decode_attention(*inputs, 128**-0.5)
     want = reference_paged_decode_attention(*inputs, 128**-0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=1.5e-2, rtol=1.5e-2)
@@ -211,7 +214,8 @@ def test_cuda_graph_capture_and_replay(num_splits):
 
     def step():
         store_kv(new_k, new_k, k_cache, v_cache, slots)
-        return paged_attention._paged_decode_triton(q, k_cache, v_cache, tables, lens, 0.125, num_splits)
+        config = paged_attention.DecodeConfig(num_splits=num_splits)
+        return paged_attention._paged_decode_triton(q, k_cache, v_cache, tables, lens, 0.125, config)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
