@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
-#   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout train kernels units
+#   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train kernels units
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
 shift
-steps=${*:-loop default engine e2e rollout train kernels units}
+steps=${*:-loop default engine e2e rollout colocation train kernels units}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
@@ -23,9 +23,10 @@ for step in $steps; do
     loop) run loop 100 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_loop_gpu.py ;;
     default) run default 60 python -m colocate.train --config configs/default.yaml \
                --output-dir "$out/default_run" --logging.console False ;;
-    engine) run engine 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
-    e2e) run e2e 240 python bench/e2e.py --steps 3 --warmup 1 ;;
-    rollout) run rollout 160 python bench/rollout.py --cases b256 --peers plain,static ;;
+    engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
+    e2e) run e2e 330 python bench/e2e.py --steps 3 --warmup 1 ;;
+    rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
+    colocation) run colocation 150 python bench/colocation.py ;;
     train) run train 330 python bench/train.py ;;
     kernels) run kernels 60 python bench/kernels.py ;;
     units) run units 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;

@@ -27,4 +27,5 @@ def build_engine(cfg, info: DistInfo, eos_token_ids: list[int]) -> RolloutEngine
         max_num_seqs=r.max_running_requests, kv_cache_fraction=r.gpu_memory_fraction,
         max_kv_tokens=r.max_kv_tokens if info.device.type == "cpu" else None,
         cuda_graph=r.cuda_graph, cuda_graph_max_bs=r.cuda_graph_max_bs, seed=r.seed + info.rank,
+        compile_decode=r.compile_decode and info.device.type == "cuda",
     )

@@ -1,0 +1,128 @@
+"""Colocation hand-offs on one GPU, each beside the plain device operation that bounds it.
+
+- Weight sync: `sync_weights` from the FSDP2 trainer (fp32 master shards, gathered in bf16 one unit
+  at a time) into the native engine, Qwen2.5-1.5B shape, against one device-to-device copy of the
+  same number of bf16 bytes. Target: at most 2x the copy.
+- Engine release / resume: `release_memory` then `resume_memory` of weights, KV cache (about
+  14 GiB) and CUDA graphs, host wall time with the device synchronised. Target: 50 ms together.
+
+Medians over --rounds. The process re-executes itself with torch_memory_saver's preload hook (as
+launch.sh runs the loop), so that graph memory is pausable too.
+Run: python bench/colocation.py [--rounds 5]; writes bench/results/colocation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from colocate import dist
+from colocate.colocation.preload import preload_library
+from colocate.colocation.weight_sync import sync_weights
+from colocate.config import Config
+from colocate.models import CausalLM
+from colocate.rollout.native import NativeEngine
+from colocate.trainer import Trainer
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from train import model_config  # noqa: E402  (the benchmarks' shared model shapes)
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "colocation.json"
+TAGS = ["weights", "kv_cache", "cuda_graph"]
+
+
+def _timed_ms(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def copy_ms(num_bytes: int, rounds: int) -> float:
+    """Median device time of one bf16 device-to-device copy of num_bytes."""
+    src = torch.randn(num_bytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(rounds + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="1.5b", help="model shape from bench/train.py")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kv-tokens", type=int, default=1 << 19, help="engine KV-cache capacity")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/colocation.py needs a CUDA device")
+    library = preload_library()
+    if library and "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
+        env = dict(os.environ, LD_PRELOAD=":".join(p for p in (library, os.environ.get("LD_PRELOAD")) if p))
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+    info = dist.init()
+    mcfg = model_config(args.model)
+    cfg = Config()
+    cfg.train.num_rollout = 10
+    trainer = Trainer(cfg, info, model_config=mcfg)
+    policy = trainer.actor_module
+    with torch.device("cuda"):
+        source = CausalLM(mcfg).to(torch.bfloat16)
+    engine = NativeEngine(source, device=info.device, max_kv_tokens=args.kv_tokens, max_num_seqs=32,
+                          cuda_graph_max_bs=32, compile_decode=False)
+    del source
+    torch.cuda.empty_cache()
+
+    syncs = []
+    for version in range(1, args.rounds + 2):
+        syncs.append(sync_weights(policy, engine, version=version, dtype=torch.bfloat16,
+                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20))
+    sync_bytes = syncs[-1].num_bytes
+    sync_ms = statistics.median(1e3 * s.seconds for s in syncs[1:])
+    copy = copy_ms(sync_bytes, args.rounds)
+
+    memory = engine.memory_stats()
+    release, resume, freed = [], [], []
+    for _ in range(args.rounds):
+        before = torch.cuda.mem_get_info()[0]
+        release.append(_timed_ms(lambda: engine.release_memory(TAGS)))
+        freed.append(torch.cuda.mem_get_info()[0] - before)
+        resume.append(_timed_ms(lambda: engine.resume_memory(TAGS)))
+    engine.shutdown()
+
+    results = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+        "weight_sync": {"bytes": sync_bytes, "tensors": syncs[-1].num_tensors, "buckets": syncs[-1].num_buckets,
+                        "ms": sync_ms, "all_ms": [1e3 * s.seconds for s in syncs],
+                        "d2d_copy_ms": copy, "ratio_to_copy": sync_ms / copy},
+        "engine_memory": memory,
+        "release_resume": {"release_ms": statistics.median(release), "resume_ms": statistics.median(resume),
+                           "total_ms": statistics.median(a + b for a, b in zip(release, resume)),
+                           "freed_gib": statistics.median(freed) / 2**30},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    w, r = results["weight_sync"], results["release_resume"]
+    print(f"colocation ({args.model}, {results['device']}): weight sync {w['bytes'] / 2**30:.2f} GiB in "
+          f"{w['ms']:.1f} ms = {w['ratio_to_copy']:.2f}x a device copy ({w['d2d_copy_ms']:.2f} ms) | release "
+          f"{r['release_ms']:.1f} ms + resume {r['resume_ms']:.1f} ms, {r['freed_gib']:.1f} GiB freed "
+          f"({memory['mode']}) -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
