@@ -20,7 +20,7 @@ run() {
 
 for step in $steps; do
   case $step in
-    loop) run loop 100 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_loop_gpu.py ;;
+    loop) run loop 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_loop_gpu.py ;;
     default) run default 60 python -m colocate.train --config configs/default.yaml \
                --output-dir "$out/default_run" --logging.console False ;;
     engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;

@@ -1,5 +1,6 @@
 """`python -m colocate.colocation.preload CONFIG [FLAGS...]` prints the torch_memory_saver hook
-library to put in LD_PRELOAD for this run, or nothing.
+library to put in LD_PRELOAD for this run, or nothing; `memory_saver()` is the library's handle in
+the mode this process can use.
 
 The native engine needs the preload hook so that its CUDA-graph memory can be paused too; the SGLang
 backend preloads the hook into its own scheduler process and refuses a second copy, so it gets none.
@@ -7,8 +8,30 @@ backend preloads the hook into its own scheduler process and refuses a second co
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import sys
+
+
+def preload_active() -> bool:
+    """The hook library was preloaded into this process (LD_PRELOAD at start)."""
+    return any("torch_memory_saver" in p for p in os.environ.get("LD_PRELOAD", "").split(":"))
+
+
+@functools.cache
+def memory_saver():
+    """torch_memory_saver in preload mode when its hook was preloaded, else in its in-process
+    ("torch") hook mode. In torch-hook mode the library frees pool memory only inside a region and
+    otherwise ends the process with exit status 1, and at interpreter exit its pools are destroyed
+    outside any region; so a region is entered for good at exit, and the exit status stands."""
+    from torch_memory_saver import torch_memory_saver as saver
+
+    if getattr(saver, "_impl", None) is None:
+        saver.hook_mode = "preload" if preload_active() else "torch"
+    if not preload_active():
+        atexit.register(lambda: saver.region(tag="exit").__enter__())
+    return saver
 
 
 def preload_library() -> str | None:
@@ -35,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(["--config", argv[0], *argv[1:]])
     if cfg.rollout.engine != "native" or not torch.cuda.is_available():
         return 0
-    if "torch_memory_saver" in os.environ.get("LD_PRELOAD", ""):
+    if preload_active():
         return 0
     path = preload_library()
     if path:

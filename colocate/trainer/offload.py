@@ -19,13 +19,13 @@ On CPU nothing moves; calls still return statistics (0 bytes) so callers need no
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
 
+from colocate.colocation.preload import memory_saver
 from colocate.trainer.parallelize import local_tensor
 
 OFFLOAD_METHODS = ("pinned", "tms")
@@ -123,16 +123,6 @@ class _PinnedGroup:
         return sum(self.sizes)
 
 
-def _memory_saver():
-    """torch_memory_saver, in its in-process ("torch") hook mode unless the preload library is
-    already in the process (then that mode is the one in use)."""
-    from torch_memory_saver import torch_memory_saver as tms
-
-    if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", "") and getattr(tms, "_impl", None) is None:
-        tms.hook_mode = "torch"
-    return tms
-
-
 class StateOffloader:
     """Named groups of device tensors that go to the host and come back together.
 
@@ -149,7 +139,7 @@ class StateOffloader:
         self.groups: dict[str, _PinnedGroup] = {}
         self.paused: set[str] = set()
         self._stream = torch.cuda.Stream(device) if self.enabled and method == "pinned" else None
-        self._tms = _memory_saver() if self.enabled and method == "tms" else None
+        self._tms = memory_saver() if self.enabled and method == "tms" else None
 
     def register(self, tag: str, source: TensorSource) -> None:
         assert tag not in self.groups, f"offload group {tag!r} registered twice"

@@ -7,7 +7,7 @@ import torch
 
 from colocate.models import ModelConfig, from_config
 from colocate.rollout.native import NativeEngine
-from colocate.rollout.native.sampler import SamplingBatch, _compiled_sample_tokens, sample_tokens
+from colocate.rollout.native.sampler import SamplingBatch, sample_tokens
 from colocate.rollout.protocol import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -106,8 +106,8 @@ def test_cuda_graph_decode_equals_eager_decode():
 
 
 def test_production_sampler_paths():
-    """Plain sampling runs compiled and equals eager; truncating batches run eager (torch 2.11's
-    inductor cannot compile the top-p scan) and keep every token inside its top-k set."""
+    """Plain sampling runs the streaming Triton kernel and equals the plain-torch sampler; truncating
+    batches run eager and keep every token inside its top-k set."""
     b, v = 64, 151936
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(b, v, device="cuda", generator=g) * 4
@@ -115,7 +115,10 @@ def test_production_sampler_paths():
     counter = torch.arange(b, **cuda) + 100
     args = (logits, torch.rand(b, **cuda) * (torch.arange(b, **cuda) % 4 > 0), torch.full((b,), v, **cuda),
             torch.ones(b, **cuda), torch.zeros(b, **cuda), torch.arange(b, **cuda) * 7919, counter)
-    ids_c, lp_c = _compiled_sample_tokens()(*args, truncate=False)
+    plain = SamplingBatch.build([(SamplingParams(temperature=float(t)), int(sd), frozenset(), 0)
+                                 for t, sd in zip(args[1].tolist(), args[5].tolist())], v, torch.device("cuda"))
+    assert not plain.truncate
+    ids_c, lp_c = plain.sample(logits, counter)
     ids_e, lp_e = sample_tokens(*args, truncate=False)
     assert (ids_c == ids_e).float().mean().item() >= 0.98
     assert (lp_c - lp_e).abs().max().item() <= 1e-3

@@ -36,7 +36,8 @@ def _half_billion_model(tmp_path, toy_model_dir):
 def test_offloaded_loop_ledger_shows_both_releases(tmp_path):
     config = toy_config(tmp_path, train={"num_rollout": 3, "lr": 1e-5},
                         offload={"offload_rollout": True, "offload_train": True},
-                        rollout={"gpu_memory_fraction": 0.3}, eval={"interval": None},
+                        rollout={"gpu_memory_fraction": 0.3, "cuda_graph_max_bs": 32, "compile_decode": False},
+                        eval={"interval": None},
                         checkpoint={"save_interval": None})
     model = _half_billion_model(tmp_path, tmp_path / "toy" / "model")
     out = tmp_path / "run"

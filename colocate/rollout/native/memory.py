@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 
 import torch
 
-
-def _preload_active() -> bool:
-    return any("torch_memory_saver" in p for p in os.environ.get("LD_PRELOAD", "").split(":"))
+from colocate.colocation.preload import memory_saver as memory_saver_handle
+from colocate.colocation.preload import preload_active
 
 
 class DeviceMemory:
@@ -33,14 +31,8 @@ class DeviceMemory:
         self._saver = None
         self.preload = False
         if available and memory_saver:
-            from torch_memory_saver import torch_memory_saver
-
-            self.preload = _preload_active()
-            try:
-                torch_memory_saver.hook_mode = "preload" if self.preload else "torch"
-            except AttributeError:
-                pass  # already initialised by another part of the process: its mode stands
-            self._saver = torch_memory_saver
+            self.preload = preload_active()
+            self._saver = memory_saver_handle()
 
     @property
     def mode(self) -> str:
@@ -75,3 +67,4 @@ class DeviceMemory:
     def resume(self, tag: str) -> None:
         assert self._saver is not None
         self._saver.resume(tag)
+

@@ -12,34 +12,12 @@ greedy), before top-k / top-p / min-p and before the min_new_tokens stop-id mask
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from colocate.kernels.sampling import gumbel_sample, reference_gumbel_sample, suppress
 from colocate.rollout.protocol import SamplingParams
-
-_MASK32 = 0xFFFFFFFF
-_VOCAB_SALT = 0x9E3779B9
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (bijective on [0, 2^32)); int64 lanes hold the 32-bit values."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise (B, V) from seeds (B,) int64 >= 0 and positions (B,) int64."""
-    key = _mix32((seed & _MASK32) ^ _mix32((seed >> 32) ^ _mix32(counter & _MASK32)))  # (B,)
-    vocab = _mix32(torch.arange(vocab_size, device=seed.device) ^ _VOCAB_SALT)  # (V,)
-    bits = _mix32(key[:, None] ^ vocab[None, :]) >> 9  # (B, V), 23 random bits
-    u = (bits.float() + 0.5) * (1.0 / (1 << 23))  # in (0, 1), exactly representable
-    return -torch.log(-torch.log(u))
-
 
 def sample_tokens(
     logits: torch.Tensor,  # (B, V) fp32
@@ -53,35 +31,20 @@ def sample_tokens(
     suppress_left: torch.Tensor | None = None,  # (B,) int64: mask suppress_ids while > 0
     truncate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled ids (B,) int64 and their log-probs (B,) fp32."""
-    vocab_size = logits.shape[-1]
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]  # (B, V)
-    lse = torch.logsumexp(scaled, dim=-1)  # (B,)
-    masked = scaled
-    if suppress_ids is not None:
-        blocked = torch.zeros_like(masked, dtype=torch.bool).scatter_(
-            1, suppress_ids, (suppress_left > 0)[:, None].expand_as(suppress_ids))  # (B, V)
-        masked = masked.masked_fill(blocked, float("-inf"))
+    """Sampled ids (B,) int64 and their log-probs (B,) fp32, in plain torch."""
+    exclude = None
     if truncate:
-        values, order = masked.sort(dim=-1, descending=True)  # (B, V)
-        rank = torch.arange(vocab_size, device=logits.device)
+        scaled = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]  # (B, V)
+        scaled = suppress(scaled, suppress_ids, suppress_left)  # stop ids before min_new_tokens: out first
+        values, order = scaled.sort(dim=-1, descending=True)  # (B, V)
+        rank = torch.arange(logits.shape[-1], device=logits.device)
         values = values.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
         probs = values.softmax(dim=-1)  # after top-k, as top-p sees it
         mass_before = probs.cumsum(dim=-1) - probs
         # top_p = 1 must keep everything, even where rounding lets the cumulative mass reach 1.
         cut = ((mass_before >= top_p[:, None]) & (top_p < 1)[:, None]) | (probs < min_p[:, None] * probs[:, :1])
-        masked = torch.empty_like(masked).scatter_(1, order, values.masked_fill(cut, float("-inf")))
-    noise = gumbel_noise(seed, counter, vocab_size) * (~greedy)[:, None]  # (B, V)
-    ids = (masked + noise).argmax(dim=-1)  # (B,)
-    return ids, scaled.gather(1, ids[:, None]).squeeze(1) - lse
-
-
-@functools.cache
-def _compiled_sample_tokens():
-    # Fused, the hash and the two vocabulary passes cost about one read of the logits; eager they
-    # would be a dozen full (B, V) int64 kernels per step.
-    return torch.compile(sample_tokens, dynamic=True)
+        exclude = torch.empty_like(cut).scatter_(1, order, cut | values.isneginf())
+    return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left, exclude)
 
 
 @dataclass
@@ -131,10 +94,12 @@ class SamplingBatch:
 
     def sample(self, logits: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row from logits (B, V) at positions `counter` (B,)."""
+        logits = logits.float()
+        if not self.truncate:  # one streaming pass over the logits on CUDA (colocate/kernels/sampling.py)
+            return gumbel_sample(logits, self.temperature, self.seed, counter, self.suppress_ids, self.suppress_left)
         # The top-k/top-p sort and scan stay eager: inductor (torch 2.11) fails to compile the scan.
-        fn = _compiled_sample_tokens() if logits.is_cuda and not self.truncate else sample_tokens
-        return fn(logits.float(), self.temperature, self.top_k, self.top_p, self.min_p, self.seed, counter,
-                  self.suppress_ids, self.suppress_left, self.truncate)
+        return sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.min_p, self.seed, counter,
+                             self.suppress_ids, self.suppress_left, truncate=True)
 
     def advance(self) -> None:
         """One token was generated per row (multi-step decode)."""

@@ -1,0 +1,226 @@
+"""Gumbel-max sampling over the full vocabulary in one pass over the logits.
+
+Row b samples argmax(logits[b] / T_b + g_b) with g_b[v] standard Gumbel noise that is a pure
+function of (seed_b, counter_b, v): a counter-based 32-bit hash, no RNG state (see
+colocate/rollout/native/sampler.py for why). Alongside it returns the sampled token's log-prob
+under log_softmax(logits / T) over the full vocabulary. Greedy rows (T = 0) take the plain argmax
+and raw-logit log-probs. `suppress_ids` (B, S) are excluded from the argmax (not from the
+log-softmax) while `suppress_left` > 0: stop ids before min_new_tokens.
+
+The reference (`reference_gumbel_sample`, the CPU path and the test oracle) materialises the noise
+as a (B, V) tensor. The Triton kernel streams each row's vocabulary in slices, one program per
+(row, slice), carrying an online max / sum-exp and the running best of logits / T + noise; a
+second kernel merges the slices. The hash is computed in uint32 lanes (the reference's int64 lanes
+hold the same 32-bit values), so the noise bits are identical on both paths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+VOCAB_SALT = 0x9E3779B9
+_PROGRAMS_PER_SM = 4
+_MAX_SPLITS = 64
+_BLOCK = 2048
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (bijective on [0, 2^32)); int64 lanes hold the 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise (B, V) from seeds (B,) int64 >= 0 and positions (B,) int64."""
+    key = _mix32((seed & MASK32) ^ _mix32((seed >> 32) ^ _mix32(counter & MASK32)))  # (B,)
+    vocab = _mix32(torch.arange(vocab_size, device=seed.device) ^ VOCAB_SALT)  # (V,)
+    bits = _mix32(key[:, None] ^ vocab[None, :]) >> 9  # (B, V), 23 random bits
+    u = (bits.float() + 0.5) * (1.0 / (1 << 23))  # in (0, 1), exactly representable
+    return -torch.log(-torch.log(u))
+
+
+def reference_gumbel_sample(
+    logits: torch.Tensor,  # (B, V) fp32
+    temperature: torch.Tensor,  # (B,) fp32, 0 = greedy
+    seed: torch.Tensor,  # (B,) int64
+    counter: torch.Tensor,  # (B,) int64
+    suppress_ids: torch.Tensor | None = None,  # (B, S) int64
+    suppress_left: torch.Tensor | None = None,  # (B,) int64
+    exclude: torch.Tensor | None = None,  # (B, V) bool: also left out of the argmax (truncation)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled ids (B,) int64 and their log-probs (B,) fp32, with (B, V) intermediates."""
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]  # (B, V)
+    lse = torch.logsumexp(scaled, dim=-1)  # (B,)
+    masked = suppress(scaled, suppress_ids, suppress_left)
+    if exclude is not None:
+        masked = masked.masked_fill(exclude, float("-inf"))
+    noise = gumbel_noise(seed, counter, logits.shape[-1]) * (~greedy)[:, None]  # (B, V)
+    ids = (masked + noise).argmax(dim=-1)  # (B,)
+    return ids, scaled.gather(1, ids[:, None]).squeeze(1) - lse
+
+
+def suppress(scores: torch.Tensor, suppress_ids: torch.Tensor | None, suppress_left: torch.Tensor | None
+             ) -> torch.Tensor:
+    """scores (B, V) with suppress_ids set to -inf in the rows whose suppress_left > 0."""
+    if suppress_ids is None:
+        return scores
+    blocked = torch.zeros_like(scores, dtype=torch.bool).scatter_(
+        1, suppress_ids, (suppress_left > 0)[:, None].expand_as(suppress_ids))  # (B, V)
+    return scores.masked_fill(blocked, float("-inf"))
+
+
+def gumbel_sample(logits, temperature, seed, counter, suppress_ids=None, suppress_left=None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring; the Triton kernel on CUDA, the reference elsewhere."""
+    _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left)
+    if not logits.is_cuda:
+        return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
+    return _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left,
+                                 _num_splits(logits.shape[0], logits.shape[1], logits.device))
+
+
+def _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left) -> None:
+    if logits.ndim != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be (B, V) fp32 contiguous in V, got {tuple(logits.shape)} {logits.dtype}")
+    batch = logits.shape[0]
+    for name, t, dtype in (("temperature", temperature, torch.float32), ("seed", seed, torch.int64),
+                           ("counter", counter, torch.int64)):
+        if t.shape != (batch,) or t.dtype != dtype:
+            raise ValueError(f"{name} must be ({batch},) {dtype}, got {tuple(t.shape)} {t.dtype}")
+    if (suppress_ids is None) != (suppress_left is None):
+        raise ValueError("suppress_ids and suppress_left come together")
+    if suppress_ids is not None:
+        if suppress_ids.ndim != 2 or suppress_ids.shape[0] != batch or suppress_ids.dtype != torch.int64:
+            raise ValueError(f"suppress_ids must be ({batch}, S) int64, got {tuple(suppress_ids.shape)}")
+        if suppress_left.shape != (batch,) or suppress_left.dtype != torch.int64:
+            raise ValueError(f"suppress_left must be ({batch},) int64, got {tuple(suppress_left.shape)}")
+    devices = {t.device for t in (logits, temperature, seed, counter, suppress_ids, suppress_left) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must share one device, got {devices}")
+
+
+def _num_splits(batch: int, vocab_size: int, device: torch.device) -> int:
+    """Vocabulary slices per row: about four programs per SM, a power of two, each >= one block."""
+    from colocate.kernels.paged_attention import _sm_count
+
+    splits = max(1, min(_PROGRAMS_PER_SM * _sm_count(device) // max(batch, 1), _MAX_SPLITS,
+                        -(-vocab_size // _BLOCK)))
+    return 1 << (splits.bit_length() - 1)
+
+
+def _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left, num_splits: int):
+    partial_kernel, merge_kernel = _triton_kernels()
+    batch, vocab_size = logits.shape
+    ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    if batch == 0:
+        return ids, logprobs
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
+    stats = torch.empty((4, batch, num_splits), dtype=torch.float32, device=logits.device)  # m, s, best, at best
+    best_ids = torch.empty((batch, num_splits), dtype=torch.int32, device=logits.device)
+    num_suppress = 0 if suppress_ids is None else suppress_ids.shape[1]
+    cols_per_split = -(-vocab_size // (num_splits * _BLOCK)) * _BLOCK
+    partial_kernel[(batch, num_splits)](
+        logits, temperature, seed, counter,
+        suppress_ids if num_suppress else ids, suppress_left if num_suppress else ids,
+        stats, best_ids, logits.stride(0), suppress_ids.stride(0) if num_suppress else 0,
+        vocab_size, cols_per_split, batch * num_splits,
+        NUM_SPLITS=num_splits, NUM_SUPPRESS=num_suppress, BLOCK=_BLOCK, num_warps=8,
+    )
+    merge_kernel[(batch,)](stats, best_ids, ids, logprobs, batch * num_splits, NUM_SPLITS=num_splits, num_warps=1)
+    return ids, logprobs
+
+
+@functools.cache
+def _triton_kernels():
+    """Define the Triton kernels on first CUDA use, so CPU installs never import triton."""
+    global triton, tl, mix32  # the kernels resolve these as module globals, as Triton expects
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mix32(x):  # uint32 lanes: products wrap modulo 2^32, shifts are logical
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D).to(tl.uint32)
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B).to(tl.uint32)
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def partial(logits_ptr, temp_ptr, seed_ptr, counter_ptr, sup_ptr, sup_left_ptr, stats_ptr, best_ids_ptr,
+                stride_lb, stride_sb, vocab_size, cols_per_split, num_rows,
+                NUM_SPLITS: tl.constexpr, NUM_SUPPRESS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        temp = tl.load(temp_ptr + row)
+        greedy = temp == 0.0
+        divisor = tl.where(greedy, 1.0, temp)
+        seed = tl.load(seed_ptr + row)
+        counter = tl.load(counter_ptr + row)
+        seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        key = mix32(seed_lo ^ mix32(seed_hi ^ mix32((counter & 0xFFFFFFFF).to(tl.uint32))))
+        suppress_on = False
+        if NUM_SUPPRESS > 0:
+            suppress_on = tl.load(sup_left_ptr + row) > 0
+        start = split * cols_per_split
+        end = tl.minimum(start + cols_per_split, vocab_size)
+        offs = tl.arange(0, BLOCK)
+        m = -1e30
+        s = 0.0
+        best = -float("inf")
+        best_scaled = 0.0
+        best_id = 0
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_lb
+        for block_start in range(start, end, BLOCK):
+            cols = block_start + offs
+            ok = cols < end
+            scaled = tl.load(row_ptr + cols, mask=ok, other=-float("inf")) / divisor
+            m_new = tl.maximum(m, tl.max(scaled, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(scaled - m_new), axis=0)
+            m = m_new
+            bits = mix32(key ^ mix32((cols.to(tl.uint32) ^ 0x9E3779B9).to(tl.uint32))) >> 9
+            u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            noise = tl.where(greedy, 0.0, -tl.log(-tl.log(u)))
+            candidate = tl.where(ok, scaled + noise, -float("inf"))
+            if NUM_SUPPRESS > 0:
+                for i in tl.static_range(NUM_SUPPRESS):
+                    blocked_id = tl.load(sup_ptr + row.to(tl.int64) * stride_sb + i)
+                    candidate = tl.where(suppress_on & (cols == blocked_id), -float("inf"), candidate)
+            block_best = tl.max(candidate, axis=0)
+            block_arg = tl.argmax(candidate, axis=0)
+            take = block_best > best
+            best_scaled = tl.where(take, tl.sum(tl.where(offs == block_arg, scaled, 0.0), axis=0), best_scaled)
+            best_id = tl.where(take, block_start + block_arg, best_id)
+            best = tl.where(take, block_best, best)
+        slot = row * NUM_SPLITS + split
+        tl.store(stats_ptr + slot, m)
+        tl.store(stats_ptr + num_rows + slot, s)
+        tl.store(stats_ptr + 2 * num_rows + slot, best)
+        tl.store(stats_ptr + 3 * num_rows + slot, best_scaled)
+        tl.store(best_ids_ptr + slot, best_id)
+
+    @triton.jit
+    def merge(stats_ptr, best_ids_ptr, ids_ptr, logprobs_ptr, num_rows, NUM_SPLITS: tl.constexpr):
+        row = tl.program_id(0)
+        k = tl.arange(0, NUM_SPLITS)
+        slot = row * NUM_SPLITS + k
+        m = tl.load(stats_ptr + slot)
+        s = tl.load(stats_ptr + num_rows + slot)
+        best = tl.load(stats_ptr + 2 * num_rows + slot)
+        at_best = tl.load(stats_ptr + 3 * num_rows + slot)
+        top = tl.max(m, axis=0)
+        lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
+        winner = tl.argmax(best, axis=0)  # the first split on ties, as a row-wide argmax
+        chosen = k == winner
+        tl.store(ids_ptr + row, tl.sum(tl.where(chosen, tl.load(best_ids_ptr + slot), 0), axis=0).to(tl.int64))
+        tl.store(logprobs_ptr + row, tl.sum(tl.where(chosen, at_best, 0.0), axis=0) - lse)
+
+    return partial, merge
