@@ -4,6 +4,10 @@ Each FSDP2 unit (a transformer block, then the root's embeddings/norm/head) is a
 `unshard()` — under mixed precision that gathers straight into the engine's bf16 — handed to the
 engine as HF-named full tensors in buckets of at most `bucket_bytes`, and resharded before the next
 unit, so at most one unit's full tensors exist at a time and no second copy of the model stays alive.
+
+A unit whose shards already are the full tensors (one rank) is not gathered: its fp32 master
+tensors go to the engine as they are when the engine casts while it copies
+(`casts_on_update`), so each weight is read once and written once, as in a plain device copy.
 """
 
 from __future__ import annotations
@@ -57,13 +61,21 @@ def fsdp_units(model: nn.Module) -> list[tuple[nn.Module, list[tuple[str, str]]]
     return [u for u in units.values() if u[1]] + ([(model, root)] if root else [])
 
 
-def _unit_tensors(unit: nn.Module, names, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _is_whole(param: torch.Tensor) -> bool:
+    """A parameter whose rank-local data is the full tensor (one rank, or replicated)."""
+    return not hasattr(param, "to_local") or tuple(param.to_local().shape) == tuple(param.shape)
+
+
+def _unit_tensors(unit: nn.Module, names, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors of the unit's parameters, in `dtype` (None: as stored)."""
     params = dict(unit.named_parameters())
     for full, local in names:
         t = params[local].detach()
-        if hasattr(t, "full_tensor"):  # a DTensor left sharded (not an FSDP unit param): gather it
+        if hasattr(t, "to_local") and _is_whole(t):
+            t = t.to_local()
+        elif hasattr(t, "full_tensor"):  # a DTensor left sharded (not an FSDP unit param): gather it
             t = t.full_tensor()
-        yield full, (t if t.dtype == dtype else t.to(dtype))
+        yield full, (t if dtype is None or t.dtype == dtype else t.to(dtype))
 
 
 @torch.no_grad()
@@ -73,14 +85,16 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype
     start = time.perf_counter()
     engine.begin_weight_update()
     num_tensors = num_bytes = num_buckets = 0
+    engine_casts = getattr(engine, "casts_on_update", False)
     for unit, names in fsdp_units(model):
-        sharded = _is_fsdp(unit)
+        whole = all(_is_whole(p) for p in unit.parameters())
+        sharded = _is_fsdp(unit) and not whole
         if sharded:
             unit.unshard()
         bucket, size = [], 0
-        for name, tensor in _unit_tensors(unit, names, dtype):
+        for name, tensor in _unit_tensors(unit, names, None if whole and engine_casts else dtype):
             bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
+            size += tensor.numel() * dtype.itemsize  # counted in the engine dtype
             if size >= bucket_bytes:
                 engine.update_weights(bucket)
                 num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1

@@ -73,3 +73,24 @@ def _units_sharded(rank, world_size, path):
     assert len(names) == len(set(names)) == len(list(model.parameters()))
     assert units[0][0] is model.model.layers[0] and units[-1][0] is model
     assert [n for n, _ in units[-1][1]] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+
+
+def _sync_one_rank_into_a_casting_engine(rank, world_size, path):
+    model = from_pretrained(path, dtype="float32")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    engine = RecordingEngine()
+    engine.casts_on_update = True
+    stats = sync_weights(model, engine, version=1, dtype=torch.bfloat16, bucket_bytes=1 << 20)
+    received = {n: t for b in engine.buckets for n, t in b}
+    # One rank holds whole tensors: nothing is gathered, the fp32 masters go to the engine to cast.
+    assert all(t.dtype == torch.float32 and type(t) is torch.Tensor for t in received.values())
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    assert all(torch.equal(received[n], full[n]) for n in received)
+    assert stats.num_bytes == sum(t.numel() * 2 for t in received.values())  # counted in bf16
+
+
+def test_one_rank_hands_over_masters_to_a_casting_engine(tmp_path):
+    path, _ = write_hf_model(tmp_path, "qwen2")
+    run_ranks(_sync_one_rank_into_a_casting_engine, 1, path)

@@ -30,6 +30,9 @@ _SEED_MASK = (1 << 62) - 1
 class NativeEngine:
     """In-process rollout engine. See the protocol for the meaning of every public method."""
 
+    casts_on_update = True
+    """update_weights takes tensors of any floating dtype and casts while copying them in."""
+
     def __init__(
         self,
         model: CausalLM | str | Path,
@@ -95,7 +98,8 @@ class NativeEngine:
         self._weights_valid = True
         self._released: set[str] = set()
         self._written: set[str] | None = None
-        self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self._params = dict(self.model.named_parameters())  # the same objects across release/resume
+        self._param_shapes = {n: p.shape for n, p in self._params.items()}
         self._rng = random.Random(seed)
         self._next_seq_id = 0
         self._next_prompt_index = 0
@@ -310,7 +314,7 @@ class NativeEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._written is None:
             raise RuntimeError("update_weights called outside begin_weight_update/end_weight_update")
-        params = dict(self.model.named_parameters())
+        params = self._params
         tied = self.model.config.tie_word_embeddings
         with torch.no_grad():
             for name, tensor in named_tensors:
