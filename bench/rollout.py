@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     for batch in (256, 64, 8, 1):  # compile the sampler and touch every path before timing
         engine.generate(make_prompts(batch, 16, seed=1), SamplingParams(max_new_tokens=16, ignore_eos=True))
     warmup_s = time.perf_counter() - start
+    print(f"engine ready: init {init_s:.1f} s, warm-up {warmup_s:.1f} s", flush=True)
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": HF_CONFIG,
         "engine": {"init_seconds": init_s, "warmup_seconds": warmup_s, "memory": engine.memory_stats(),

@@ -13,6 +13,7 @@ tensors go to the engine as they are when the engine casts while it copies
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -66,15 +67,45 @@ def _is_whole(param: torch.Tensor) -> bool:
     return not hasattr(param, "to_local") or tuple(param.to_local().shape) == tuple(param.shape)
 
 
-def _unit_tensors(unit: nn.Module, names, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full tensors of the unit's parameters, in `dtype` (None: as stored)."""
+@dataclass
+class _Unit:
+    module: nn.Module
+    names: list[tuple[str, str]]  # (full name, name within the unit)
+    params: list[nn.Parameter]  # the unit's own parameters, as registered between forwards (sharded)
+    whole: bool  # every one of them holds the full tensor on this rank: nothing to gather
+
+
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, list[_Unit]]" = weakref.WeakKeyDictionary()
+
+
+def _plan(model: nn.Module) -> list[_Unit]:
+    """The units of `model`, worked out once per model: walking the module tree and inspecting
+    hundreds of DTensors costs milliseconds of host time, more than the copies themselves."""
+    plan = _PLANS.get(model)
+    if plan is None:
+        plan = []
+        for unit, names in fsdp_units(model):
+            params = dict(unit.named_parameters())
+            own = [params[local] for _, local in names]
+            plan.append(_Unit(unit, names, own, all(_is_whole(p) for p in own)))
+        _PLANS[model] = plan
+    return plan
+
+
+def _gathered_tensors(unit: nn.Module, names, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors of an unsharded unit's parameters, in `dtype`."""
     params = dict(unit.named_parameters())
     for full, local in names:
         t = params[local].detach()
-        if hasattr(t, "to_local") and _is_whole(t):
-            t = t.to_local()
-        elif hasattr(t, "full_tensor"):  # a DTensor left sharded (not an FSDP unit param): gather it
+        if hasattr(t, "full_tensor"):  # a DTensor left sharded (not an FSDP unit param): gather it
             t = t.full_tensor()
+        yield full, (t if t.dtype == dtype else t.to(dtype))
+
+
+def _whole_tensors(unit: _Unit, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A whole unit's rank-local tensors, in `dtype` (None: as stored)."""
+    for (full, _), p in zip(unit.names, unit.params):
+        t = p.to_local() if hasattr(p, "to_local") else p.detach()
         yield full, (t if dtype is None or t.dtype == dtype else t.to(dtype))
 
 
@@ -86,13 +117,15 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype
     engine.begin_weight_update()
     num_tensors = num_bytes = num_buckets = 0
     engine_casts = getattr(engine, "casts_on_update", False)
-    for unit, names in fsdp_units(model):
-        whole = all(_is_whole(p) for p in unit.parameters())
-        sharded = _is_fsdp(unit) and not whole
-        if sharded:
-            unit.unshard()
+    for unit in _plan(model):
+        gather = _is_fsdp(unit.module) and not unit.whole
+        if gather:
+            unit.module.unshard()
+            tensors = _gathered_tensors(unit.module, unit.names, dtype)
+        else:
+            tensors = _whole_tensors(unit, None if engine_casts else dtype)
         bucket, size = [], 0
-        for name, tensor in _unit_tensors(unit, names, None if whole and engine_casts else dtype):
+        for name, tensor in tensors:
             bucket.append((name, tensor))
             size += tensor.numel() * dtype.itemsize  # counted in the engine dtype
             if size >= bucket_bytes:
@@ -102,9 +135,9 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype
         if bucket:
             engine.update_weights(bucket)
             num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1
-        del bucket
-        if sharded:
-            unit.reshard()
+        del bucket, tensors
+        if gather:
+            unit.module.reshard()
     engine.end_weight_update(version)
     if torch.cuda.is_available():
         torch.cuda.synchronize()

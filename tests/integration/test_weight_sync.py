@@ -94,3 +94,29 @@ def _sync_one_rank_into_a_casting_engine(rank, world_size, path):
 def test_one_rank_hands_over_masters_to_a_casting_engine(tmp_path):
     path, _ = write_hf_model(tmp_path, "qwen2")
     run_ranks(_sync_one_rank_into_a_casting_engine, 1, path)
+
+
+def _sync_after_optimizer_steps(rank, world_size, path):
+    from colocate.rollout.native import NativeEngine
+
+    model = from_pretrained(path, dtype="float32")
+    engine = NativeEngine(model, max_kv_tokens=256)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.arange(12)[None] % model.config.vocab_size
+    for version in (1, 2):  # the unit plan is cached at the first sync: the second must see new values
+        with torch.enable_grad():
+            model(ids).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sync_weights(model, engine, version=version, dtype=torch.float32)
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        got = dict(engine.model.named_parameters())
+        assert all(torch.equal(got[n], full[n]) for n in full), f"stale engine weights after sync {version}"
+
+
+def test_cached_plan_syncs_updated_weights(tmp_path):
+    path, _ = write_hf_model(tmp_path, "qwen2")
+    run_ranks(_sync_after_optimizer_steps, 1, path)
