@@ -53,7 +53,8 @@ def torchrun(config: Path, out: Path, *flags: str, nproc: int = 2, extra: tuple[
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    # torchrun's own report ends stderr; a rank's C++ abort message sits above it.
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-12000:]
     return done
 
 
