@@ -24,7 +24,7 @@ import time
 import torch
 
 from colocate import dist
-from colocate.colocation.preload import preload_library
+from colocate.colocation.preload import preload_active, preload_library, with_preload
 from colocate.colocation.weight_sync import sync_weights
 from colocate.config import Config
 from colocate.models import CausalLM
@@ -70,10 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/colocation.py needs a CUDA device")
-    library = preload_library()
-    if library and "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
-        env = dict(os.environ, LD_PRELOAD=":".join(p for p in (library, os.environ.get("LD_PRELOAD")) if p))
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if preload_library() and not preload_active():
+        os.execve(sys.executable, [sys.executable, *sys.argv], with_preload(os.environ))
 
     info = dist.init()
     mcfg = model_config(args.model)

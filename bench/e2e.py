@@ -308,12 +308,10 @@ def _child_env(extra_path: str | None = None, preload: bool = False, cpu: bool =
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(ROOT), env.get("PYTHONPATH")) if p)
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    if preload and "torch_memory_saver" not in env.get("LD_PRELOAD", ""):
-        from colocate.colocation.preload import preload_library
+    if preload:
+        from colocate.colocation.preload import with_preload
 
-        library = preload_library()
-        if library:
-            env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD")) if p)
+        env = with_preload(env)
     return env
 
 

@@ -46,6 +46,16 @@ def preload_library() -> str | None:
         return None
 
 
+def with_preload(env: dict[str, str]) -> dict[str, str]:
+    """A copy of the environment `env` with the hook library first in LD_PRELOAD (when installed),
+    for a child process whose native engine should have pausable graph memory."""
+    env = dict(env)
+    library = preload_library()
+    if library and "torch_memory_saver" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD")) if p)
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 

@@ -16,8 +16,7 @@ import importlib.util
 
 import torch
 
-from colocate.colocation.preload import memory_saver as memory_saver_handle
-from colocate.colocation.preload import preload_active
+from colocate.colocation.preload import memory_saver as memory_saver_handle, preload_active
 
 
 class DeviceMemory:
@@ -67,4 +66,3 @@ class DeviceMemory:
     def resume(self, tag: str) -> None:
         assert self._saver is not None
         self._saver.resume(tag)
-
