@@ -94,6 +94,11 @@ def barrier():
         dist.barrier()
 
 
-def destroy():
+def destroy(synchronize: bool = True):
+    """Leave the process group. On a normal exit every rank first meets at a barrier: a rank that
+    tears gloo down while a peer's last collective is still in flight aborts the process
+    ("terminate called without an active exception"). After a failure, skip it (peers may be gone)."""
     if dist.is_initialized():
+        if synchronize and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     info = dist.init()
     torch.manual_seed(cfg.train.seed)
     loop = None
+    finished = False
     try:
         if info.is_main:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
@@ -208,10 +209,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         loop.build()
         loop.run()
+        finished = True
     finally:
         if loop is not None:
             loop.close()
-        dist.destroy()
+        dist.destroy(synchronize=finished)
     return 0
 
 

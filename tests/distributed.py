@@ -15,14 +15,16 @@ def _worker(rank, world_size, port, fn, args, errors):
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from colocate import dist
 
+    finished = False
     try:
         dist.init(timeout_minutes=2)
         fn(rank, world_size, *args)
+        finished = True
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
-        dist.destroy()
+        dist.destroy(synchronize=finished)
 
 
 def run_ranks(fn, world_size: int, *args):
