@@ -3,6 +3,10 @@
 The model never knows about parallelism or paging. `forward` works on flat packed tokens; callers
 that own a KV cache (the rollout engine) pass an `attn(layer_idx, q, k, v)` callable that stores
 k/v and attends over the cache, and the model stays the same.
+
+An inference owner may call `CausalLM.pack_projections()`: q/k/v and gate/up then live in one
+packed tensor each (their parameters become views of it, so names and loading are unchanged) and
+run as one GEMM, which at decode batch sizes costs little more than one of the parts.
 """
 
 from __future__ import annotations
@@ -33,12 +37,25 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.qkv_weight: torch.Tensor | None = None  # packed q/k/v (see pack_projections)
+        self.qkv_bias: torch.Tensor | None = None
+
+    def pack(self, keep_values: bool) -> None:
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_weight = pack_parameters([m.weight for m in parts], keep_values)
+        if parts[0].bias is not None:
+            self.qkv_bias = pack_parameters([m.bias for m in parts], keep_values)
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, attn: AttnFn | None):
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -55,9 +72,33 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # packed gate/up (see pack_projections)
+
+    def pack(self, keep_values: bool) -> None:
+        self.gate_up_weight = pack_parameters([self.gate_proj.weight, self.up_proj.weight], keep_values)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def pack_parameters(params: list[nn.Parameter], keep_values: bool) -> torch.Tensor:
+    """One new tensor holding `params` stacked along dim 0; each parameter becomes a view of its
+    slice (the same Parameter object, so copies into it land in the packed tensor)."""
+    first = params[0]
+    packed = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype,
+                         device=first.device)
+    offset = 0
+    for p in params:
+        view = packed[offset:offset + p.shape[0]]
+        if keep_values:
+            view.copy_(p.detach())
+        p.data = view
+        offset += p.shape[0]
+    return packed
 
 
 class DecoderLayer(nn.Module):
@@ -100,6 +141,19 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+
+    def pack_projections(self, keep_values: bool = True) -> None:
+        """Pack q/k/v and gate/up of every layer (inference only: a training step would still see
+        separate parameters but views of shared storage). keep_values=False packs uninitialised
+        storage, for an owner that reallocated its parameters and writes them next."""
+        for layer in self.model.layers:
+            layer.self_attn.pack(keep_values)
+            layer.mlp.pack(keep_values)
+
+    def unpack_projections(self) -> None:
+        """Forget the packed tensors (their parameters must have been given new storage first)."""
+        for layer in self.model.layers:
+            layer.self_attn.qkv_weight = layer.self_attn.qkv_bias = layer.mlp.gate_up_weight = None
 
     def tie_weights(self):
         """Share lm_head with the embeddings when the config says so (again after to_empty/moves)."""

@@ -115,6 +115,7 @@ class NativeEngine:
                 load_weights(ours, model.state_dict().items(), source="model")
             else:
                 ours = from_pretrained(model, dtype, self.device)
+            ours.pack_projections()  # one GEMM for q/k/v and one for gate/up
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # loading goes through an fp32 copy; hand its cached memory back
         cfg = ours.config
@@ -258,6 +259,7 @@ class NativeEngine:
             elif tag == "weights":
                 for p in self.model.parameters():
                     p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+                self.model.unpack_projections()
             elif tag == "kv_cache":
                 self.runner.free_kv()
             if tag == "weights":
@@ -278,6 +280,7 @@ class NativeEngine:
             elif tag == "weights":
                 for name, p in self.model.named_parameters():
                     p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=self.device)
+                self.model.pack_projections(keep_values=False)
             elif tag == "kv_cache":
                 self.runner.allocate_kv()
             self._released.discard(tag)
