@@ -11,6 +11,10 @@ Prints one summary line and writes bench/results/kernels.json. Run: python bench
 `--decode-sweep` instead times every decode-kernel launch shape (tile, splits, warps, stages) on
 engine-like decode batches: the kernel runs over 24 layers' caches in one CUDA graph, as in a
 decode step, so no layer's K/V is still in L2. Writes bench/results/paged_decode_sweep.json.
+
+`--sample-sweep` times every launch shape of the Gumbel-max sampler (programs per SM, block,
+warps) on (B, 151936) fp32 logits, beside the plain-torch reference, and writes
+bench/results/sampling_sweep.json.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from colocate.kernels import paged_attention
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "kernels.json"
 SWEEP_RESULTS = RESULTS.parent / "paged_decode_sweep.json"
+SAMPLE_SWEEP_RESULTS = RESULTS.parent / "sampling_sweep.json"
 SWEEP_SHAPES = [(256, 256), (256, 384), (256, 1024), (64, 384), (64, 2048), (16, 3072)]
 """(batch, context) pairs: the rollout benchmark's b256, b64 and long cases at mid-generation."""
 HBM_BYTES_PER_S = 4.3e12
@@ -175,14 +180,66 @@ def decode_sweep() -> None:
     SWEEP_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
 
 
+def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
+    """Microseconds per call of every sampler launch shape, and of the plain-torch reference."""
+    from triton.testing import do_bench
+
+    from colocate.kernels import sampling
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(batch, vocab_size, device="cuda", generator=gen) * 4
+    temperature = torch.ones(batch, device="cuda")
+    seed = torch.arange(batch, device="cuda") * 7919
+    counter = torch.arange(batch, device="cuda") + 100
+    args = (logits, temperature, seed, counter, None, None)
+    want = sampling.reference_gumbel_sample(*args)[1]
+    rows = []
+    for per_sm, block, warps in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8, 16)):
+        config = sampling.SampleConfig(sampling.sample_config(batch, vocab_size, logits.device, per_sm).num_splits,
+                                       block, warps)
+        try:
+            torch.testing.assert_close(sampling._gumbel_sample_triton(*args, config)[1], want, atol=1e-4, rtol=0)
+            us = do_bench(lambda: sampling._gumbel_sample_triton(*args, config), rep=50, return_mode="median") * 1e3
+            rows.append(dict(vars(config), programs_per_sm=per_sm, us=us))
+        except Exception as exc:  # a shape Triton cannot build is skipped
+            rows.append(dict(vars(config), programs_per_sm=per_sm, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+    timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    auto = sampling.sample_config(batch, vocab_size, logits.device)
+    return {
+        "shape": dict(batch=batch, vocab=vocab_size),
+        "roofline_us": batch * vocab_size * 4 / HBM_BYTES_PER_S * 1e6,
+        "reference_us": do_bench(lambda: sampling.reference_gumbel_sample(*args), rep=50, return_mode="median") * 1e3,
+        "auto": dict(vars(auto), us=do_bench(lambda: sampling._gumbel_sample_triton(*args, auto), rep=50,
+                                             return_mode="median") * 1e3),
+        "best": timed[:5],
+        "all": rows,
+    }
+
+
+def sample_sweep() -> None:
+    results = {"device": torch.cuda.get_device_name(), "shapes": []}
+    for batch in (256, 64, 16):
+        r = sweep_sampling(batch)
+        results["shapes"].append(r)
+        best = r["best"][0]
+        print(f"sampler B={batch}: roofline {r['roofline_us']:.1f} us | reference {r['reference_us']:.1f} us | "
+              f"auto {r['auto']['us']:.1f} us | best {best['us']:.1f} us "
+              f"{ {k: best[k] for k in ('programs_per_sm', 'num_splits', 'block', 'num_warps')} }", flush=True)
+    SAMPLE_SWEEP_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    SAMPLE_SWEEP_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
+    parser.add_argument("--sample-sweep", action="store_true", help="time every sampler launch shape")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
     if args.decode_sweep:
         return decode_sweep()
+    if args.sample_sweep:
+        return sample_sweep()
     from triton.testing import do_bench
 
     results = {

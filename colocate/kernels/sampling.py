@@ -9,22 +9,22 @@ log-softmax) while `suppress_left` > 0: stop ids before min_new_tokens.
 
 The reference (`reference_gumbel_sample`, the CPU path and the test oracle) materialises the noise
 as a (B, V) tensor. The Triton kernel streams each row's vocabulary in slices, one program per
-(row, slice), carrying an online max / sum-exp and the running best of logits / T + noise; a
-second kernel merges the slices. The hash is computed in uint32 lanes (the reference's int64 lanes
+(row, slice), carrying per lane an online sum-exp (against the slice's running max) and the running
+best of logits / T + noise; a second kernel merges the slices. The hash is computed in uint32 lanes (the reference's int64 lanes
 hold the same 32-bit values), so the noise bits are identical on both paths.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 MASK32 = 0xFFFFFFFF
 VOCAB_SALT = 0x9E3779B9
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 16
 _MAX_SPLITS = 64
-_BLOCK = 2048
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ def gumbel_sample(logits, temperature, seed, counter, suppress_ids=None, suppres
     if not logits.is_cuda:
         return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
     return _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left,
-                                 _num_splits(logits.shape[0], logits.shape[1], logits.device))
+                                 sample_config(logits.shape[0], logits.shape[1], logits.device))
 
 
 def _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left) -> None:
@@ -106,41 +106,57 @@ def _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_lef
         raise ValueError(f"all inputs must share one device, got {devices}")
 
 
-def _num_splits(batch: int, vocab_size: int, device: torch.device) -> int:
-    """Vocabulary slices per row: about four programs per SM, a power of two, each >= one block."""
+@dataclass(frozen=True)
+class SampleConfig:
+    """Launch shape of the Triton sampler: vocabulary slices per row, columns per loop iteration."""
+
+    num_splits: int
+    block: int = 1024
+    num_warps: int = 8
+
+
+def sample_config(batch: int, vocab_size: int, device: torch.device, programs_per_sm: int = _PROGRAMS_PER_SM
+                  ) -> SampleConfig:
+    """About `programs_per_sm` programs per SM, each slice at least one block (bench/kernels.py
+    --sample-sweep measures the alternatives)."""
     from colocate.kernels.paged_attention import _sm_count
 
-    splits = max(1, min(_PROGRAMS_PER_SM * _sm_count(device) // max(batch, 1), _MAX_SPLITS,
-                        -(-vocab_size // _BLOCK)))
-    return 1 << (splits.bit_length() - 1)
+    splits = max(1, min(programs_per_sm * _sm_count(device) // max(batch, 1), _MAX_SPLITS,
+                        -(-vocab_size // SampleConfig.block)))
+    return SampleConfig(num_splits=splits)
 
 
-def _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left, num_splits: int):
+def _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left, config: SampleConfig):
     partial_kernel, merge_kernel = _triton_kernels()
     batch, vocab_size = logits.shape
     ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch == 0:
         return ids, logprobs
-    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
-    stats = torch.empty((4, batch, num_splits), dtype=torch.float32, device=logits.device)  # m, s, best, at best
-    best_ids = torch.empty((batch, num_splits), dtype=torch.int32, device=logits.device)
+    splits = config.num_splits
+    assert 1 <= splits <= _MAX_SPLITS and config.block & (config.block - 1) == 0
+    stats = torch.empty((4, batch, splits), dtype=torch.float32, device=logits.device)  # m, s, best, at best
+    best_ids = torch.empty((batch, splits), dtype=torch.int32, device=logits.device)
     num_suppress = 0 if suppress_ids is None else suppress_ids.shape[1]
-    cols_per_split = -(-vocab_size // (num_splits * _BLOCK)) * _BLOCK
-    partial_kernel[(batch, num_splits)](
+    cols_per_split = -(-vocab_size // (splits * config.block)) * config.block
+    partial_kernel[(batch, splits)](
         logits, temperature, seed, counter,
         suppress_ids if num_suppress else ids, suppress_left if num_suppress else ids,
         stats, best_ids, logits.stride(0), suppress_ids.stride(0) if num_suppress else 0,
-        vocab_size, cols_per_split, batch * num_splits,
-        NUM_SPLITS=num_splits, NUM_SUPPRESS=num_suppress, BLOCK=_BLOCK, num_warps=8,
+        vocab_size, cols_per_split, splits, batch * splits,
+        NUM_SUPPRESS=num_suppress, BLOCK=config.block, num_warps=config.num_warps,
     )
-    merge_kernel[(batch,)](stats, best_ids, ids, logprobs, batch * num_splits, NUM_SPLITS=num_splits, num_warps=1)
+    merge_kernel[(batch,)](stats, best_ids, ids, logprobs, splits, batch * splits, MAX_SPLITS=_MAX_SPLITS,
+                           num_warps=1)
     return ids, logprobs
 
 
 @functools.cache
 def _triton_kernels():
-    """Define the Triton kernels on first CUDA use, so CPU installs never import triton."""
+    """Define the Triton kernels on first CUDA use, so CPU installs never import triton.
+
+    Sizes that vary from call to call (the split count, rows x splits) are runtime values that
+    Triton does not specialise on, so a changing batch size never compiles a kernel again."""
     global triton, tl, mix32  # the kernels resolve these as module globals, as Triton expects
     import triton
     import triton.language as tl
@@ -153,10 +169,13 @@ def _triton_kernels():
         x = (x * 0x846CA68B).to(tl.uint32)
         return x ^ (x >> 16)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits", "num_rows"])
     def partial(logits_ptr, temp_ptr, seed_ptr, counter_ptr, sup_ptr, sup_left_ptr, stats_ptr, best_ids_ptr,
-                stride_lb, stride_sb, vocab_size, cols_per_split, num_rows,
-                NUM_SPLITS: tl.constexpr, NUM_SUPPRESS: tl.constexpr, BLOCK: tl.constexpr):
+                stride_lb, stride_sb, vocab_size, cols_per_split, num_splits, num_rows,
+                NUM_SUPPRESS: tl.constexpr, BLOCK: tl.constexpr):
+        # Per lane: the running sum of exp(scaled - m) (m, the slice's running max, is one scalar)
+        # and the best candidate with its column and scaled logit. One reduction per block (the
+        # max); the lanes merge once at the end.
         row = tl.program_id(0)
         split = tl.program_id(1)
         temp = tl.load(temp_ptr + row)
@@ -174,17 +193,17 @@ def _triton_kernels():
         end = tl.minimum(start + cols_per_split, vocab_size)
         offs = tl.arange(0, BLOCK)
         m = -1e30
-        s = 0.0
-        best = -float("inf")
-        best_scaled = 0.0
-        best_id = 0
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        best = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
+        best_scaled = tl.zeros([BLOCK], dtype=tl.float32)
+        best_col = tl.zeros([BLOCK], dtype=tl.int32)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_lb
         for block_start in range(start, end, BLOCK):
             cols = block_start + offs
             ok = cols < end
             scaled = tl.load(row_ptr + cols, mask=ok, other=-float("inf")) / divisor
             m_new = tl.maximum(m, tl.max(scaled, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(scaled - m_new), axis=0)
+            s = s * tl.exp(m - m_new) + tl.exp(scaled - m_new)
             m = m_new
             bits = mix32(key ^ mix32((cols.to(tl.uint32) ^ 0x9E3779B9).to(tl.uint32))) >> 9
             u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
@@ -194,33 +213,37 @@ def _triton_kernels():
                 for i in tl.static_range(NUM_SUPPRESS):
                     blocked_id = tl.load(sup_ptr + row.to(tl.int64) * stride_sb + i)
                     candidate = tl.where(suppress_on & (cols == blocked_id), -float("inf"), candidate)
-            block_best = tl.max(candidate, axis=0)
-            block_arg = tl.argmax(candidate, axis=0)
-            take = block_best > best
-            best_scaled = tl.where(take, tl.sum(tl.where(offs == block_arg, scaled, 0.0), axis=0), best_scaled)
-            best_id = tl.where(take, block_start + block_arg, best_id)
-            best = tl.where(take, block_best, best)
-        slot = row * NUM_SPLITS + split
+            take = candidate > best  # strict: a lane keeps its earliest column on ties
+            best = tl.where(take, candidate, best)
+            best_scaled = tl.where(take, scaled, best_scaled)
+            best_col = tl.where(take, cols, best_col)
+        top = tl.max(best, axis=0)
+        # The first column reaching the maximum, as a row-wide argmax picks.
+        col = tl.min(tl.where(best == top, best_col, 2147483647), axis=0)
+        at_col = (best == top) & (best_col == col)
+        slot = row * num_splits + split
         tl.store(stats_ptr + slot, m)
-        tl.store(stats_ptr + num_rows + slot, s)
-        tl.store(stats_ptr + 2 * num_rows + slot, best)
-        tl.store(stats_ptr + 3 * num_rows + slot, best_scaled)
-        tl.store(best_ids_ptr + slot, best_id)
+        tl.store(stats_ptr + num_rows + slot, tl.sum(s, axis=0))
+        tl.store(stats_ptr + 2 * num_rows + slot, top)
+        tl.store(stats_ptr + 3 * num_rows + slot, tl.sum(tl.where(at_col, best_scaled, 0.0), axis=0))
+        tl.store(best_ids_ptr + slot, tl.where(top > -float("inf"), col, start))
 
-    @triton.jit
-    def merge(stats_ptr, best_ids_ptr, ids_ptr, logprobs_ptr, num_rows, NUM_SPLITS: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_splits", "num_rows"])
+    def merge(stats_ptr, best_ids_ptr, ids_ptr, logprobs_ptr, num_splits, num_rows, MAX_SPLITS: tl.constexpr):
         row = tl.program_id(0)
-        k = tl.arange(0, NUM_SPLITS)
-        slot = row * NUM_SPLITS + k
-        m = tl.load(stats_ptr + slot)
-        s = tl.load(stats_ptr + num_rows + slot)
-        best = tl.load(stats_ptr + 2 * num_rows + slot)
-        at_best = tl.load(stats_ptr + 3 * num_rows + slot)
+        k = tl.arange(0, MAX_SPLITS)
+        live = k < num_splits
+        slot = row * num_splits + k
+        m = tl.load(stats_ptr + slot, mask=live, other=-1e30)
+        s = tl.load(stats_ptr + num_rows + slot, mask=live, other=0.0)
+        best = tl.load(stats_ptr + 2 * num_rows + slot, mask=live, other=-float("inf"))
+        at_best = tl.load(stats_ptr + 3 * num_rows + slot, mask=live, other=0.0)
         top = tl.max(m, axis=0)
         lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
         winner = tl.argmax(best, axis=0)  # the first split on ties, as a row-wide argmax
         chosen = k == winner
-        tl.store(ids_ptr + row, tl.sum(tl.where(chosen, tl.load(best_ids_ptr + slot), 0), axis=0).to(tl.int64))
+        best_id = tl.sum(tl.where(chosen, tl.load(best_ids_ptr + slot, mask=live, other=0), 0), axis=0)
+        tl.store(ids_ptr + row, best_id.to(tl.int64))
         tl.store(logprobs_ptr + row, tl.sum(tl.where(chosen, at_best, 0.0), axis=0) - lse)
 
     return partial, merge

@@ -73,15 +73,16 @@ def test_bad_inputs_name_the_argument():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 2, 4, 64])
+@pytest.mark.parametrize("config", [sampling.SampleConfig(1), sampling.SampleConfig(3, 1024, 4),
+                                    sampling.SampleConfig(4), sampling.SampleConfig(64, 512, 4)])
 @pytest.mark.parametrize("vocab", [5000, 151936])
-def test_triton_matches_reference(num_splits, vocab):
+def test_triton_matches_reference(config, vocab):
     logits, temperature, seed, counter = _inputs(vocab=vocab, device="cuda")
     ref_free, _ = reference_gumbel_sample(logits, temperature, seed, counter)
     for suppress_ids, left in ((None, None), (torch.stack([ref_free, (ref_free + 1) % vocab], 1),
                                               torch.tensor([1, 0, 2, 1, 0, 5], device="cuda"))):
         want = reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, left)
-        got = sampling._gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, left, num_splits)
+        got = sampling._gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, left, config)
         assert torch.equal(got[0], want[0])
         torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=0)
 
@@ -98,3 +99,17 @@ def test_public_path_on_a_decode_batch():
     want = reference_gumbel_sample(logits, temperature, seed, counter)
     assert (got[0] == want[0]).float().mean().item() >= 0.99  # tl.log and torch.log may differ by an ulp
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [sampling.SampleConfig(1), sampling.SampleConfig(5, 512, 4)])
+def test_triton_greedy_ties_take_the_first_column(config):
+    """Equal logits everywhere: a greedy row picks column 0 (or the first one not suppressed)."""
+    logits = torch.zeros(3, 6000, device="cuda")
+    logits[2, 4000:] = 1.0
+    zeros = torch.zeros(3, device="cuda")
+    index = torch.zeros(3, dtype=torch.int64, device="cuda")
+    suppress_ids = torch.tensor([[0, 0], [0, 1], [4000, 4000]], device="cuda")
+    left = torch.tensor([0, 1, 1], device="cuda")
+    ids, _ = sampling._gumbel_sample_triton(logits, zeros, index, index, suppress_ids, left, config)
+    assert ids.tolist() == [0, 2, 4001]
