@@ -61,6 +61,17 @@ def copy_ms(num_bytes: int, rounds: int) -> float:
     return statistics.median(times[2:])
 
 
+def _mismatched(policy: torch.nn.Module, engine: NativeEngine) -> list[str]:
+    """Engine parameters that differ from the trainer's masters cast to the engine dtype."""
+    engine_params = dict(engine.model.named_parameters())
+    bad = []
+    for name, p in policy.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if name in engine_params and not torch.equal(full.to(engine_params[name].dtype), engine_params[name]):
+            bad.append(name)
+    return bad
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="1.5b", help="model shape from bench/train.py")
@@ -90,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     for version in range(1, args.rounds + 2):
         syncs.append(sync_weights(policy, engine, version=version, dtype=torch.bfloat16,
                                   bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20))
+    mismatched = _mismatched(policy, engine)
+    if mismatched:
+        raise SystemExit(f"weight sync left {len(mismatched)} engine tensors unequal to the masters: {mismatched[:3]}")
     sync_bytes = syncs[-1].num_bytes
     sync_ms = statistics.median(1e3 * s.seconds for s in syncs[1:])
     copy = copy_ms(sync_bytes, args.rounds)

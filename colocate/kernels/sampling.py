@@ -10,8 +10,9 @@ log-softmax) while `suppress_left` > 0: stop ids before min_new_tokens.
 The reference (`reference_gumbel_sample`, the CPU path and the test oracle) materialises the noise
 as a (B, V) tensor. The Triton kernel streams each row's vocabulary in slices, one program per
 (row, slice), carrying per lane an online sum-exp (against the slice's running max) and the running
-best of logits / T + noise; a second kernel merges the slices. The hash is computed in uint32 lanes (the reference's int64 lanes
-hold the same 32-bit values), so the noise bits are identical on both paths.
+best of logits / T + noise; a second kernel merges the slices. The hash is computed in uint32 lanes
+(the reference's int64 lanes hold the same 32-bit values), so the noise bits are identical on both
+paths.
 """
 
 from __future__ import annotations

@@ -319,18 +319,22 @@ class NativeEngine:
             raise RuntimeError("update_weights called outside begin_weight_update/end_weight_update")
         params = self._params
         tied = self.model.config.tie_word_embeddings
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if tied and name == "lm_head.weight":
-                    continue  # the same tensor as model.embed_tokens.weight
-                if name not in params:
-                    raise ValueError(f"update_weights: unknown parameter {name!r}")
-                p = params[name]
-                if tuple(tensor.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-                p.copy_(tensor)
-                self._written.add(name)
+        names, dsts, srcs = [], [], []
+        for name, tensor in named_tensors:
+            if tied and name == "lm_head.weight":
+                continue  # the same tensor as model.embed_tokens.weight
+            if name not in params:
+                raise ValueError(f"update_weights: unknown parameter {name!r}")
+            p = params[name]
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            names.append(name)
+            dsts.append(p.data)
+            srcs.append(tensor.detach())
+        # One multi-tensor launch (casting on the fly) instead of a copy kernel per tensor.
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        self._written.update(names)
 
     def end_weight_update(self, version: int) -> None:
         if self._written is None:
