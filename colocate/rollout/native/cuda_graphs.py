@@ -13,10 +13,12 @@ import torch
 
 
 def graph_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, 16, then steps of 16, up to and including max_batch_size."""
-    buckets = [b for b in (1, 2, 4, 8) if b <= max_batch_size]
+    """2, 4, 8, 16, then steps of 16, up to and including max_batch_size. No bucket of one (unless
+    that is the maximum): a compiled decode forward specialises on a batch of one, so that bucket
+    would cost a second compilation; one sequence replays the graph of two."""
+    buckets = [b for b in (2, 4, 8) if b <= max_batch_size]
     buckets += list(range(16, max_batch_size + 1, 16))
-    if buckets[-1] != max_batch_size:
+    if not buckets or buckets[-1] != max_batch_size:
         buckets.append(max_batch_size)
     return buckets
 
