@@ -16,7 +16,8 @@ convention), or half that (`mfu_causal`, what a causal kernel computes); 989 TFL
 Peak memory: max_memory_allocated over the measured steps. Warm-up (compilation) is never timed.
 
 Run: python bench/train.py [--models 1.5b,0.5b] [--steps 3] [--profile] [--trace DIR] [--budget-s 280]
-Writes bench/results/train.json (and train_profile.txt); prints one summary line per model.
+Writes bench/results/train.json (entries of models not run are kept) and, with --profile,
+train_profile.txt; prints one summary line per model.
 """
 
 from __future__ import annotations
@@ -233,7 +234,14 @@ def _tms_offload(name: str, info) -> list[dict]:
     batch = make_samples(random.Random(1), model_config(name).vocab_size)
     trainer = _trainer(name, (1.0, "none", 16384), info, len(batch), method="tms", compiled=False)
     trainer.train(batch, 0)
-    return bench_offload(trainer)
+    try:
+        return bench_offload(trainer)
+    finally:
+        # The memory saver (in-process hook mode) ends the process if its pool memory is freed
+        # outside a region: drop this trainer inside one.
+        with trainer.offloader.region("release"):
+            del trainer
+            gc.collect()
 
 
 def _guarded(fn, *args):
@@ -439,6 +447,8 @@ def main(argv: list[str] | None = None) -> None:
     info = dist.init()
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "peak_tflops": PEAK_TFLOPS, "models": {}}
+    if RESULTS.exists():  # a run over some models keeps the other models' last entries
+        results["models"] = json.loads(RESULTS.read_text()).get("models", {})
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     if args.profile:
         PROFILE.write_text("")

@@ -7,7 +7,8 @@ unit, so at most one unit's full tensors exist at a time and no second copy of t
 
 A unit whose shards already are the full tensors (one rank) is not gathered: its fp32 master
 tensors go to the engine as they are when the engine casts while it copies
-(`casts_on_update`), so each weight is read once and written once, as in a plain device copy.
+(`casts_on_update`), so each weight is read once and written once, as in a plain device copy; such
+units fill buckets together, so a bucket is one large multi-tensor copy rather than one per block.
 """
 
 from __future__ import annotations
@@ -117,6 +118,15 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype
     engine.begin_weight_update()
     num_tensors = num_bytes = num_buckets = 0
     engine_casts = getattr(engine, "casts_on_update", False)
+    bucket, size = [], 0
+
+    def flush():
+        nonlocal bucket, size, num_tensors, num_bytes, num_buckets
+        if bucket:
+            engine.update_weights(bucket)
+            num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1
+        bucket, size = [], 0
+
     for unit in _plan(model):
         gather = _is_fsdp(unit.module) and not unit.whole
         if gather:
@@ -124,20 +134,16 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype
             tensors = _gathered_tensors(unit.module, unit.names, dtype)
         else:
             tensors = _whole_tensors(unit, None if engine_casts else dtype)
-        bucket, size = [], 0
         for name, tensor in tensors:
             bucket.append((name, tensor))
             size += tensor.numel() * dtype.itemsize  # counted in the engine dtype
             if size >= bucket_bytes:
-                engine.update_weights(bucket)
-                num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1
-                bucket, size = [], 0
-        if bucket:
-            engine.update_weights(bucket)
-            num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1
-        del bucket, tensors
-        if gather:
+                flush()
+        if gather:  # its full tensors go before the unit is resharded; whole units share buckets
+            flush()
+            del tensors
             unit.module.reshard()
+    flush()
     engine.end_weight_update(version)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
