@@ -32,6 +32,27 @@ def test_packed_forward_equals_per_sequence(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_projections_keep_logits_and_alias_the_parameters(tmp_path, family):
+    """The engine's layout: one GEMM for q/k/v and one for gate/up, the named parameters views."""
+    path, _ = write_hf_model(tmp_path, family)
+    model = from_pretrained(path, dtype="float32")
+    ids = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(3))
+    names = [n for n, _ in model.named_parameters()]
+    with torch.no_grad():
+        before = model(ids)
+        model.pack_projections()
+        after = model(ids)
+        assert [n for n, _ in model.named_parameters()] == names
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        attn.k_proj.weight.fill_(0.5)  # a copy into a parameter lands in the packed tensor
+        mlp.up_proj.weight.fill_(-0.25)
+    q_rows, k_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    assert bool((attn.qkv_weight[q_rows:q_rows + k_rows] == 0.5).all())
+    assert bool((mlp.gate_up_weight[mlp.gate_proj.weight.shape[0]:] == -0.25).all())
+    assert (after - before).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_save_load_round_trip(tmp_path, family):
     import transformers
 
