@@ -110,23 +110,11 @@ def _whole_tensors(unit: _Unit, dtype: torch.dtype | None) -> Iterator[tuple[str
         yield full, (t if dtype is None or t.dtype == dtype else t.to(dtype))
 
 
-@torch.no_grad()
-def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype: torch.dtype,
-                 bucket_bytes: int = 512 << 20) -> SyncStats:
-    """Push every parameter of `model` (HF names) into `engine`, then record `version` there."""
-    start = time.perf_counter()
-    engine.begin_weight_update()
-    num_tensors = num_bytes = num_buckets = 0
-    engine_casts = getattr(engine, "casts_on_update", False)
+def _buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int, engine_casts: bool
+             ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], int]]:
+    """(named tensors, bytes in the engine dtype) per bucket. A gathered unit's last bucket is taken
+    before the unit is resharded; whole units fill buckets together."""
     bucket, size = [], 0
-
-    def flush():
-        nonlocal bucket, size, num_tensors, num_bytes, num_buckets
-        if bucket:
-            engine.update_weights(bucket)
-            num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1
-        bucket, size = [], 0
-
     for unit in _plan(model):
         gather = _is_fsdp(unit.module) and not unit.whole
         if gather:
@@ -136,14 +124,31 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype
             tensors = _whole_tensors(unit, None if engine_casts else dtype)
         for name, tensor in tensors:
             bucket.append((name, tensor))
-            size += tensor.numel() * dtype.itemsize  # counted in the engine dtype
+            size += tensor.numel() * dtype.itemsize
             if size >= bucket_bytes:
-                flush()
-        if gather:  # its full tensors go before the unit is resharded; whole units share buckets
-            flush()
+                yield bucket, size
+                bucket, size = [], 0
+        if gather:
+            if bucket:
+                yield bucket, size
+                bucket, size = [], 0
             del tensors
             unit.module.reshard()
-    flush()
+    if bucket:
+        yield bucket, size
+
+
+@torch.no_grad()
+def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype: torch.dtype,
+                 bucket_bytes: int = 512 << 20) -> SyncStats:
+    """Push every parameter of `model` (HF names) into `engine`, then record `version` there."""
+    start = time.perf_counter()
+    engine.begin_weight_update()
+    num_tensors = num_bytes = num_buckets = 0
+    for bucket, size in _buckets(model, dtype, bucket_bytes, getattr(engine, "casts_on_update", False)):
+        engine.update_weights(bucket)
+        num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1
+        del bucket  # before the generator resumes and reshards: no full tensor outlives its unit
     engine.end_weight_update(version)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
