@@ -193,13 +193,17 @@ def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
     counter = torch.arange(batch, device="cuda") + 100
     args = (logits, temperature, seed, counter, None, None)
     want = sampling.reference_gumbel_sample(*args)[1]
+
+    def median_us(fn) -> float:
+        return do_bench(fn, rep=50, return_mode="median") * 1e3
+
     rows = []
     for per_sm, block, warps in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8, 16)):
         config = sampling.SampleConfig(sampling.sample_config(batch, vocab_size, logits.device, per_sm).num_splits,
                                        block, warps)
         try:
             torch.testing.assert_close(sampling._gumbel_sample_triton(*args, config)[1], want, atol=1e-4, rtol=0)
-            us = do_bench(lambda: sampling._gumbel_sample_triton(*args, config), rep=50, return_mode="median") * 1e3
+            us = median_us(lambda: sampling._gumbel_sample_triton(*args, config))
             rows.append(dict(vars(config), programs_per_sm=per_sm, us=us))
         except Exception as exc:  # a shape Triton cannot build is skipped
             rows.append(dict(vars(config), programs_per_sm=per_sm, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
@@ -208,9 +212,8 @@ def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
     return {
         "shape": dict(batch=batch, vocab=vocab_size),
         "roofline_us": batch * vocab_size * 4 / HBM_BYTES_PER_S * 1e6,
-        "reference_us": do_bench(lambda: sampling.reference_gumbel_sample(*args), rep=50, return_mode="median") * 1e3,
-        "auto": dict(vars(auto), us=do_bench(lambda: sampling._gumbel_sample_triton(*args, auto), rep=50,
-                                             return_mode="median") * 1e3),
+        "reference_us": median_us(lambda: sampling.reference_gumbel_sample(*args)),
+        "auto": dict(vars(auto), us=median_us(lambda: sampling._gumbel_sample_triton(*args, auto))),
         "best": timed[:5],
         "all": rows,
     }
