@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import traceback
 
@@ -11,6 +12,7 @@ from colocate.dist import free_port
 
 
 def _worker(rank, world_size, port, fn, args, errors):
+    faulthandler.enable(all_threads=True)  # a rank that aborts prints every thread's Python stack
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from colocate import dist
