@@ -8,7 +8,8 @@ Batch: 16 prompts x 8 samples x 256 response tokens, temperature 1, no KL (no re
 Both sides train fp32 master weights with bf16 compute and take one optimizer step per rollout.
 
 - Ours: `colocate.train.Loop` from a YAML config, with offload on (engine released and trainer
-  state moved to pinned host memory every step) and/or off. Response lengths are exact because
+  state moved to pinned host memory every step) and/or off, the trainer's blocks compiled
+  (model.compile, the setting for runs longer than a few steps) and/or eager. Response lengths are exact because
   group sampling goes through `fixed_length_generate` (rollout.custom_generate), which sets the
   engine's `ignore_eos`. Reported: median of each perf/<phase>_time and of the step's wall time
   (between consecutive metric records), over the steps after warm-up. Phase seconds are host wall
@@ -24,7 +25,8 @@ The reward (`vowel_reward`) is cheap and varies within a group, so advantages ar
 Each variant runs in a child process (one CUDA context each; the native engine's graph memory
 needs torch_memory_saver's preload hook set before the process starts, as launch.sh does).
 
-Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--skip-trl] [--trl-site DIR]
+Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
+                         [--trl-site DIR] [--trace-dir DIR]
      python bench/e2e.py --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
 Writes bench/results/e2e.json (--cpu-smoke: a file in its temporary directory unless --out) and
 prints one summary line.
@@ -65,6 +67,7 @@ TRL_MICRO_BATCH = 32
 OURS_TIMEOUT_S, TRL_TIMEOUT_S = 200.0, 300.0
 """Per-process limits that keep a hung run from eating the whole GPU session."""
 LR = 1e-6
+CHOICES = {"on": [True], "off": [False], "both": [True, False]}
 LOOP_PHASES = ("generate", "release", "train", "save", "offload", "sync", "eval")
 """The loop's perf/<phase>_time keys in step order; other perf/*_time keys time parts of these."""
 
@@ -132,11 +135,12 @@ def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Pat
     return model_dir, prompts
 
 
-def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, offload: bool, num_steps: int) -> dict:
+def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name: str, offload: bool,
+                compile: bool, num_steps: int) -> dict:
     b = BATCHES[shape]
     return {
-        "output_dir": str(workdir / f"ours_offload_{'on' if offload else 'off'}"),
-        "model": {"path": str(model_dir), "dtype": "auto"},
+        "output_dir": str(workdir / f"ours_{name}"),
+        "model": {"path": str(model_dir), "dtype": "auto", "compile": compile},
         "rollout": {"prompt_data": str(prompts), "max_prompt_len": b["prompt_tokens"],
                     "rollout_batch_size": b["prompts"], "n_samples_per_prompt": b["samples_per_prompt"],
                     "max_response_len": b["response_tokens"], "temperature": 1.0,
@@ -153,8 +157,36 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run_ours(config_path: Path, warmup: int) -> dict:
-    """Run the loop in this process; per-phase and per-step seconds of the steps after warm-up."""
+def _profile_last_step(loop, num_steps: int, trace: Path):
+    """A profiler (use it as a context around `loop.run()`) that records only the last of the
+    loop's `num_steps` steps and writes it to `trace` (Chrome JSON, gzipped) plus a table of the
+    ops with the most device time next to it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    def write(prof):
+        prof.export_chrome_trace(str(trace))
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=50, max_name_column_width=70)
+        trace.with_name(trace.name.replace(".json.gz", ".txt")).write_text(table)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, schedule=schedule(wait=num_steps - 1, warmup=0, active=1, repeat=1),
+                   on_trace_ready=write)
+    log = loop.log.log
+
+    def log_and_step(*args, **kwargs):
+        log(*args, **kwargs)
+        prof.step()
+
+    loop.log.log = log_and_step
+    return prof
+
+
+def run_ours(config_path: Path, warmup: int, trace: Path | None = None) -> dict:
+    """Run the loop in this process; per-phase and per-step seconds of the steps after warm-up.
+    With `trace`, the last step is profiled into it and left out of the timings."""
+    import contextlib
+
     import torch
 
     from colocate import dist
@@ -171,14 +203,17 @@ def run_ours(config_path: Path, warmup: int) -> dict:
         loop.build()
         build_s = time.perf_counter() - start
         start = time.time()  # metric records carry time.time() stamps
-        loop.run()
+        profiler = _profile_last_step(loop, cfg.train.num_rollout, trace) if trace else contextlib.nullcontext()
+        with profiler:
+            loop.run()
     finally:
         loop.close()
         dist.destroy()
     rows = read_metrics(cfg.output_dir)
     stamps = [start] + [r["time"] for r in rows]
-    steps = [b - a for a, b in zip(stamps, stamps[1:])][warmup:]
-    timed = rows[warmup:]
+    end = len(rows) - (1 if trace else 0)
+    steps = [b - a for a, b in zip(stamps, stamps[1:])][warmup:end]
+    timed = rows[warmup:end]
     timers = {k[len("perf/"):-len("_time")] for r in timed for k in r if k.startswith("perf/") and k.endswith("_time")}
     phases = [p for p in LOOP_PHASES if p in timers]
 
@@ -333,7 +368,7 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     steps = args.steps or (1 if args.cpu_smoke else 5)
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu_smoke else 2)
     start = time.perf_counter()
-    model_dir, prompts = write_inputs(workdir, shape, BATCHES[shape]["prompts"] * (warmup + steps))
+    model_dir, prompts = write_inputs(workdir, shape, BATCHES[shape]["prompts"] * (warmup + steps + 1))
     results = {
         "machine": {"host": socket.gethostname(), "device": None, "python": platform.python_version(),
                     "torch": torch.__version__, "transformers": transformers.__version__},
@@ -345,12 +380,16 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
         "ours": {}, "trl": {"skipped": True} if args.skip_trl else {}, "ratio_trl_over_ours": {},
     }
     env = _child_env(preload=not args.cpu_smoke, cpu=args.cpu_smoke)
-    for offload in {"on": [True], "off": [False], "both": [True, False]}[args.offload]:
-        name = f"offload_{'on' if offload else 'off'}"
-        cfg = ours_config(workdir, model_dir, prompts, shape, offload, warmup + steps)
+    compiles = CHOICES[args.compile or ("off" if args.cpu_smoke else "on")]
+    for offload, compile in [(offload, compile) for offload in CHOICES[args.offload] for compile in compiles]:
+        name = f"offload_{'on' if offload else 'off'}" + ("" if len(compiles) == 1 else
+                                                          f"_compile_{'on' if compile else 'off'}")
+        profiled = args.trace_dir is not None
+        cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, warmup + steps + profiled)
         cfg_path = workdir / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        result = _child(["--worker", "ours", "--config", str(cfg_path), "--warmup", str(warmup),
+        trace = ["--trace", str(args.trace_dir / f"e2e_{name}.json.gz")] if profiled else []
+        result = _child(["--worker", "ours", "--config", str(cfg_path), "--warmup", str(warmup), *trace,
                          "--result", str(workdir / f"result_{name}.json")], env, OURS_TIMEOUT_S)
         results["ours"][name] = {"config": cfg, **result}
         results["machine"]["device"] = results["machine"]["device"] or result.get("device")
@@ -395,12 +434,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --cpu-smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; --cpu-smoke 1)")
-    parser.add_argument("--offload", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--offload", choices=tuple(CHOICES), default="both")
+    parser.add_argument("--compile", choices=tuple(CHOICES), default=None,
+                        help="model.compile of ours: torch.compile the trainer's transformer blocks "
+                             "(default on; --cpu-smoke: off)")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="profile one extra step of each of our runs (not timed) into DIR")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--trl-site", default=None, help="directory with trl and datasets, for the TRL process")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and batch on CPU")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/e2e.json)")
-    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--shape", "--result"):
+    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--shape", "--result", "--trace"):
         parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -408,11 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.worker == "ours":
-        result = run_ours(Path(args.config), args.warmup)
+        result = run_ours(Path(args.config), args.warmup, Path(args.trace) if args.trace else None)
     elif args.worker == "trl":
         result = run_trl(Path(args.model_dir), Path(args.prompts), args.shape, args.steps, args.warmup)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="colocate_e2e_"))
+        if args.trace_dir is not None:
+            args.trace_dir.mkdir(parents=True, exist_ok=True)
         out = args.out or (workdir / "e2e.json" if args.cpu_smoke else RESULTS)
         results = orchestrate(args, out, workdir)
         print(summary(results), flush=True)
