@@ -154,7 +154,7 @@ class Loop:
                     self.engine.release_memory()
             with self.phase("train"):
                 if off.offload_train:
-                    self.trainer.onload()
+                    self.trainer.onload(overlap=True)
                 train_metrics = self.trainer.train(samples, rollout_id)
             if cfg.checkpoint.save_interval is not None and (
                     (rollout_id + 1) % cfg.checkpoint.save_interval == 0 or epoch_end

@@ -77,6 +77,7 @@ class _PinnedGroup:
         self.buffer: torch.Tensor | None = None  # (total_bytes,) uint8, pinned
         self.offsets: list[int] = []
         self.offloaded = False
+        self.arrived: torch.cuda.Event | None = None  # end of an onload not yet waited for
 
     def _slots(self) -> Iterator[tuple[torch.UntypedStorage, torch.Tensor]]:
         for storage, offset, size in zip(self.storages, self.offsets, self.sizes):
@@ -106,10 +107,12 @@ class _PinnedGroup:
         stream.synchronize()
         for storage in self.storages:
             storage.resize_(0)
-        self.offloaded = True
+        self.offloaded, self.arrived = True, None
         return sum(self.sizes)
 
     def onload(self, stream: torch.cuda.Stream) -> int:
+        """Allocate the storages again and queue the copies home on `stream`; `wait` orders the
+        current stream after them."""
         if not self.offloaded:
             return 0
         for storage, size in zip(self.storages, self.sizes):
@@ -118,9 +121,14 @@ class _PinnedGroup:
         with torch.cuda.stream(stream):
             for storage, slot in self._slots():
                 _bytes_view(storage).copy_(slot, non_blocking=True)
-        torch.cuda.current_stream().wait_stream(stream)
+        self.arrived = stream.record_event()
         self.offloaded = False
         return sum(self.sizes)
+
+    def wait(self) -> None:
+        if self.arrived is not None:
+            torch.cuda.current_stream().wait_event(self.arrived)
+            self.arrived = None
 
 
 class StateOffloader:
@@ -166,10 +174,18 @@ class StateOffloader:
     def offload(self, tags: Iterable[str]) -> OffloadStats:
         return self._move(list(tags), to_host=True)
 
-    def onload(self, tags: Iterable[str]) -> OffloadStats:
-        return self._move(list(tags), to_host=False)
+    def onload(self, tags: Iterable[str], wait: bool = True) -> OffloadStats:
+        """Bring these groups back. With `wait=False` ("pinned" only) the copies are just queued on
+        the side stream, to overlap whatever the device does next: call `wait(tags)` before any
+        use of those tensors. The statistics then hold the bytes and no time."""
+        return self._move(list(tags), to_host=False, wait=wait)
 
-    def _move(self, tags: list[str], to_host: bool) -> OffloadStats:
+    def wait(self, tags: Iterable[str]) -> None:
+        """Order the current stream after the pending onloads of these groups (no host wait)."""
+        for tag in tags:
+            self.groups[tag].wait()
+
+    def _move(self, tags: list[str], to_host: bool, wait: bool = True) -> OffloadStats:
         for tag in tags:
             if tag not in self.groups:
                 raise KeyError(f"unknown offload group {tag!r}; registered: {sorted(self.groups)}")
@@ -186,5 +202,8 @@ class StateOffloader:
                 num_bytes += sum(s.nbytes() for s in _storages(self.groups[tag].source()))
                 (self._tms.pause if to_host else self._tms.resume)(tag)
                 (self.paused.add if to_host else self.paused.discard)(tag)
+        if not wait:
+            return OffloadStats(num_bytes)
+        self.wait(tags)
         torch.cuda.synchronize()
         return OffloadStats(num_bytes, time.perf_counter() - start)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -125,6 +126,8 @@ class OptimizerStep:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: schedule(step))
         self.grad_clip = grad_clip
         self.num_skipped = 0
+        self.before_update: Callable[[], None] = lambda: None
+        """Called right before the optimizer touches its state (e.g. to wait for it to arrive)."""
 
     @property
     def lr(self) -> float:
@@ -143,6 +146,7 @@ class OptimizerStep:
         if skipped:
             self.num_skipped += 1
         else:
+            self.before_update()
             self.optimizer.step()
             self.scheduler.step()
         self.zero_grad()

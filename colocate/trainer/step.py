@@ -137,6 +137,7 @@ class Trainer:
         with self.offloader.region(tag):
             init_optimizer_state(opt.optimizer)
         self.offloader.register(tag, lambda: _optimizer_tensors(opt, model))
+        opt.before_update = lambda: self.offloader.wait([tag])
         return opt
 
     @property
@@ -189,17 +190,19 @@ class Trainer:
             metrics.update(_summarize(steps, "train/"))
             total_tokens = float(dist.all_reduce_sum([num_tokens], self.device)[0])
             metrics["perf/train_tokens_per_s"] = total_tokens / max(metrics["perf/actor_train_time"], 1e-9)
+        self.offloader.wait(list(self.offloader.groups))  # state a skipped step left in flight
         return metrics
 
-    def _transfer(self, tags: list[str], to_host: bool) -> OffloadStats:
+    def _transfer(self, tags: list[str], to_host: bool, wait: bool = True) -> OffloadStats:
         tags = [tag for tag in tags if tag in self.offloader.groups]
-        stats = (self.offloader.offload if to_host else self.offloader.onload)(tags)
+        stats = self.offloader.offload(tags) if to_host else self.offloader.onload(tags, wait=wait)
         if to_host:
             self.clear_memory()
         if stats.num_bytes:
-            kind = "offload" if to_host else "onload"
+            kind = "offload" if to_host else "onload" if wait else "prefetch"
             self.transfer_metrics[f"perf/trainer_{kind}_gib"] = stats.num_bytes / (1 << 30)
-            self.transfer_metrics[f"perf/trainer_{kind}_gb_per_s"] = stats.gb_per_s
+            if wait:
+                self.transfer_metrics[f"perf/trainer_{kind}_gb_per_s"] = stats.gb_per_s
         return stats
 
     def reserve_offload_buffers(self) -> float:
@@ -221,8 +224,15 @@ class Trainer:
     def onload_params(self) -> OffloadStats:
         return self._transfer([ACTOR_PARAMS], to_host=False)
 
-    def onload(self) -> OffloadStats:
-        return self._transfer([ACTOR_PARAMS, ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM], to_host=False)
+    def onload(self, overlap: bool = False) -> OffloadStats:
+        """Everything back. With `overlap`, only the parameters are waited for (the statistics are
+        theirs); the optimizer states' copies are queued to overlap the forward and backward
+        passes, and each optimizer waits for its own right before its first update."""
+        if not overlap:
+            return self._transfer([ACTOR_PARAMS, ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM], to_host=False)
+        stats = self._transfer([ACTOR_PARAMS, CRITIC_PARAMS], to_host=False)
+        self._transfer([ACTOR_OPTIM, CRITIC_OPTIM], to_host=False, wait=False)
+        return stats
 
     def clear_memory(self) -> None:
         """Return cached, unused blocks to the device (no tensor is freed)."""

@@ -148,3 +148,32 @@ def test_offload_round_trip_restores_values_and_frees_memory(tmp_path, info, met
         assert torch.equal(t.cpu(), saved[key]), key
     m = trainer.train(samples, rollout_id=1)  # the module and the optimizer still work
     assert math.isfinite(m["train/grad_norm"]) and m["train/skipped_steps"] == 0
+
+
+def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info):
+    """The loop's onload only queues the optimizer state and the optimizer waits for it right
+    before its update: that update equals the one after a fully waited onload. (A step that read
+    the state before it arrived would move the weights by about the learning rate, 1e-4.)"""
+    from colocate.trainer import Trainer
+    from colocate.trainer.step import ACTOR_OPTIM
+
+    path, _ = write_hf_model(tmp_path, "qwen2", **MEDIUM)
+    samples = _samples(MEDIUM["vocab_size"])
+    weights = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        trainer = Trainer(_config(path), info)
+        trainer.train(samples, rollout_id=0)
+        trainer.offload(keep_params=False)
+        stats = trainer.onload(overlap=overlap)
+        assert (trainer.offloader.groups[ACTOR_OPTIM].arrived is not None) == overlap
+        storages = {p.to_local().untyped_storage().data_ptr(): p.to_local().untyped_storage().nbytes()
+                    for p in trainer.actor_module.parameters()}
+        assert stats.num_bytes == sum(storages.values()) if overlap else stats.num_bytes > sum(storages.values())
+        trainer.train(samples, rollout_id=1)
+        assert trainer.offloader.groups[ACTOR_OPTIM].arrived is None
+        weights.append({n: p.full_tensor().cpu() for n, p in trainer.actor_module.named_parameters()})
+        del trainer
+        torch.cuda.empty_cache()
+    for name, expected in weights[0].items():
+        torch.testing.assert_close(weights[1][name], expected, rtol=0, atol=1e-5, msg=name)
