@@ -214,6 +214,12 @@ class TrainConfig:
     """Clip the global gradient norm to this value."""
     max_tokens_per_gpu: int = _ranged(16384, ">= 1")
     """Token budget of one packed micro-batch on one GPU."""
+    keep_gathered: bool | None = None
+    """Keep the trained models' gathered (compute-dtype) parameters from a step's first forward to
+    its last backward, and reduce gradients once per step instead of once per micro-batch: fewer
+    collectives and less host work per micro-batch, for a full compute-dtype copy of the model
+    and full-size fp32 gradients on every rank. None: on with one rank (whose shards are already
+    the full model), off with several."""
     global_batch_size: int | None = _ranged(None, ">= 1")
     """Samples per optimizer step across ranks (None = the rollout batch: one step per rollout)."""
     seed: int = 1

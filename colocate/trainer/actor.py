@@ -32,8 +32,9 @@ class Actor:
     """FSDP2 policy + its optimizer; `logprobs` for the no-grad pass, `train` for the update."""
 
     def __init__(self, model: nn.Module, opt: OptimizerStep, algo, *, temperature: float,
-                 norm_len: int | None):
+                 norm_len: int | None, keep_gathered: bool = False):
         self.model, self.opt, self.algo = model, opt, algo
+        self.gathered = model if keep_gathered else None
         self.temperature = temperature
         self.norm_len = norm_len if algo.loss_agg_mode == "seq_mean_token_sum" else None
 
@@ -54,7 +55,7 @@ class Actor:
         loss_fn = functools.partial(self._loss, batch, use_old_pass)
         results, num_tokens = [], 0
         for plan in plans:
-            metrics, tokens = gradient_step(self.opt, batch, plan, loss_fn)
+            metrics, tokens = gradient_step(self.opt, batch, plan, loss_fn, self.gathered)
             results.append(metrics)
             num_tokens += tokens
         return results, num_tokens

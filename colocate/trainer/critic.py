@@ -49,8 +49,10 @@ def zero_value_head_(model: ValueModel) -> None:
 
 
 class Critic:
-    def __init__(self, model: ValueModel, opt: OptimizerStep, algo, *, norm_len: int | None):
+    def __init__(self, model: ValueModel, opt: OptimizerStep, algo, *, norm_len: int | None,
+                 keep_gathered: bool = False):
         self.model, self.opt, self.algo = model, opt, algo
+        self.gathered = model if keep_gathered else None
         self.norm_len = norm_len if algo.loss_agg_mode == "seq_mean_token_sum" else None
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
@@ -62,7 +64,7 @@ class Critic:
 
     def train(self, batch: RolloutBatch, plans: list[StepPlan]) -> list[dict[str, float]]:
         """One optimizer step per plan on the clipped value loss against batch["returns"]."""
-        return [gradient_step(self.opt, batch, plan, functools.partial(self._loss, batch))[0]
+        return [gradient_step(self.opt, batch, plan, functools.partial(self._loss, batch), self.gathered)[0]
                 for plan in plans]
 
     def _loss(self, batch: RolloutBatch, mb: MicroBatch, plan: StepPlan

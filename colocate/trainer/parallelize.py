@@ -104,6 +104,7 @@ def parallelize(
     checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
     compile: bool = False,
     forward_methods: tuple[str, ...] = ("hidden_states",),
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """AC -> compile -> fully_shard(block) -> fully_shard(root), in place; returns the model.
 
@@ -112,6 +113,8 @@ def parallelize(
     `compile` compiles each block's forward with dynamic shapes: the packed token count changes
     with every micro-batch, and one graph per block kind then serves them all.
     `forward_methods` are methods other than `forward` that callers use as the model's entry.
+    `reshard_after_forward=False` keeps every block's gathered parameters until its backward
+    (the last block always keeps them: its backward comes next).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
@@ -122,7 +125,8 @@ def parallelize(
         if compile:
             block.forward = torch.compile(block.forward, dynamic=True)
         # The last block's parameters are needed again at once by the backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        keep = not reshard_after_forward or i == len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
     # Gather the next block while this one computes, even when the host is not ahead of the device.
     for block, following in zip(blocks, blocks[1:]):
         block.set_modules_to_forward_prefetch([following])
@@ -233,6 +237,7 @@ def build_sharded(
     checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
     compile: bool = False,
     forward_methods: tuple[str, ...] = ("hidden_states",),
+    reshard_after_forward: bool = True,
     region: ContextManager | None = None,
     seed: int = 0,
 ) -> tuple[nn.Module, set[str]]:
@@ -245,7 +250,7 @@ def build_sharded(
     with torch.device("meta"):
         model = make().to(dtype)  # before sharding: FSDP shards (and allocates) in this dtype
     parallelize(model, mesh, param_dtype=param_dtype, checkpointing=checkpointing, compile=compile,
-                forward_methods=forward_methods)
+                forward_methods=forward_methods, reshard_after_forward=reshard_after_forward)
     with region if region is not None else contextlib.nullcontext():
         materialize(model, device)
     names = {n for n, _ in model.named_parameters()}

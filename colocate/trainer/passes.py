@@ -79,19 +79,27 @@ def no_grad_pass(model: nn.Module, batch: RolloutBatch, parts: list[list[int]],
 def gradient_step(
     opt: OptimizerStep, batch: RolloutBatch, plan: StepPlan,
     loss_fn: Callable[[MicroBatch, StepPlan], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    gathered: nn.Module | None = None,
 ) -> tuple[dict[str, float], int]:
     """Accumulate the step's gradient over its micro-batches and take the guarded optimizer step.
 
     `loss_fn(mb, plan)` returns the micro-batch's loss share and metric shares (0-dim tensors,
     the same names on every micro-batch and rank). Returns the global metrics (shares summed over
     micro-batches and ranks, plus grad_norm, lr, skipped) and the rank's real token count.
+    With `gathered` (the FSDP root, built with reshard_after_forward=False), its parameters stay
+    gathered and its gradients accumulate unreduced, in the reduce dtype, until the step's last
+    micro-batch, whose backward reduces and reshards once.
     """
     world = dist.get_info().world_size
     device = batch.mask.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict[str, torch.Tensor] = {}
     num_tokens = 0
-    for part in plan.parts:
+    for i, part in enumerate(plan.parts):
+        if gathered is not None:
+            last = i == len(plan.parts) - 1
+            gathered.set_requires_gradient_sync(last)
+            gathered.set_reshard_after_backward(last)
         with record_function("micro_batch.inputs"):
             mb = build_micro_batch(batch, part, device)
         with record_function("micro_batch.forward"):

@@ -74,6 +74,7 @@ class Trainer:
         self.mesh = device_mesh(self.device)
         self.offloader = StateOffloader(cfg.offload.method, self.device)
         self.random_config = model_config
+        self.keep_gathered = info.world_size == 1 if t.keep_gathered is None else t.keep_gathered
         self.checkpointing = checkpointing or ActivationCheckpointing(
             full_fraction=1.0 if m.gradient_checkpointing else 0.0)
         steps_per_rollout = -(-cfg.samples_per_rollout // cfg.global_batch_size)
@@ -83,7 +84,8 @@ class Trainer:
         policy_cfg = model_config or ModelConfig.from_dir(m.path)
         actor_model = self._build(lambda: CausalLM(policy_cfg), m.path, ACTOR_PARAMS, train=True)
         actor_opt = self._optimizer(actor_model, t.lr, ACTOR_OPTIM, max(1, actor_rollouts * steps_per_rollout))
-        self.actor = Actor(actor_model, actor_opt, a, temperature=r.temperature, norm_len=norm_len)
+        self.actor = Actor(actor_model, actor_opt, a, temperature=r.temperature, norm_len=norm_len,
+                           keep_gathered=self.keep_gathered)
 
         self.reference = None
         if a.needs_ref:
@@ -101,7 +103,7 @@ class Trainer:
                                        skip=("lm_head.",), new=("value_head.",), forward_methods=())
             critic_opt = self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,
                                          max(1, t.num_rollout * steps_per_rollout))
-            self.critic = Critic(critic_model, critic_opt, a, norm_len=norm_len)
+            self.critic = Critic(critic_model, critic_opt, a, norm_len=norm_len, keep_gathered=self.keep_gathered)
         self.transfer_metrics: dict[str, float] = {}
         if cfg.offload.offload_train:
             self.reserve_offload_buffers()
@@ -119,7 +121,7 @@ class Trainer:
             source=str(path), skip=skip,
             checkpointing=self.checkpointing if train else ActivationCheckpointing(),
             compile=bool(self.cfg.model.compile),
-            forward_methods=forward_methods,
+            forward_methods=forward_methods, reshard_after_forward=not (train and self.keep_gathered),
             region=self.offloader.region(tag), seed=self.cfg.train.seed)
         unexpected = sorted(n for n in missing if not n.startswith(new))
         if unexpected:

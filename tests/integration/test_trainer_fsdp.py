@@ -87,12 +87,16 @@ def _modes(path, samples, rank, world_size) -> dict:
         metrics = trainer.train(local, rollout_id=0)
         results[mode] = (grads, _weights(trainer), metrics)
     # Uneven ranks (3 groups vs 1) and a small budget: the lighter rank runs empty micro-batches.
+    # Once more with parameters kept gathered and gradients reduced once per step (the default
+    # with one rank, where both runs take that path).
     groups = _samples(vocab=101, num_groups=4, seed=2)
     local = groups if world_size == 1 else (groups[:3 * GROUP] if rank == 0 else groups[3 * GROUP:])
-    trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": 16}), dist.get_info())
-    grads = _capture_grads(trainer)
-    metrics = trainer.train(local, rollout_id=0)
-    results["uneven"] = (grads, _weights(trainer), metrics)
+    for name, keep in (("uneven", None), ("uneven_gathered", True)):
+        trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": 16, "train.keep_gathered": keep}),
+                          dist.get_info())
+        grads = _capture_grads(trainer)
+        metrics = trainer.train(local, rollout_id=0)
+        results[name] = (grads, _weights(trainer), metrics)
     return results
 
 
@@ -261,7 +265,7 @@ def test_two_ranks_give_the_one_process_gradients_and_weights(tmp_path, model_pa
     run_ranks(_two_ranks, 2, model_path, tmp_path / "two.pt")
     two = torch.load(tmp_path / "two.pt")
     start = {n: p.detach() for n, p in from_pretrained(model_path, dtype="float32").named_parameters()}
-    for mode in ("token_mean", "seq_mean_token_mean", "uneven"):
+    for mode in ("token_mean", "seq_mean_token_mean", "uneven", "uneven_gathered"):
         (g1, w1, m1), (g2, w2, m2) = one_rank["modes"][mode], two[mode]
         _assert_close(g1, g2, 1e-5)
         _assert_close(w1, w2, 1e-5)
