@@ -17,7 +17,7 @@ then idle while the host prepares the next launches).
 
 from __future__ import annotations
 
-import itertools
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,8 @@ class RolloutBatch:
     """Computed (T,) tensors by name: old_logprobs, ref_logprobs, values, advantages, returns."""
     mask_sums: list[float] = field(default_factory=list)
     """(S) sum of each sample's loss mask, on the host (step planning needs it before any launch)."""
+    host_tokens: torch.Tensor | None = None
+    """(sum of lengths,) long, on the host: every sample's prompt and response tokens, in order."""
 
     @classmethod
     def from_samples(cls, samples: list[Sample], device: torch.device) -> "RolloutBatch":
@@ -56,8 +58,11 @@ class RolloutBatch:
         rollout = torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         mask_sums = torch.zeros(len(samples)).index_add_(0, seq_index, mask).tolist()
+        tokens = torch.tensor([t for s in samples for part in (s.prompt_ids, s.response_ids) for t in part],
+                              dtype=torch.long)
         return cls(samples, offsets, to_device(mask, device), to_device(seq_index, device),
-                   to_device(rollout, device), to_device(rewards, device), mask_sums=mask_sums)
+                   to_device(rollout, device), to_device(rewards, device), mask_sums=mask_sums,
+                   host_tokens=tokens)
 
     @property
     def num_samples(self) -> int:
@@ -67,6 +72,15 @@ class RolloutBatch:
     def lengths(self) -> list[int]:
         """Total tokens (prompt + response) of each sample: what a micro-batch's budget counts."""
         return [len(s.prompt_ids) + s.response_len for s in self.samples]
+
+    @functools.cached_property
+    def _host_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(S,) prompt lengths, response lengths, starts in `host_tokens`, starts of the responses
+        in the flat response-token layout; long, on the host."""
+        prompt = torch.tensor([len(s.prompt_ids) for s in self.samples], dtype=torch.long)
+        response = torch.tensor([s.response_len for s in self.samples], dtype=torch.long)
+        starts = torch.cumsum(prompt + response, 0) - (prompt + response)
+        return prompt, response, starts, torch.tensor(self.response_offsets[:-1], dtype=torch.long)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.per_token[name]
@@ -103,34 +117,39 @@ class MicroBatch:
         return dict(positions=self.positions, cu_seqlens=self.cu_seqlens, max_seqlen=self.max_seqlen)
 
 
+def _ranges(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For consecutive ranges of these lengths: each element's range number and its offset in it."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return owner, torch.arange(int(lengths.sum())) - starts[owner]
+
+
 def build_micro_batch(batch: RolloutBatch, indices: list[int], device: torch.device) -> MicroBatch:
     """Pack the samples `indices` of `batch`; with no indices, a two-token dummy whose forward and
     backward still run (FSDP's collectives must line up across ranks) but touch no loss term.
-    (Two, not one: compiled blocks specialise on size-1 dimensions and would recompile.)"""
-    ids, positions, cu, logit_index, targets, token_index, seq_index = [], [], [0], [], [], [], []
-    num_seqs = 0
-    for i in indices:
-        s = batch.samples[i]
-        start, p, r = cu[-1], len(s.prompt_ids), s.response_len
-        ids += s.prompt_ids + s.response_ids
-        positions += range(p + r)
-        cu.append(start + p + r)
-        logit_index += range(start + p - 1, start + p + r - 1)
-        targets += s.response_ids
-        token_index += range(batch.response_offsets[i], batch.response_offsets[i + 1])
-        # Dense numbering over samples that have response tokens keeps every id below T_mb.
-        seq_index += [num_seqs] * r
-        num_seqs += r > 0
+    (Two, not one: compiled blocks specialise on size-1 dimensions and would recompile.)
+    Built with a few vectorised host ops, not per token: the device waits while the host packs."""
+    prompt, response, starts, response_starts = (t[indices] for t in batch._host_layout)
+    lengths = prompt + response
+    cu = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), lengths]), 0)
+    owner, positions = _ranges(lengths)
+    ids = batch.host_tokens[starts[owner] + positions]
+    r_owner, r_offset = _ranges(response)
+    logit_index = (cu[:-1] + prompt - 1)[r_owner] + r_offset
+    targets = ids[logit_index + 1]
+    token_index = response_starts[r_owner] + r_offset
+    # Dense numbering over samples that have response tokens keeps every id below T_mb.
+    seq_index = (torch.cumsum((response > 0).long(), 0) - 1)[r_owner]
     num_tokens = len(ids)
     if not indices:
-        ids, positions, cu = [0, 0], [0, 1], [0, 2]
+        ids, positions, cu = torch.zeros(2, dtype=torch.long), torch.arange(2), torch.tensor([0, 2])
     # One host buffer, one copy; the fields are views of the device copy.
     fields = (ids, positions, cu, logit_index, targets, token_index, seq_index)
-    flat = to_device(torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long), device)
+    flat = to_device(torch.cat(fields), device)
     views = flat.split([len(f) for f in fields])
     return MicroBatch(
         input_ids=views[0], positions=views[1], cu_seqlens=views[2].to(torch.int32),
-        max_seqlen=max(b - a for a, b in zip(cu, cu[1:])),
+        max_seqlen=int((cu[1:] - cu[:-1]).max()),
         logit_index=views[3], targets=views[4], token_index=views[5], seq_index=views[6],
         sample_indices=list(indices),
         num_tokens=num_tokens,

@@ -69,3 +69,25 @@ def test_step_slices_split_and_pad_to_the_agreed_count():
     assert step_slices(0, 4) == [range(0)]
     with pytest.raises(ValueError, match="num_steps"):
         step_slices(10, 4, num_steps=2)
+
+
+def test_micro_batch_packs_samples_in_the_given_order():
+    """Three samples (one without response tokens) packed as [2, 0, 1], written out by hand."""
+    import torch
+
+    from colocate.rollout.sample import Sample
+    from colocate.trainer.batch import RolloutBatch, build_micro_batch
+
+    samples = [Sample([5, 6], [7, 8, 9], [0.0] * 3, [1] * 3, 0, 0), Sample([1], [], [], [], 0, 1),
+               Sample([2, 3], [4], [0.0], [1], 0, 2)]
+    mb = build_micro_batch(RolloutBatch.from_samples(samples, torch.device("cpu")), [2, 0, 1], torch.device("cpu"))
+    assert mb.input_ids.tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 1]
+    assert mb.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0]
+    assert mb.cu_seqlens.tolist() == [0, 3, 8, 9] and mb.max_seqlen == 5 and mb.num_tokens == 9
+    assert mb.logit_index.tolist() == [1, 4, 5, 6]  # the positions that predict each response token
+    assert mb.targets.tolist() == [4, 7, 8, 9]
+    assert mb.token_index.tolist() == [3, 0, 1, 2]  # where those tokens sit in the batch's flat layout
+    assert mb.seq_index.tolist() == [0, 1, 1, 1]  # dense over the samples that have response tokens
+    empty = build_micro_batch(RolloutBatch.from_samples(samples, torch.device("cpu")), [], torch.device("cpu"))
+    assert empty.input_ids.tolist() == [0, 0] and empty.cu_seqlens.tolist() == [0, 2] and empty.num_tokens == 0
+    assert empty.logit_index.numel() == empty.token_index.numel() == 0
