@@ -231,6 +231,37 @@ def _resume(path, info, directory) -> tuple[dict, dict]:
     return first.train(batch, rollout_id=1), second.train(batch, rollout_id=1)
 
 
+def _compiled(path, info, directory) -> dict:
+    """Gradients with eager and with compiled blocks, for Qwen2 and Qwen3 blocks, over
+    micro-batches of changing length. Compiled here means dynamo + AOTAutograd without code
+    generation (backend aot_eager), the CPU stand-in for inductor: it checks the traced graphs
+    and their backward, cheaply. No block is recomputed: CPU attention loops over the sequences
+    (a graph break), and a graph break inside a checkpointed block makes it run eager."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from colocate.trainer import Trainer
+
+    qwen3, _ = write_hf_model(directory, "qwen3")
+    compile_fn = torch.compile
+    torch.compile = functools.partial(compile_fn, backend="aot_eager")
+    try:
+        out = {}
+        for family, model in (("qwen2", path), ("qwen3", qwen3)):
+            for compiled in (False, True):
+                cfg = _config(model, **{"model.compile": compiled, "train.max_tokens_per_gpu": 24})
+                trainer = Trainer(cfg, info)
+                grads = _capture_grads(trainer)
+                graphs = counters["stats"]["unique_graphs"]
+                trainer.train(_samples(vocab=101), rollout_id=0)
+                out[family, compiled] = grads
+                out[family, compiled, "graphs"] = counters["stats"]["unique_graphs"] - graphs
+        return out
+    finally:
+        torch.compile = compile_fn
+
+
 def _one_rank(rank, world_size, path, out_file):
     """Every single-process scenario in one spawned process (starting one costs seconds)."""
     from colocate import dist
@@ -240,7 +271,8 @@ def _one_rank(rank, world_size, path, out_file):
     torch.save(dict(modes=_modes(path, _samples(vocab=101), rank, world_size), budgets=_budgets(path, info),
                     first_steps=_first_steps(path, info), nan=_nan_reward(path, info),
                     critic=_critic(path, info), reference=_reference(path, info),
-                    variants=_variants(path, info), resume=_resume(path, info, out_file.parent / "ckpt")),
+                    variants=_variants(path, info), resume=_resume(path, info, out_file.parent / "ckpt"),
+                    compiled=_compiled(path, info, out_file.parent)),
                out_file)
 
 
@@ -313,6 +345,13 @@ def test_gradients_do_not_depend_on_the_token_budget_or_recomputation(one_rank):
     big, small, selective = one_rank["budgets"]
     _assert_close(big, small, 1e-6)
     _assert_close(big, selective, 1e-6)
+
+
+def test_compiled_blocks_give_the_eager_gradients(one_rank):
+    for family in ("qwen2", "qwen3"):
+        compiled = one_rank["compiled"]
+        assert compiled[family, False, "graphs"] == 0 and compiled[family, True, "graphs"] >= 2  # two block kinds
+        _assert_close(compiled[family, True], compiled[family, False], 1e-6)
 
 
 def test_first_step_log_probs_match_the_behaviour_policy(one_rank):
