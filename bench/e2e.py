@@ -9,10 +9,11 @@ Both sides train fp32 master weights with bf16 compute and take one optimizer st
 
 - Ours: `colocate.train.Loop` from a YAML config, with offload on (engine released and trainer
   state moved to pinned host memory every step) and/or off, the trainer's blocks compiled
-  (model.compile, the setting for runs longer than a few steps) and/or eager. Response lengths are exact because
-  group sampling goes through `fixed_length_generate` (rollout.custom_generate), which sets the
-  engine's `ignore_eos`. Reported: median of each perf/<phase>_time and of the step's wall time
-  (between consecutive metric records), over the steps after warm-up. Phase seconds are host wall
+  (model.compile, the setting for runs longer than a few steps) and/or eager. Response lengths
+  are exact because group sampling goes through `fixed_length_generate`
+  (rollout.custom_generate), which sets the engine's `ignore_eos`. Reported: median of each
+  perf/<phase>_time and of the step's wall time (between consecutive metric records), over the
+  steps after warm-up. Phase seconds are host wall
   times (the loop does not synchronise the device at phase ends, so queued kernels may land in the
   next phase); the step time is exact, since every step waits for its generated tokens.
 - TRL: GRPOTrainer with transformers' generate (no vLLM), 32-completion micro-batches with 4
@@ -29,7 +30,8 @@ Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on
                          [--trl-site DIR] [--trace-dir DIR]
      python bench/e2e.py --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
 Writes bench/results/e2e.json (--cpu-smoke: a file in its temporary directory unless --out) and
-prints one summary line.
+prints one summary line. On a cold H200 both of our variants and TRL take 5-6 minutes in all
+(each of our processes compiles and captures the engine's graphs before its first step).
 """
 
 from __future__ import annotations
