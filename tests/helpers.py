@@ -37,3 +37,17 @@ def write_hf_model(tmp_path, family: str, seed: int = 0, vocab_size: int = 101, 
     path = tmp_path / family
     model.save_pretrained(path)
     return path, model
+
+
+def capture_grads(trainer) -> dict:
+    """Full gradients at the optimizer step (after clipping, before the update)."""
+    names = {id(p): n for n, p in trainer.actor_module.named_parameters()}
+    grads = {}
+
+    def hook(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grads[names[id(p)]] = p.grad.full_tensor().clone()
+
+    trainer.actor.opt.optimizer.register_step_pre_hook(hook)
+    return grads

@@ -40,8 +40,6 @@ class RolloutBatch:
     """Computed (T,) tensors by name: old_logprobs, ref_logprobs, values, advantages, returns."""
     mask_sums: list[float] = field(default_factory=list)
     """(S) sum of each sample's loss mask, on the host (step planning needs it before any launch)."""
-    host_tokens: torch.Tensor | None = None
-    """(sum of lengths,) long, on the host: every sample's prompt and response tokens, in order."""
 
     @classmethod
     def from_samples(cls, samples: list[Sample], device: torch.device) -> "RolloutBatch":
@@ -58,11 +56,8 @@ class RolloutBatch:
         rollout = torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         mask_sums = torch.zeros(len(samples)).index_add_(0, seq_index, mask).tolist()
-        tokens = torch.tensor([t for s in samples for part in (s.prompt_ids, s.response_ids) for t in part],
-                              dtype=torch.long)
         return cls(samples, offsets, to_device(mask, device), to_device(seq_index, device),
-                   to_device(rollout, device), to_device(rewards, device), mask_sums=mask_sums,
-                   host_tokens=tokens)
+                   to_device(rollout, device), to_device(rewards, device), mask_sums=mask_sums)
 
     @property
     def num_samples(self) -> int:
@@ -74,13 +69,16 @@ class RolloutBatch:
         return [len(s.prompt_ids) + s.response_len for s in self.samples]
 
     @functools.cached_property
-    def _host_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(S,) prompt lengths, response lengths, starts in `host_tokens`, starts of the responses
-        in the flat response-token layout; long, on the host."""
+    def host_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What packing reads, built once, long, on the host: every sample's prompt and response
+        tokens in order, then per sample (S,) its prompt length, response length, start in those
+        tokens and the start of its response in the flat response-token layout."""
+        tokens = torch.tensor([t for s in self.samples for part in (s.prompt_ids, s.response_ids) for t in part],
+                              dtype=torch.long)
         prompt = torch.tensor([len(s.prompt_ids) for s in self.samples], dtype=torch.long)
         response = torch.tensor([s.response_len for s in self.samples], dtype=torch.long)
         starts = torch.cumsum(prompt + response, 0) - (prompt + response)
-        return prompt, response, starts, torch.tensor(self.response_offsets[:-1], dtype=torch.long)
+        return tokens, prompt, response, starts, torch.tensor(self.response_offsets[:-1], dtype=torch.long)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.per_token[name]
@@ -129,11 +127,12 @@ def build_micro_batch(batch: RolloutBatch, indices: list[int], device: torch.dev
     backward still run (FSDP's collectives must line up across ranks) but touch no loss term.
     (Two, not one: compiled blocks specialise on size-1 dimensions and would recompile.)
     Built with a few vectorised host ops, not per token: the device waits while the host packs."""
-    prompt, response, starts, response_starts = (t[indices] for t in batch._host_layout)
+    tokens, *per_sample = batch.host_layout
+    prompt, response, starts, response_starts = (t[indices] for t in per_sample)
     lengths = prompt + response
     cu = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), lengths]), 0)
     owner, positions = _ranges(lengths)
-    ids = batch.host_tokens[starts[owner] + positions]
+    ids = tokens[starts[owner] + positions]
     r_owner, r_offset = _ranges(response)
     logit_index = (cu[:-1] + prompt - 1)[r_owner] + r_offset
     targets = ids[logit_index + 1]

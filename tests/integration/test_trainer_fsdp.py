@@ -13,7 +13,7 @@ from colocate.config import Config
 from colocate.models import from_pretrained
 from colocate.rollout.sample import Sample
 from tests.distributed import run_ranks
-from tests.helpers import write_hf_model
+from tests.helpers import capture_grads, write_hf_model
 
 GROUP = 4
 
@@ -55,20 +55,6 @@ def _samples(vocab: int, num_groups: int = 2, seed: int = 0) -> list[Sample]:
     return out
 
 
-def _capture_grads(trainer) -> dict:
-    """Full gradients at the optimizer step (after clipping, before the update)."""
-    names = {id(p): n for n, p in trainer.actor_module.named_parameters()}
-    grads = {}
-
-    def hook(optimizer, args, kwargs):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                grads[names[id(p)]] = p.grad.full_tensor().clone()
-
-    trainer.actor.opt.optimizer.register_step_pre_hook(hook)
-    return grads
-
-
 def _weights(trainer) -> dict:
     return {n: p.full_tensor().clone() for n, p in trainer.actor_module.named_parameters()}
 
@@ -83,7 +69,7 @@ def _modes(path, samples, rank, world_size) -> dict:
     results = {}
     for mode in ("token_mean", "seq_mean_token_mean"):
         trainer = Trainer(_config(path, **{"algorithm.loss_agg_mode": mode}), dist.get_info())
-        grads = _capture_grads(trainer)
+        grads = capture_grads(trainer)
         metrics = trainer.train(local, rollout_id=0)
         results[mode] = (grads, _weights(trainer), metrics)
     # Uneven ranks (3 groups vs 1) and a small budget: the lighter rank runs empty micro-batches.
@@ -94,7 +80,7 @@ def _modes(path, samples, rank, world_size) -> dict:
     for name, keep in (("uneven", None), ("uneven_gathered", True)):
         trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": 16, "train.keep_gathered": keep}),
                           dist.get_info())
-        grads = _capture_grads(trainer)
+        grads = capture_grads(trainer)
         metrics = trainer.train(local, rollout_id=0)
         results[name] = (grads, _weights(trainer), metrics)
     return results
@@ -120,7 +106,7 @@ def _budgets(path, info) -> list[dict]:
         trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": budget,
                                            "model.gradient_checkpointing": recompute}), info,
                           checkpointing=checkpointing)
-        grads = _capture_grads(trainer)
+        grads = capture_grads(trainer)
         trainer.train(samples, rollout_id=0)
         results.append(grads)
     return results
@@ -252,7 +238,7 @@ def _compiled(path, info, directory) -> dict:
             for compiled in (False, True):
                 cfg = _config(model, **{"model.compile": compiled, "train.max_tokens_per_gpu": 24})
                 trainer = Trainer(cfg, info)
-                grads = _capture_grads(trainer)
+                grads = capture_grads(trainer)
                 graphs = counters["stats"]["unique_graphs"]
                 trainer.train(_samples(vocab=101), rollout_id=0)
                 out[family, compiled] = grads

@@ -9,7 +9,7 @@ import torch
 from colocate.config import Config
 from colocate.models import from_pretrained
 from colocate.rollout.sample import Sample
-from tests.helpers import write_hf_model
+from tests.helpers import capture_grads, write_hf_model
 
 pytestmark = pytest.mark.gpu
 
@@ -195,19 +195,10 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path, info, family):
     for compiled in (False, True):
         trainer = Trainer(_config(path, **{"model.compile": compiled}), info,
                           checkpointing=ActivationCheckpointing(0.5, "ops"))
-        names = {id(p): n for n, p in trainer.actor_module.named_parameters()}
-        captured = {}
-
-        def hook(optimizer, args, kwargs, names=names, captured=captured):
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    captured[names[id(p)]] = p.grad.full_tensor().float().clone()
-
-        trainer.actor.opt.optimizer.register_step_pre_hook(hook)
+        grads.append(capture_grads(trainer))  # fp32: the gradients of the fp32 master weights
         graphs = counters["stats"]["unique_graphs"]
         metrics.append(trainer.train(samples, rollout_id=0))
         assert (counters["stats"]["unique_graphs"] > graphs) == compiled
-        grads.append(captured)
     eager, compiled = metrics
     assert abs(compiled["train/grad_norm"] - eager["train/grad_norm"]) <= 2e-2 * eager["train/grad_norm"]
     assert abs(compiled["train/entropy_loss"] - eager["train/entropy_loss"]) <= 1e-2 * abs(eager["train/entropy_loss"])
