@@ -64,14 +64,20 @@ def packed_causal_attention(
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D).
 
-    CUDA uses torch's varlen flash attention (GQA native); elsewhere one causal SDPA per sequence.
+    CUDA uses torch's varlen flash attention (GQA native; head_dim zero-padded to a multiple of 8);
+    elsewhere one causal SDPA per sequence.
     """
     scale = q.shape[-1] ** -0.5
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu_seqlens.to(torch.int32)
-        return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0))
+        head_dim = q.shape[-1]
+        pad = -head_dim % 8  # the flash kernel needs a multiple of 8; zero lanes change no score
+        if pad:
+            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+        out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0))
+        return out[..., :head_dim] if pad else out
     # CPU: one causal SDPA per sequence (a packed block-diagonal mask would be quadratic in N).
     bounds = cu_seqlens.tolist()
     outs = [
