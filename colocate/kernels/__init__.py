@@ -9,11 +9,14 @@ from colocate.kernels.paged_attention import (
     reference_paged_decode_attention,
     store_kv,
 )
+from colocate.kernels.rotary import reference_rotate, rotate
 
 __all__ = [
     "paged_decode_attention",
     "reference_paged_decode_attention",
+    "reference_rotate",
     "reference_token_logprobs",
+    "rotate",
     "store_kv",
     "token_logprobs",
 ]

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from colocate.models.config import ModelConfig
-from colocate.models.layers import RMSNorm, Rotary, apply_rotary, packed_causal_attention
+from colocate.kernels.rotary import reference_rotate, rotate
+from colocate.models.layers import RMSNorm, Rotary, packed_causal_attention
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -58,7 +59,10 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Packed (training and scoring) tokens rotate in one kernel pass; the engine's path stays in
+        # plain ops, which its compiled decode step fuses with the cos/sin computation.
+        rot = rotate if attn is None else reference_rotate
+        q, k = rot(q, cos, sin), rot(k, cos, sin)
         if attn is None:
             out = packed_causal_attention(q, k, v, cu_seqlens, max_seqlen)
         else:
