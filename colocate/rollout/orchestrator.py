@@ -82,8 +82,9 @@ class RolloutManager:
             completions = self.engine.generate([p.prompt_ids for p in prompts], sampling)
             samples = [self._to_sample(prompts[c.prompt_index], c) for c in completions]
         self._check_versions(samples)
-        for s in samples:
-            s.response_text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        for s, text in zip(samples, texts):
+            s.response_text = text
         rewards, errors = self.score_fn(reward_fn, samples)
         for s, r in zip(samples, rewards):
             s.raw_reward = s.reward = float(r)
