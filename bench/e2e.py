@@ -27,7 +27,7 @@ Each variant runs in a child process (one CUDA context each; the native engine's
 needs torch_memory_saver's preload hook set before the process starts, as launch.sh does).
 
 Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
-                         [--trl-site DIR] [--trace-dir DIR]
+                         [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trace-dir DIR]
      python bench/e2e.py --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
 Writes bench/results/e2e.json (--cpu-smoke: a file in its temporary directory unless --out) and
 prints one summary line. On a cold H200 both of our variants and TRL take 5-6 minutes in all
@@ -138,8 +138,11 @@ def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Pat
 
 
 def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name: str, offload: bool,
-                compile: bool, num_steps: int) -> dict:
+                compile: bool, max_tokens: int | None, num_steps: int) -> dict:
     b = BATCHES[shape]
+    train = {"num_rollout": num_steps, "lr": LR}
+    if max_tokens is not None:
+        train["max_tokens_per_gpu"] = max_tokens
     return {
         "output_dir": str(workdir / f"ours_{name}"),
         "model": {"path": str(model_dir), "dtype": "auto", "compile": compile},
@@ -148,7 +151,7 @@ def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name:
                     "max_response_len": b["response_tokens"], "temperature": 1.0,
                     "reward": f"{HOOKS}:vowel_reward", "custom_generate": f"{HOOKS}:fixed_length_generate"},
         "algorithm": {"advantage_estimator": "grpo"},
-        "train": {"num_rollout": num_steps, "lr": LR},
+        "train": train,
         "offload": {"offload_rollout": offload, "offload_train": offload},
         "checkpoint": {"save_interval": None, "resume": False},
         "logging": {"wandb": False, "console": False},
@@ -383,11 +386,14 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     }
     env = _child_env(preload=not args.cpu_smoke, cpu=args.cpu_smoke)
     compiles = CHOICES[args.compile or ("off" if args.cpu_smoke else "on")]
-    for offload, compile in [(offload, compile) for offload in CHOICES[args.offload] for compile in compiles]:
-        name = f"offload_{'on' if offload else 'off'}" + ("" if len(compiles) == 1 else
-                                                          f"_compile_{'on' if compile else 'off'}")
+    budgets = args.max_tokens_per_gpu or [None]
+    for offload, compile, budget in [(o, c, m) for o in CHOICES[args.offload] for c in compiles for m in budgets]:
+        name = (f"offload_{'on' if offload else 'off'}"
+                + ("" if len(compiles) == 1 else f"_compile_{'on' if compile else 'off'}")
+                + ("" if len(budgets) == 1 else f"_tokens_{budget}"))
         profiled = args.trace_dir is not None
-        cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, warmup + steps + profiled)
+        cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, budget,
+                          warmup + steps + profiled)
         cfg_path = workdir / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         trace = ["--trace", str(args.trace_dir / f"e2e_{name}.json.gz")] if profiled else []
@@ -440,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", choices=tuple(CHOICES), default=None,
                         help="model.compile of ours: torch.compile the trainer's transformer blocks "
                              "(default on; --cpu-smoke: off)")
+    parser.add_argument("--max-tokens-per-gpu", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                        help="train.max_tokens_per_gpu of ours, comma-separated for several runs "
+                             "(default: the config's)")
     parser.add_argument("--trace-dir", type=Path, default=None,
                         help="profile one extra step of each of our runs (not timed) into DIR")
     parser.add_argument("--skip-trl", action="store_true")

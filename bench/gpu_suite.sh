@@ -24,7 +24,7 @@ for step in $steps; do
     default) run default 60 python -m colocate.train --config configs/default.yaml \
                --output-dir "$out/default_run" --logging.console False ;;
     engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
-    e2e) run e2e 330 python bench/e2e.py --steps 3 --warmup 1 ;;
+    e2e) run e2e 330 python bench/e2e.py --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
     colocation) run colocation 150 python bench/colocation.py ;;
     train) run train 330 python bench/train.py ;;
