@@ -1,12 +1,14 @@
-"""Rotary position embedding of packed training tokens in one Triton pass per tensor.
+"""Rotary position embedding of packed training tokens: one op call for queries and keys, one
+Triton pass per tensor on CUDA.
 
 Why a kernel: inside a compiled transformer block, inductor fused the rotation (with its half-swap
 `cat`) into a pointwise kernel that a profile of 0.5B-shape training (49k-token micro-batch, H200)
 timed at 0.56 ms forward and 0.52 ms backward per layer for the queries, about a tenth of the
 bandwidth its 90 MB of traffic allows, which made it as slow as the layer's attention backward.
-This kernel took 7.7 us per call on 8192 tokens x 12 heads x 128 (1.5B shape, same GPU). The op is
-opaque to torch.compile and dispatched from Python: about 0.15 ms of host time per call under the
-profiler, which a host-bound step pays; launching it from the compiled graph would remove that.
+This kernel took 7.7 us per tensor on 8192 tokens x 12 heads x 128 (1.5B shape, same GPU). The op
+is opaque to torch.compile and dispatched from Python, about 0.15 ms of host time per call under
+the profiler (measured with one call per tensor), which a host-bound step pays: hence one call for
+both tensors; launching the kernel from the compiled graph would remove the rest.
 
 Rotation (the half-split layout of HF's Llama/Qwen), per token and head, with x = (x1, x2) the two
 halves of the head dimension and c, s the first half of the cos/sin tables (both halves are equal):
@@ -14,7 +16,8 @@ halves of the head dimension and c, s the first half of the cos/sin tables (both
 It is orthogonal, so the backward is the same rotation with s negated. cos/sin get no gradient (they
 come from token positions).
 
-`rotate` runs the kernel on CUDA and the plain torch rotation elsewhere (the reference the tests use).
+`rotate` goes through the op everywhere; off CUDA the op computes `reference_rotate` (the plain
+torch rotation the tests compare against), so its registration and backward are tested on CPU too.
 """
 
 from __future__ import annotations
@@ -31,52 +34,48 @@ def reference_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotation above: the Triton kernel for CUDA tensors, `reference_rotate` otherwise."""
-    if not x.is_cuda:
-        return reference_rotate(x, cos, sin)
-    return torch.ops.colocate.rotary(x, cos, sin)
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries (N, Hq, D) and keys (N, Hk, D) rotated by positions' cos/sin (N, D), in one op call."""
+    return torch.ops.colocate.rotary(q, k, cos, sin)
 
 
 @torch.library.custom_op("colocate::rotary", mutates_args=())
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _launch(x, cos, sin, inverse=False)
+def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation of q and k; `inverse` negates s (the backward)."""
+    if (cos.ndim != 2 or sin.shape != cos.shape or cos.shape[1] % 2
+            or any(x.ndim != 3 or (x.shape[0], x.shape[2]) != tuple(cos.shape) for x in (q, k))):
+        raise ValueError(f"rotary: q/k must be (N, H, D) with D even and cos/sin (N, D); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if q.is_cuda:
+        return _launch(q, cos, sin, inverse), _launch(k, cos, sin, inverse)
+    sin = -sin if inverse else sin
+    return reference_rotate(q, cos, sin), reference_rotate(k, cos, sin)
 
 
 @_rotary.register_fake
-def _(x, cos, sin):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("colocate::rotary_backward", mutates_args=())
-def _rotary_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _launch(grad, cos, sin, inverse=True)
-
-
-@_rotary_backward.register_fake
-def _(grad, cos, sin):
-    return grad.new_empty(grad.shape)
+def _(q, k, cos, sin, inverse=False):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    _, cos, sin = inputs
+    _, _, cos, sin, inverse = inputs
     if cos.requires_grad or sin.requires_grad:
         raise ValueError("colocate::rotary gives no gradient to cos/sin; compute them without autograd")
     ctx.save_for_backward(cos, sin)
+    ctx.inverse = inverse
 
 
-def _backward(ctx, grad):
+def _backward(ctx, grad_q, grad_k):
     cos, sin = ctx.saved_tensors
-    return torch.ops.colocate.rotary_backward(grad, cos, sin), None, None
+    return *torch.ops.colocate.rotary(grad_q, grad_k, cos, sin, not ctx.inverse), None, None, None
 
 
 _rotary.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    if x.ndim != 3 or x.shape[2] % 2 or cos.shape != (x.shape[0], x.shape[2]) or sin.shape != cos.shape:
-        raise ValueError(f"rotary: x must be (N, H, D) with D even and cos/sin (N, D); got {tuple(x.shape)}, "
-                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     x, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, cos, sin))
     n, heads, dim = x.shape
     out = torch.empty((n, heads, dim), dtype=x.dtype, device=x.device)

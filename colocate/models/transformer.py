@@ -59,13 +59,11 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        # Packed (training and scoring) tokens rotate in one kernel pass; the engine's path stays in
-        # plain ops, which its compiled decode step fuses with the cos/sin computation.
-        rot = rotate if attn is None else reference_rotate
-        q, k = rot(q, cos, sin), rot(k, cos, sin)
-        if attn is None:
+        if attn is None:  # packed training and scoring tokens: the rotary op, then varlen attention
+            q, k = rotate(q, k, cos, sin)
             out = packed_causal_attention(q, k, v, cu_seqlens, max_seqlen)
-        else:
+        else:  # the engine: plain ops, which its compiled decode step fuses with the cos/sin math
+            q, k = reference_rotate(q, cos, sin), reference_rotate(k, cos, sin)
             out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, -1))
 

@@ -1,4 +1,5 @@
-"""The rotary kernel against the plain-torch rotation: values, gradients and the op registration."""
+"""The rotary op against the plain-torch rotation: values, gradients, registration and compiled
+use on CPU (where the op computes the reference) and with the Triton kernel on CUDA."""
 
 import pytest
 import torch
@@ -17,12 +18,45 @@ def _inputs(n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     return q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim), cos, sin
 
 
-def test_cpu_rotate_is_the_reference():
-    q, _, cos, sin = _inputs(7, 3, 1, 8, torch.float32, "cpu")
-    assert torch.equal(rotate(q, cos, sin), reference_rotate(q, cos, sin))
-    # the rotation keeps each (x1, x2) pair's norm
-    pairs = lambda t: t[..., :4].square() + t[..., 4:].square()  # noqa: E731
-    torch.testing.assert_close(pairs(rotate(q, cos, sin)), pairs(q), rtol=1e-5, atol=1e-5)
+def _check_against_reference(q, k, cos, sin, atol: float):
+    """Values and gradients of `rotate` against autograd through the fp32 reference."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k)]
+    outs = rotate(*leaves, cos, sin)
+    grads_out = [torch.randn_like(o) for o in outs]
+    grads = torch.autograd.grad(outs, leaves, grads_out)
+    for x, out, grad_out, grad in zip((q, k), outs, grads_out, grads):
+        assert out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
+        ref_leaf = x.detach().float().requires_grad_()
+        expected = reference_rotate(ref_leaf, cos.float(), sin.float())
+        (expected_grad,) = torch.autograd.grad(expected, ref_leaf, grad_out.float())
+        torch.testing.assert_close(out.float(), expected, rtol=0, atol=atol)
+        torch.testing.assert_close(grad.float(), expected_grad, rtol=0, atol=atol)
+
+
+def _check_op(device: str):
+    q, k, cos, sin = _inputs(64, 4, 1, 16, torch.float32, device)
+    torch.library.opcheck(torch.ops.colocate.rotary.default,
+                          (q.detach().clone().requires_grad_(), k.detach().clone(), cos, sin))
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(lambda a, b: [t.sum(-1) for t in rotate(a, b, cos, sin)], dynamic=True,
+                             fullgraph=True, backend=backend)
+    for got, x in zip(compiled(q, k), (q, k)):
+        torch.testing.assert_close(got, reference_rotate(x, cos, sin).sum(-1), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="no gradient to cos/sin"):
+        rotate(q, k, cos.clone().requires_grad_(), sin)
+    with pytest.raises(ValueError, match=r"q/k must be \(N, H, D\)"):
+        rotate(q, k[:-1], cos, sin)
+
+
+def test_cpu_op_matches_the_reference_and_keeps_pair_norms():
+    q, k, cos, sin = _inputs(37, 3, 1, 8, torch.float32, "cpu")
+    _check_against_reference(q, k, cos, sin, atol=1e-6)
+    pairs = lambda t: t[..., :4].square() + t[..., 4:].square()  # noqa: E731 (rotation keeps them)
+    torch.testing.assert_close(pairs(rotate(q, k, cos, sin)[0]), pairs(q), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_op_registration_and_compiled_use():
+    _check_op("cpu")
 
 
 @pytest.mark.gpu
@@ -31,26 +65,9 @@ def test_cpu_rotate_is_the_reference():
                                                           (4099, 12, 2, 128)])
 def test_kernel_matches_reference_values_and_gradients(n, heads, kv_heads, head_dim, dtype):
     q, k, cos, sin = _inputs(n, heads, kv_heads, head_dim, dtype, "cuda")
-    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
-    for x in (q, k):
-        leaf = x.detach().clone().requires_grad_()
-        out = rotate(leaf, cos, sin)
-        assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
-        expected = reference_rotate(x.float(), cos.float(), sin.float())
-        torch.testing.assert_close(out.float(), expected, **tol)
-        grad_out = torch.randn_like(out)
-        (grad,) = torch.autograd.grad(out, leaf, grad_out)
-        ref_leaf = x.detach().float().requires_grad_()
-        (expected_grad,) = torch.autograd.grad(reference_rotate(ref_leaf, cos.float(), sin.float()), ref_leaf,
-                                               grad_out.float())
-        torch.testing.assert_close(grad.float(), expected_grad, **tol)
+    _check_against_reference(q, k, cos, sin, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.gpu
-def test_op_registration_and_compiled_use():
-    q, _, cos, sin = _inputs(64, 4, 1, 16, torch.float32, "cuda")
-    torch.library.opcheck(torch.ops.colocate.rotary.default, (q.detach().clone().requires_grad_(), cos, sin))
-    compiled = torch.compile(lambda x: rotate(x, cos, sin).sum(-1), dynamic=True, fullgraph=True)
-    torch.testing.assert_close(compiled(q), reference_rotate(q, cos, sin).sum(-1), rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="no gradient to cos/sin"):
-        rotate(q, cos.clone().requires_grad_(), sin)
+def test_kernel_op_registration_and_compiled_use():
+    _check_op("cuda")
