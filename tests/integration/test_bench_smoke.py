@@ -1,0 +1,30 @@
+"""The benchmark scripts that have a CPU mode run end to end on CPU, so they cannot rot between
+GPU sessions: the GRPO-step bench writes per-phase timings for every variant it was asked for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_e2e_bench_cpu_smoke_writes_every_variant(tmp_path):
+    out = tmp_path / "e2e.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--cpu-smoke", "--skip-trl",
+                           "--offload", "both", "--max-tokens-per-gpu", "64,4096", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    ours = json.loads(out.read_text())["ours"]
+    assert set(ours) == {f"offload_{o}_tokens_{t}" for o in ("on", "off") for t in (64, 4096)}
+    for name, run in ours.items():
+        assert run["config"]["train"]["max_tokens_per_gpu"] == int(name.rsplit("_", 1)[1])
+        assert run["step_median_s"] > 0 and run["response_len_mean"] == 16, name
+        expected = ["generate", "release", "train", "offload", "sync"] if "_on_" in name else \
+            ["generate", "train", "offload", "sync"]
+        assert list(run["phase_median_s"]) == expected, name
