@@ -3,6 +3,7 @@
 import io
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -233,7 +234,9 @@ def test_real_wandb_offline_run_and_resume(monkeypatch, tmp_path):
     assert run.id == run_id
     _logger(out, use_wandb=True).close()
     run_dirs = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
-    assert len(run_dirs) == 2 and all(name.endswith("-" + run_id) for name in run_dirs)
+    # offline-run-<time>-<id>, with "-1" appended when both runs started within the same second
+    pattern = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?")
+    assert len(run_dirs) == 2 and all(pattern.fullmatch(name) for name in run_dirs), run_dirs
 
 
 def test_read_metrics_skips_a_torn_last_line_only(tmp_path):
