@@ -108,8 +108,13 @@ def _check_inputs(hidden, weight, targets, temperature, chunk_size) -> None:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if targets.numel() and bool(((targets < 0) | (targets >= weight.shape[0])).any()):
-        raise ValueError(f"targets must lie in [0, {weight.shape[0]})")
+    if targets.numel():
+        message = f"targets must lie in [0, {weight.shape[0]})"
+        bad = ((targets < 0) | (targets >= weight.shape[0])).any()
+        if targets.is_cuda:  # checked on the device: reading the flag back would make the host wait
+            torch._assert_async(~bad, message)
+        elif bool(bad):
+            raise ValueError(message)
 
 
 class _TokenLogprobs(torch.autograd.Function):
