@@ -102,7 +102,7 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])  # one compile for every token count
     def rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, n, sxn, sxh, scn, ssn,
                HEADS: tl.constexpr, HALF: tl.constexpr, HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr,
                BLOCK_N: tl.constexpr, SIGN: tl.constexpr):
