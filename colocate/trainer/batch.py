@@ -42,7 +42,10 @@ class RolloutBatch:
     """(S) sum of each sample's loss mask, on the host (step planning needs it before any launch)."""
 
     @classmethod
-    def from_samples(cls, samples: list[Sample], device: torch.device) -> "RolloutBatch":
+    def from_samples(cls, samples: list[Sample], device: torch.device, vocab_size: int | None = None
+                     ) -> "RolloutBatch":
+        """With `vocab_size`, token ids outside [0, vocab_size) are an error here, on the host,
+        instead of a device-side assertion in the embedding or the log-prob kernel."""
         for i, s in enumerate(samples):
             if not s.prompt_ids:
                 raise ValueError(f"sample {i} (group {s.group_index}) has an empty prompt: the first "
@@ -56,8 +59,21 @@ class RolloutBatch:
         rollout = torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         mask_sums = torch.zeros(len(samples)).index_add_(0, seq_index, mask).tolist()
-        return cls(samples, offsets, to_device(mask, device), to_device(seq_index, device),
-                   to_device(rollout, device), to_device(rewards, device), mask_sums=mask_sums)
+        batch = cls(samples, offsets, to_device(mask, device), to_device(seq_index, device),
+                    to_device(rollout, device), to_device(rewards, device), mask_sums=mask_sums)
+        if vocab_size is not None:
+            batch._check_token_ids(vocab_size)
+        return batch
+
+    def _check_token_ids(self, vocab_size: int) -> None:
+        tokens = self.host_layout[0]
+        if not tokens.numel() or (int(tokens.min()) >= 0 and int(tokens.max()) < vocab_size):
+            return
+        for i, s in enumerate(self.samples):
+            bad = [t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"sample {i} (group {s.group_index}) has token id {bad[0]}, outside the "
+                                 f"model's vocabulary [0, {vocab_size})")
 
     @property
     def num_samples(self) -> int:

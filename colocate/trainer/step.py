@@ -82,6 +82,7 @@ class Trainer:
         norm_len = r.max_response_len
 
         policy_cfg = model_config or ModelConfig.from_dir(m.path)
+        self.vocab_size = policy_cfg.vocab_size
         actor_model = self._build(lambda: CausalLM(policy_cfg), m.path, ACTOR_PARAMS, train=True)
         actor_opt = self._optimizer(actor_model, t.lr, ACTOR_OPTIM, max(1, actor_rollouts * steps_per_rollout))
         self.actor = Actor(actor_model, actor_opt, a, temperature=r.temperature, norm_len=norm_len,
@@ -165,7 +166,7 @@ class Trainer:
         t = cfg.train
         metrics: dict[str, float] = dict(self.transfer_metrics)
         with record_function("train.prepare"):
-            batch = RolloutBatch.from_samples(samples, self.device)
+            batch = RolloutBatch.from_samples(samples, self.device, vocab_size=self.vocab_size)
             per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
             plans = plan_steps(batch, t.max_tokens_per_gpu, per_rank)
             pass_parts = agreed_micro_batches(batch.lengths, list(range(batch.num_samples)), t.max_tokens_per_gpu)

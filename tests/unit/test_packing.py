@@ -91,3 +91,18 @@ def test_micro_batch_packs_samples_in_the_given_order():
     empty = build_micro_batch(RolloutBatch.from_samples(samples, torch.device("cpu")), [], torch.device("cpu"))
     assert empty.input_ids.tolist() == [0, 0] and empty.cu_seqlens.tolist() == [0, 2] and empty.num_tokens == 0
     assert empty.logit_index.numel() == empty.token_index.numel() == 0
+
+
+def test_token_ids_outside_the_vocabulary_are_named_on_the_host():
+    import torch
+
+    from colocate.rollout.sample import Sample
+    from colocate.trainer.batch import RolloutBatch
+
+    samples = [Sample([5, 6], [7, 8], [0.0] * 2, [1] * 2, 0, 0), Sample([1], [9, 10], [0.0] * 2, [1] * 2, 1, 0)]
+    RolloutBatch.from_samples(samples, torch.device("cpu"), vocab_size=11)
+    with pytest.raises(ValueError, match=r"sample 1 \(group 1\) has token id 10, outside .* \[0, 10\)"):
+        RolloutBatch.from_samples(samples, torch.device("cpu"), vocab_size=10)
+    samples[0].prompt_ids[0] = -3
+    with pytest.raises(ValueError, match="sample 0 .* token id -3"):
+        RolloutBatch.from_samples(samples, torch.device("cpu"), vocab_size=11)
