@@ -15,7 +15,8 @@ where logits are formed (ours: response tokens; baseline: every position); atten
 convention), or half that (`mfu_causal`, what a causal kernel computes); 989 TFLOP/s bf16 peak.
 Peak memory: max_memory_allocated over the measured steps. Warm-up (compilation) is never timed.
 
-Run: python bench/train.py [--models 1.5b,0.5b] [--steps 3] [--profile] [--trace DIR] [--budget-s 280]
+Run: python bench/train.py [--models 1.5b,0.5b] [--plans 0,4] [--steps 3] [--profile] [--trace DIR]
+[--budget-s 280]
 Writes bench/results/train.json (entries of models not run are kept) and, with --profile,
 train_profile.txt; prints one summary line per model.
 """
@@ -131,6 +132,26 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+class _GcClock:
+    """Seconds the Python garbage collector ran (all generations) while active."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+
 def _graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -157,10 +178,12 @@ def bench_ours(name: str, spec, steps: int, info, limit_gib: float | None) -> tu
     warmup_s = sum(_timed(lambda b=b: trainer.train(b, 0)) for b in batches[:2])
     warm_graphs = _graphs()
     torch.cuda.reset_peak_memory_stats()
-    times, tokens, flops, causal, metrics = [], 0, 0.0, 0.0, {}
+    times, gc_s, tokens, flops, causal, metrics = [], [], 0, 0.0, 0.0, {}
     for batch in batches[2:]:
         lengths = [len(s.tokens) for s in batch]
-        times.append(_timed(lambda b=batch: metrics.update(trainer.train(b, 1))))
+        with _GcClock() as clock:
+            times.append(_timed(lambda b=batch: metrics.update(trainer.train(b, 1))))
+        gc_s.append(clock.seconds)
         tokens += sum(lengths)
         palm, caus = model_flops(mcfg, lengths, sum(s.response_len for s in batch))
         flops, causal = flops + palm, causal + caus
@@ -173,7 +196,7 @@ def bench_ours(name: str, spec, steps: int, info, limit_gib: float | None) -> tu
                                            for i, p in enumerate(parts) for q in p),
                 tokens_per_s=tokens / seconds, mfu=_mfu(flops, seconds), mfu_causal=_mfu(causal, seconds),
                 peak_gib=peak, fits=None if limit_gib is None else peak <= limit_gib,
-                warmup_s=warmup_s, step_s=times, step_tokens=tokens / steps,
+                warmup_s=warmup_s, step_s=times, gc_s=gc_s, step_tokens=tokens / steps,
                 graphs_compiled=warm_graphs - graphs, graphs_compiled_while_measured=_graphs() - warm_graphs,
                 grad_norm=metrics.get("train/grad_norm")), trainer
 
@@ -247,10 +270,12 @@ def _guarded(fn, *args):
     return error
 
 
-_CATEGORIES = [("inductor", r"^triton_"), ("gemm", r"gemm|cutlass|nvjet|xmma|cublas"), ("attention", r"flash|fmha"),
+_CATEGORIES = [("inductor", r"^triton_"), ("attention", r"flash|fmha|cudnn_sdpa|sm90_flash"),
+               ("gemm", r"gemm|cutlass|nvjet|xmma|cublas"),
                ("log-prob kernel", r"^(stats|grad)$"), ("nccl", r"nccl"), ("foreach", r"multi_tensor|adam"),
                ("memcpy/memset", r"^Memcpy|^Memset")]
-"""Kernel name -> category, first match (foreach: the optimizer, clipping, some FSDP copies)."""
+"""Kernel name -> category, first match (foreach: the optimizer, clipping, some FSDP copies;
+attention before gemm: flash kernel names carry cutlass types)."""
 
 
 def _category(name: str) -> str:
@@ -261,12 +286,33 @@ PHASES = ("train.prepare", "micro_batch.inputs", "micro_batch.forward", "micro_b
 """The trainer's record_function labels (colocate.trainer.passes / step); they do not nest."""
 
 
+def _device_spans(events: list[dict]) -> list[tuple[float, float, str]]:
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("ph") == "X" and "dur" in e and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+
+
+def _busy_us(gpu: list[tuple[float, float, str]]) -> float:
+    """Length of the union of the device spans."""
+    busy, cursor = 0.0, float("-inf")
+    for a, b, _ in gpu:
+        if b > cursor:
+            busy += b - max(a, cursor)
+            cursor = b
+    return busy
+
+
+def _trace_events(prof) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_bytes())["traceEvents"]
+
+
 def _timeline(events: list[dict]) -> tuple[list[str], dict]:
     """Device busy/idle time over the profiled window, idle time per trainer phase, the largest
     idle gaps with what the host was doing, and device time per kernel category."""
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in spans
-                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    gpu = _device_spans(events)
     host = [e for e in spans if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")]
     phases = [e for e in spans if e.get("cat") == "user_annotation" and e["name"] in PHASES]
     begin, end = min(e["ts"] for e in host), max(b for _, b, _ in gpu)
@@ -323,17 +369,23 @@ def profile_plan(name: str, spec, info, trace_dir: str | None) -> tuple[str, dic
     trainer = _trainer(name, spec, info, len(batches[0]))
     trainer.train(batches[0], 0)
     torch.cuda.synchronize()
+    light_walls = []  # device activity only: close to an unprofiled step's timing
+    with profile(activities=[ProfilerActivity.CUDA]) as light:
+        for batch in batches[1:]:
+            light_walls.append(_timed(lambda b=batch: trainer.train(b, 1)))
+    light_busy = _busy_us(_device_spans(_trace_events(light))) / 1e6
     walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for batch in batches[1:]:
             walls.append(_timed(lambda b=batch: trainer.train(b, 1)))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = pathlib.Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        raw = path.read_bytes()
+    events = _trace_events(prof)
     if trace_dir:
-        (pathlib.Path(trace_dir) / f"train_trace_{name}.json.gz").write_bytes(gzip.compress(raw))
-    lines, summary = _timeline(json.loads(raw)["traceEvents"])
+        (pathlib.Path(trace_dir) / f"train_trace_{name}.json.gz").write_bytes(
+            gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    lines, summary = _timeline(events)
+    summary.update(device_only_step_wall_s=light_walls, device_only_busy_fraction=light_busy / sum(light_walls))
+    lines.insert(0, f"device-only trace: step walls {', '.join(f'{w:.3f}' for w in light_walls)} s, device busy "
+                    f"{light_busy:.3f} s = {summary['device_only_busy_fraction']:.1%} of the wall time")
     averages = prof.key_averages()
     phases = [e for e in averages if e.key in PHASES]
     text = [f"== {name}: full {spec[0]:.2f} + {spec[1]}, {spec[2]} tokens per micro-batch; "
@@ -361,7 +413,8 @@ def run_model(name: str, args, info, entry: dict) -> None:
     models = args.models.split(",")
     later = 90 * len(models[models.index(name) + 1:])  # seconds kept for the models still to run
     reserve = later + (30 if args.profile else 0)
-    for k, spec in enumerate(GRID[name]):
+    plans = [int(i) for i in args.plans.split(",")] if args.plans else range(len(GRID[name]))
+    for k, spec in enumerate(GRID[name][i] for i in plans):
         if k and _time_left(args.budget_s) < reserve + SECONDS_PER_PLAN:
             entry["ours"].append(dict(full_fraction=round(spec[0], 4), rest=spec[1], max_tokens_per_gpu=spec[2],
                                       skipped="time budget"))
@@ -369,6 +422,10 @@ def run_model(name: str, args, info, entry: dict) -> None:
         out = _guarded(bench_ours, name, spec, args.steps, info, limit)
         run, trainer = out if isinstance(out, tuple) else (out, None)
         entry["ours"].append(run)
+        if "mfu" in run:
+            print(f"  {name} full {spec[0]:.2f} + {spec[1]}, {spec[2]} tok/mb: {run['mfu']:.1%} MFU, "
+                  f"{run['peak_gib']:.1f} GiB, steps {', '.join(f'{t:.3f}' for t in run['step_s'])} s "
+                  f"(garbage collection {', '.join(f'{t:.3f}' for t in run['gc_s'])} s)", flush=True)
         if trainer is not None and name == "0.5b" and "offload_pinned" not in entry:
             entry["offload_pinned_reserve_s"] = trainer.reserve_offload_buffers()
             entry["offload_pinned"] = _guarded(bench_offload, trainer)
@@ -431,6 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="profile each model's best plan")
     parser.add_argument("--trace", default=None, help="directory for gzipped chrome traces of the profiles")
+    parser.add_argument("--plans", default=None, help="comma-separated indices into each model's GRID (default all)")
     parser.add_argument("--budget-s", type=float, default=280.0,
                         help="wall-clock budget: optional plans are skipped when it runs short")
     args = parser.parse_args(argv)
