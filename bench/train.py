@@ -1,6 +1,7 @@
 """Trainer throughput on one GPU: tokens/s, MFU and peak memory of our FSDP2 trainer on packed
 mixed-length sequences, side by side with transformers + FSDP2 on a padded batch, in one run; the
-trainer's offload/onload bandwidth for both methods; with --profile, where the device time goes.
+trainer's offload/onload bandwidth for both methods, beside one plain pinned copy of the same bytes
+(what this host's copies reach); with --profile, where the device time goes.
 
 Ours: GRPO steps through `Trainer.train` (Qwen2.5-0.5B / -1.5B shapes, random init) on about 28k
 tokens of packed 160..4160-token samples a step, bf16 compute / fp32 master weights, fused AdamW,
@@ -30,6 +31,7 @@ import json
 import pathlib
 import random
 import re
+import statistics
 import tempfile
 import time
 
@@ -253,6 +255,17 @@ def bench_offload(trainer, rounds: int = 2) -> list[dict]:
     return out
 
 
+def bench_pinned_copy(num_bytes: int, rounds: int = 3) -> dict:
+    """What this host's pinned copies reach on the same bytes: one device buffer to one pinned host
+    buffer and back, median of `rounds` (the offload target is a fraction of it)."""
+    device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    to_host = statistics.median(_timed(lambda: host.copy_(device, non_blocking=True)) for _ in range(rounds))
+    to_device = statistics.median(_timed(lambda: device.copy_(host, non_blocking=True)) for _ in range(rounds))
+    return dict(gib=num_bytes / 2**30, d2h_gb_per_s=num_bytes / to_host / 1e9,
+                h2d_gb_per_s=num_bytes / to_device / 1e9)
+
+
 def _tms_offload(name: str, info) -> list[dict]:
     batch = make_samples(random.Random(1), model_config(name).vocab_size)
     trainer = _trainer(name, (1.0, "none", 16384), info, len(batch), method="tms", compiled=False)
@@ -429,6 +442,9 @@ def run_model(name: str, args, info, entry: dict) -> None:
         if trainer is not None and name == "0.5b" and "offload_pinned" not in entry:
             entry["offload_pinned_reserve_s"] = trainer.reserve_offload_buffers()
             entry["offload_pinned"] = _guarded(bench_offload, trainer)
+            if isinstance(entry["offload_pinned"], list):
+                num_bytes = round(entry["offload_pinned"][-1]["gib"] * 2**30)
+                entry["pinned_copy"] = _guarded(bench_pinned_copy, num_bytes)
         del trainer
         _free()
     if name == "0.5b" and _time_left(args.budget_s) > 20 + reserve:
@@ -477,6 +493,9 @@ def _summary(name: str, entry: dict) -> str:
             last = entry[key][-1]
             line += (f" | {key[8:]} offload {last['offload_gb_per_s']:.1f} GB/s, "
                      f"onload {last['onload_gb_per_s']:.1f} GB/s")
+    copy = entry.get("pinned_copy")
+    if isinstance(copy, dict) and "d2h_gb_per_s" in copy:
+        line += f" | one pinned copy of the same bytes {copy['d2h_gb_per_s']:.1f} / {copy['h2d_gb_per_s']:.1f} GB/s"
     if isinstance(entry.get("profile"), dict) and "gpu_idle_fraction" in entry["profile"]:
         line += f" | profiled device idle {entry['profile']['gpu_idle_fraction']:.1%}"
     return line
