@@ -55,7 +55,8 @@ def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float], 
                     weight_decay: float) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm weights and biases are not decayed).
 
-    Fused on CUDA: one kernel per dtype/device group instead of a loop over parameters.
+    Fused (CUDA and CPU): one kernel per dtype/device group instead of a loop over parameters,
+    and the update can be skipped on the device (`found_inf`) without the host reading a flag.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -63,8 +64,7 @@ def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float], 
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    fused = bool(params) and params[0].device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=bool(params))
 
 
 @torch.no_grad()
@@ -138,16 +138,22 @@ class OptimizerStep:
 
     def step(self, loss: torch.Tensor) -> dict[str, float]:
         """Clip and step unless the global `loss` (same on every rank) or the grad norm is not
-        finite; the gradients are freed either way. Returns grad_norm, lr (of this step), skipped."""
+        finite; the gradients are freed either way. Returns grad_norm, lr (of this step), skipped.
+
+        The fused optimizer takes the verdict as a device tensor (`found_inf`: parameters, moments
+        and step counts stay as they were), so the update is queued before the host reads it:
+        the device goes from the backward to the update without waiting for the host."""
         grad_norm = clip_grad_norm(self.params, self.grad_clip)
-        finite = torch.isfinite(grad_norm.to(loss.device)) & torch.isfinite(loss)
+        not_finite = ~(torch.isfinite(grad_norm.to(loss.device)) & torch.isfinite(loss))
         lr = self.lr
-        skipped = not bool(finite)
+        if self.params:
+            self.before_update()
+            self.optimizer.found_inf = not_finite.float()
+            self.optimizer.step()
+        self.zero_grad()
+        skipped = bool(not_finite)
         if skipped:
             self.num_skipped += 1
         else:
-            self.before_update()
-            self.optimizer.step()
             self.scheduler.step()
-        self.zero_grad()
         return {"grad_norm": float(grad_norm), "lr": lr, "skipped": float(skipped)}

@@ -82,6 +82,7 @@ def test_non_finite_loss_or_grad_skips_the_step():
     out = opt.step(torch.tensor(float("nan")))
     assert out["skipped"] == 1.0 and opt.num_skipped == 1
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(float(st["step"]) == 0 and not st["exp_avg"].any() for st in opt.optimizer.state.values())
     assert all(p.grad is None for p in model.parameters())
     assert opt.scheduler.last_epoch == 0  # a skipped step does not advance the schedule
     (_loss(model) * float("inf")).backward()
