@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from colocate.kernels import flash
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -57,10 +59,13 @@ def packed_causal_attention(
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D).
 
-    CUDA uses torch's varlen flash attention (GQA native; head_dim zero-padded to a multiple of 8);
-    elsewhere one causal SDPA per sequence.
+    CUDA uses FlashAttention-4 where `flash.usable` (Hopper, Blackwell), else torch's varlen flash
+    attention (GQA native; head_dim zero-padded to a multiple of 8); elsewhere one causal SDPA per
+    sequence.
     """
     scale = q.shape[-1] ** -0.5
+    if flash.usable(q):
+        return flash.attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 

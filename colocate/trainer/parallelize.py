@@ -71,7 +71,7 @@ def _saved_ops() -> frozenset:
     aten = torch.ops.aten
     return frozenset({aten.mm.default, aten.addmm.default, aten._flash_attention_forward.default,
                       aten._scaled_dot_product_flash_attention_for_cpu.default,
-                      torch.ops.torch_attn._varlen_attn.default})
+                      torch.ops.torch_attn._varlen_attn.default, torch.ops.colocate.flash_attention.default})
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
