@@ -50,7 +50,17 @@ class ModelConfig:
     ref_path: str | None = None
     """HF model directory of the frozen reference policy (None = model.path)."""
     gradient_checkpointing: bool = False
-    """Recompute each block's activations in backward to trade compute for memory."""
+    """Recompute each block's activations in backward to trade compute for memory (the same as
+    recompute_fraction 1.0)."""
+    recompute_fraction: float | None = _ranged(None, "[0, 1]")
+    """Fraction of the trainer's blocks, spread over depth, that recompute their whole forward in
+    backward; None: 1.0 with gradient_checkpointing, else 0."""
+    recompute_rest: Literal["none", "ops"] = "none"
+    """What the other blocks keep for backward: "none" every activation it reads; "ops" the outputs of
+    the matmuls and of attention, recomputing the element-wise work (about a third of the memory)."""
+    recompute_keeps_attention: bool = False
+    """The recomputed blocks also keep attention's output, about their input's size again, so their
+    recompute skips attention."""
     compile: bool = False
     """torch.compile each transformer block of the trainer's model."""
 

@@ -56,7 +56,7 @@ def _summarize(steps: list[dict[str, float]], prefix: str) -> dict[str, float]:
 class Trainer:
     """Actor (+ reference, + critic) for one rank. `model_config` builds randomly initialised
     models of that shape instead of loading cfg.model.path (benchmarks); `checkpointing`
-    overrides cfg.model.gradient_checkpointing (every block recomputed, or none) with a finer plan.
+    overrides the recomputation plan of cfg.model (gradient_checkpointing, recompute_*).
     With cfg.offload.offload_train the pinned host buffers are allocated here, once, so that no
     offload during training pays for pinning host memory."""
 
@@ -75,8 +75,9 @@ class Trainer:
         self.offloader = StateOffloader(cfg.offload.method, self.device)
         self.random_config = model_config
         self.keep_gathered = info.world_size == 1 if t.keep_gathered is None else t.keep_gathered
-        self.checkpointing = checkpointing or ActivationCheckpointing(
-            full_fraction=1.0 if m.gradient_checkpointing else 0.0)
+        full = m.recompute_fraction if m.recompute_fraction is not None else float(m.gradient_checkpointing)
+        self.checkpointing = checkpointing or ActivationCheckpointing(full, m.recompute_rest,
+                                                                      m.recompute_keeps_attention)
         steps_per_rollout = -(-cfg.samples_per_rollout // cfg.global_batch_size)
         actor_rollouts = t.num_rollout - (a.num_critic_only_steps if a.use_critic else 0)
         norm_len = r.max_response_len

@@ -95,17 +95,18 @@ def _two_ranks(rank, world_size, path, out_file):
 
 def _budgets(path, info) -> list[dict]:
     from colocate.trainer import Trainer
-    from colocate.trainer.parallelize import ActivationCheckpointing
 
     samples = _samples(vocab=101, num_groups=3, seed=1)
     results = []
     # One micro-batch vs. about one sample per micro-batch, the latter with every block recomputed,
-    # and a middle budget with half the blocks recomputed and the rest recomputing elementwise ops.
-    plans = ((4096, False, None), (16, True, None), (64, False, ActivationCheckpointing(0.5, "ops")))
-    for budget, recompute, checkpointing in plans:
-        trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": budget,
-                                           "model.gradient_checkpointing": recompute}), info,
-                          checkpointing=checkpointing)
+    # and a middle budget with half the blocks recomputed (keeping attention's output) and the rest
+    # recomputing element-wise ops.
+    half = {"model.recompute_fraction": 0.5, "model.recompute_rest": "ops", "model.recompute_keeps_attention": True}
+    plans = ((4096, {}), (16, {"model.gradient_checkpointing": True}), (64, half))
+    for budget, recompute in plans:
+        trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": budget, **recompute}), info)
+        assert trainer.checkpointing.block_modes(2) == (["attention", "ops"] if recompute is half else
+                                                        ["full" if recompute else "none"] * 2)
         grads = capture_grads(trainer)
         trainer.train(samples, rollout_id=0)
         results.append(grads)

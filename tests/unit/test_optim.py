@@ -120,16 +120,3 @@ def test_scheduler_state_round_trip_keeps_the_step_and_the_configured_schedule()
     other.optimizer.step()
     other.scheduler.step()
     assert other.lr == pytest.approx(LRSchedule("linear", 1, 10, 0.2)(4))
-
-
-def test_activation_checkpointing_places_full_blocks_evenly():
-    from colocate.trainer.parallelize import ActivationCheckpointing
-
-    assert ActivationCheckpointing(1 / 3).block_modes(9) == ["full", "none", "none"] * 3
-    assert ActivationCheckpointing(0.5, "ops").block_modes(4) == ["full", "ops", "full", "ops"]
-    assert ActivationCheckpointing(1.0).block_modes(3) == ["full"] * 3
-    assert ActivationCheckpointing().block_modes(2) == ["none", "none"]
-    with pytest.raises(ValueError, match="full_fraction"):
-        ActivationCheckpointing(1.5)
-    with pytest.raises(ValueError, match="rest"):
-        ActivationCheckpointing(0.5, "selective")
