@@ -5,8 +5,9 @@ trainer's offload/onload bandwidth for both methods, beside one plain pinned cop
 
 Ours: GRPO steps through `Trainer.train` (Qwen2.5-0.5B / -1.5B shapes, random init) on about 28k
 tokens of packed 160..4160-token samples a step, bf16 compute / fp32 master weights, fused AdamW,
-the Triton log-prob kernel, compiled blocks, over a grid of activation-checkpointing plans x
-micro-batch token budgets. Baseline (run first): AutoModelForCausalLM (sdpa) + FSDP2, fused AdamW,
+the Triton log-prob kernel, FlashAttention-4 where installed (else torch's varlen kernel; the JSON's
+`attention` names it), compiled blocks, over a grid of activation-checkpointing plans x micro-batch
+token budgets. Baseline (run first): AutoModelForCausalLM (sdpa) + FSDP2, fused AdamW,
 8 x 2048 padded, fp32 logits; a 1.5B plan counts only within MEMORY_FRACTION of its peak memory.
 
 MFU counts model FLOPs, never recomputation (checkpointing, the log-prob kernel's backward), the
@@ -32,12 +33,14 @@ import pathlib
 import random
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from colocate import dist
 from colocate.config import Config
+from colocate.kernels import flash
 from colocate.models import CausalLM, ModelConfig
 from colocate.rollout.sample import Sample
 from colocate.trainer.packing import pack_micro_batches
@@ -60,10 +63,33 @@ SHAPES = {
 # (fraction of blocks fully recomputed, what the others recompute, micro-batch token budget), most
 # informative first; each block kind ("none", "ops", "full") compiles once, at its first use. The
 # first 1.5B plan ignores the memory limit on purpose: it is the no-recompute ceiling.
+class Plan(NamedTuple):
+    """Fraction of blocks fully recomputed, the others' mode, whether the full ones keep attention's
+    output (colocate.trainer.parallelize.ActivationCheckpointing), and the micro-batch token budget."""
+
+    full: float
+    rest: str
+    keep_attention: bool
+    max_tokens: int
+
+    def fields(self) -> dict:
+        return dict(full_fraction=round(self.full, 4), rest=self.rest, full_keeps_attention=self.keep_attention,
+                    max_tokens_per_gpu=self.max_tokens)
+
+    def label(self) -> str:
+        return (f"full {self.full:.2f}{' keeping attention' if self.keep_attention else ''} + {self.rest}, "
+                f"{self.max_tokens} tok/mb")
+
+    @staticmethod
+    def of(run: dict) -> "Plan":
+        return Plan(run["full_fraction"], run["rest"], run["full_keeps_attention"], run["max_tokens_per_gpu"])
+
+
 GRID = {
-    "1.5b": [(0.0, "none", 32768), (0.0, "none", 8192), (0.0, "ops", 12288), (1 / 3, "ops", 16384),
-             (0.0, "ops", 8192), (0.5, "ops", 16384), (0.0, "none", 6144), (1.0, "none", 32768)],
-    "0.5b": [(0.0, "none", 32768), (0.0, "none", 16384)],
+    "1.5b": [Plan(0.0, "none", False, 32768), Plan(0.7, "ops", False, 32768), Plan(0.7, "ops", True, 32768),
+             Plan(0.68, "ops", True, 32768), Plan(0.64, "ops", True, 32768), Plan(1.0, "none", True, 32768),
+             Plan(0.75, "ops", True, 32768), Plan(0.5, "ops", False, 16384)],
+    "0.5b": [Plan(0.0, "none", False, 32768), Plan(0.0, "none", False, 16384)],
 }
 MEMORY_TARGET = ("1.5b",)
 """Models whose plans must fit in MEMORY_FRACTION of the baseline's peak (the others: speed only)."""
@@ -159,23 +185,20 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _trainer(name: str, spec, info, num_samples: int, method: str = "pinned", compiled: bool = True):
-    """A trainer for plan `spec` = (fraction of blocks fully recomputed, the others' mode, token budget)."""
+def _trainer(name: str, plan: Plan, info, num_samples: int, method: str = "pinned", compiled: bool = True):
     from colocate.trainer import Trainer
 
-    full, rest, max_tokens = spec
-    return Trainer(_config(num_samples, max_tokens, method, compiled), info, model_config=model_config(name),
-                   checkpointing=ActivationCheckpointing(full_fraction=full, rest=rest))
+    return Trainer(_config(num_samples, plan.max_tokens, method, compiled), info, model_config=model_config(name),
+                   checkpointing=ActivationCheckpointing(plan.full, plan.rest, plan.keep_attention))
 
 
-def bench_ours(name: str, spec, steps: int, info, limit_gib: float | None) -> tuple[dict, object]:
+def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None) -> tuple[dict, object]:
     mcfg = model_config(name)
     rng = random.Random(0)
     batches = [make_samples(rng, mcfg.vocab_size) for _ in range(2 + steps)]
-    full, rest, max_tokens = spec
-    parts = [pack_micro_batches([len(s.tokens) for s in b], max_tokens) for b in batches[2:]]
+    parts = [pack_micro_batches([len(s.tokens) for s in b], plan.max_tokens) for b in batches[2:]]
     base, graphs = torch.cuda.memory_allocated(), _graphs()
-    trainer = _trainer(name, spec, info, len(batches[0]))
+    trainer = _trainer(name, plan, info, len(batches[0]))
     warmup_s = sum(_timed(lambda b=b: trainer.train(b, 0)) for b in batches[:2])
     warm_graphs = _graphs()
     torch.cuda.reset_peak_memory_stats()
@@ -190,8 +213,7 @@ def bench_ours(name: str, spec, steps: int, info, limit_gib: float | None) -> tu
         flops, causal = flops + palm, causal + caus
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     seconds = sum(times)
-    return dict(compile=True, checkpoint_every=(round(1 / full) if full else 0) if rest == "none" else None,
-                full_fraction=round(full, 4), rest=rest, max_tokens_per_gpu=max_tokens,
+    return dict(compile=True, **plan.fields(),
                 num_micro_batches=max(len(p) for p in parts),
                 max_micro_batch_tokens=max(sum(len(batches[2 + i][j].tokens) for j in q)
                                            for i, p in enumerate(parts) for q in p),
@@ -282,13 +304,13 @@ def _guarded(fn, *args):
     return error
 
 
-def profile_plan(name: str, spec, info, trace_dir: str | None) -> tuple[str, dict]:
+def profile_plan(name: str, plan: Plan, info, trace_dir: str | None) -> tuple[str, dict]:
     """torch.profiler over 2 steps of one plan (after a warm-up step): tables and the timeline."""
     from torch.profiler import ProfilerActivity, profile
 
     rng = random.Random(0)
     batches = [make_samples(rng, model_config(name).vocab_size) for _ in range(3)]
-    trainer = _trainer(name, spec, info, len(batches[0]))
+    trainer = _trainer(name, plan, info, len(batches[0]))
     trainer.train(batches[0], 0)
     torch.cuda.synchronize()
     light_walls = []  # device activity only: close to an unprofiled step's timing
@@ -310,7 +332,7 @@ def profile_plan(name: str, spec, info, trace_dir: str | None) -> tuple[str, dic
                     f"{light_busy:.3f} s = {summary['device_only_busy_fraction']:.1%} of the wall time")
     averages = prof.key_averages()
     phases = [e for e in averages if e.key in PHASES]
-    text = [f"== {name}: full {spec[0]:.2f} + {spec[1]}, {spec[2]} tokens per micro-batch; "
+    text = [f"== {name}: {plan.label()}; "
             f"profiled step wall times {', '.join(f'{w:.3f}' for w in walls)} s", *lines,
             "labelled phases (host ms total / device ms of kernels launched inside):",
             *[f"  {e.key:22s} {e.cpu_time_total / 1e3:9.1f} {e.device_time_total / 1e3:9.1f}" for e in phases],
@@ -320,7 +342,7 @@ def profile_plan(name: str, spec, info, trace_dir: str | None) -> tuple[str, dic
             averages.table(sort_by="device_time_total", row_limit=25, max_name_column_width=70),
             "top host ops by self host time:",
             averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)]
-    return "\n".join(text), dict(summary, step_wall_s=walls, plan=list(spec))
+    return "\n".join(text), dict(summary, step_wall_s=walls, plan=plan.fields())
 
 
 def _time_left(budget_s: float) -> float:
@@ -336,16 +358,15 @@ def run_model(name: str, args, info, entry: dict) -> None:
     later = 90 * len(models[models.index(name) + 1:])  # seconds kept for the models still to run
     reserve = later + (30 if args.profile else 0)
     plans = [int(i) for i in args.plans.split(",")] if args.plans else range(len(GRID[name]))
-    for k, spec in enumerate(GRID[name][i] for i in plans):
+    for k, plan in enumerate(GRID[name][i] for i in plans):
         if k and _time_left(args.budget_s) < reserve + SECONDS_PER_PLAN:
-            entry["ours"].append(dict(full_fraction=round(spec[0], 4), rest=spec[1], max_tokens_per_gpu=spec[2],
-                                      skipped="time budget"))
+            entry["ours"].append(dict(plan.fields(), skipped="time budget"))
             continue
-        out = _guarded(bench_ours, name, spec, args.steps, info, limit)
+        out = _guarded(bench_ours, name, plan, args.steps, info, limit)
         run, trainer = out if isinstance(out, tuple) else (out, None)
         entry["ours"].append(run)
         if "mfu" in run:
-            print(f"  {name} full {spec[0]:.2f} + {spec[1]}, {spec[2]} tok/mb: {run['mfu']:.1%} MFU, "
+            print(f"  {name} {plan.label()}: {run['mfu']:.1%} MFU, "
                   f"{run['peak_gib']:.1f} GiB, steps {', '.join(f'{t:.3f}' for t in run['step_s'])} s "
                   f"(garbage collection {', '.join(f'{t:.3f}' for t in run['gc_s'])} s)", flush=True)
         if trainer is not None and name == "0.5b" and "offload_pinned" not in entry:
@@ -362,8 +383,7 @@ def run_model(name: str, args, info, entry: dict) -> None:
     runs = [r for r in entry["ours"] if "mfu" in r]
     best = _best(entry) or max(runs, key=lambda r: r["mfu"], default=None)
     if args.profile and best is not None and _time_left(args.budget_s) > 20 + later:
-        out = _guarded(profile_plan, name, (best["full_fraction"], best["rest"], best["max_tokens_per_gpu"]),
-                       info, args.trace)
+        out = _guarded(profile_plan, name, Plan.of(best), info, args.trace)
         if isinstance(out, tuple):
             text, entry["profile"] = out
             with PROFILE.open("a") as f:
@@ -391,8 +411,7 @@ def _summary(name: str, entry: dict) -> str:
         best, note = max(runs, key=lambda r: r["mfu"]), " [no plan fits]"
     line = (f"{name}: ours{note} {best['mfu']:.1%} MFU ({best['mfu_causal']:.1%} causal), "
             f"{best['tokens_per_s'] / 1e3:.1f}k tok/s, {best['peak_gib']:.1f} GiB peak "
-            f"(full {best['full_fraction']:.2f} + {best['rest']}, {best['max_tokens_per_gpu']} tok/mb, "
-            f"{best['num_micro_batches']} mb) | hf+fsdp2 {hf['mfu']:.1%} MFU ({hf['mfu_causal']:.1%} causal), "
+            f"({Plan.of(best).label()}, {best['num_micro_batches']} mb) | hf+fsdp2 {hf['mfu']:.1%} MFU ({hf['mfu_causal']:.1%} causal), "
             f"{hf['tokens_per_s'] / 1e3:.1f}k tok/s, {hf['peak_gib']:.1f} GiB | memory ratio "
             f"{best['peak_gib'] / hf['peak_gib']:.2f} | tok/s ratio {best['tokens_per_s'] / hf['tokens_per_s']:.2f} | "
             + (f"{sum(bool(r['fits']) for r in runs)}/{len(runs)} plans fit {entry['memory_limit_gib']:.1f} GiB"
@@ -425,7 +444,11 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--models: unknown model {name!r}; known: {', '.join(SHAPES)}")
     info = dist.init()
     torch.manual_seed(0)
-    results = {"device": torch.cuda.get_device_name(), "peak_tflops": PEAK_TFLOPS, "models": {}}
+    probe = torch.empty(1, 1, 128, device="cuda", dtype=torch.bfloat16)
+    attention = "flash-attn-4" if flash.usable(probe) else "torch varlen (flash-attn 2)"
+    print(f"our attention kernel: {attention}", flush=True)
+    results = {"device": torch.cuda.get_device_name(), "peak_tflops": PEAK_TFLOPS, "attention": attention,
+               "models": {}}
     if RESULTS.exists():  # a run over some models keeps the other models' last entries
         results["models"] = json.loads(RESULTS.read_text()).get("models", {})
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
