@@ -60,9 +60,6 @@ SHAPES = {
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960),
 }
-# (fraction of blocks fully recomputed, what the others recompute, micro-batch token budget), most
-# informative first; each block kind ("none", "ops", "full") compiles once, at its first use. The
-# first 1.5B plan ignores the memory limit on purpose: it is the no-recompute ceiling.
 class Plan(NamedTuple):
     """Fraction of blocks fully recomputed, the others' mode, whether the full ones keep attention's
     output (colocate.trainer.parallelize.ActivationCheckpointing), and the micro-batch token budget."""
@@ -85,6 +82,9 @@ class Plan(NamedTuple):
         return Plan(run["full_fraction"], run["rest"], run["full_keeps_attention"], run["max_tokens_per_gpu"])
 
 
+# Most informative first; each block kind ("none", "ops", "full", "attention") compiles once, at
+# its first use. The first 1.5B plan ignores the memory limit on purpose: it is the no-recompute
+# ceiling.
 GRID = {
     "1.5b": [Plan(0.0, "none", False, 32768), Plan(0.7, "ops", False, 32768), Plan(0.7, "ops", True, 32768),
              Plan(0.68, "ops", True, 32768), Plan(0.64, "ops", True, 32768), Plan(1.0, "none", True, 32768),
@@ -289,7 +289,7 @@ def bench_pinned_copy(num_bytes: int, rounds: int = 3) -> dict:
 
 def _tms_offload(name: str, info) -> list[dict]:
     batch = make_samples(random.Random(1), model_config(name).vocab_size)
-    trainer = _trainer(name, (1.0, "none", 16384), info, len(batch), method="tms", compiled=False)
+    trainer = _trainer(name, Plan(1.0, "none", False, 16384), info, len(batch), method="tms", compiled=False)
     trainer.train(batch, 0)
     return bench_offload(trainer)
 
