@@ -150,19 +150,12 @@ def test_offload_round_trip_restores_values_and_frees_memory(tmp_path, info, met
     assert math.isfinite(m["train/grad_norm"]) and m["train/skipped_steps"] == 0
 
 
-@pytest.fixture
-def deterministic():
-    """Ordered kernels (the attention backward's), so that two identical runs agree to 1e-5: Adam's
-    first update is about lr * sign(grad), which rounding noise flips where a gradient is near 0."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(False)
-
-
 def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info, deterministic):
     """The loop's onload only queues the optimizer state and the optimizer waits for it right
     before its update: that update equals the one after a fully waited onload. (A step that read
-    the state before it arrived would move the weights by about the learning rate, 1e-4.)"""
+    the state before it arrived would move the weights by about the learning rate, 1e-4.) Ordered
+    kernels: Adam's first update is about lr * sign(grad), which rounding noise would flip where a
+    gradient is near 0."""
     from colocate.trainer import Trainer
     from colocate.trainer.step import ACTOR_OPTIM
 

@@ -6,6 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from colocate.models import ModelConfig
+from colocate.models.layers import Rotary
 from colocate.models.transformer import DecoderLayer
 from colocate.trainer.parallelize import ActivationCheckpointing, _attention_ops, _checkpointed
 
@@ -45,20 +46,13 @@ def _block_grads(mode: str | None, dtype: torch.dtype, device: str) -> tuple[lis
     lengths = [5, 11]
     x = torch.randn(sum(lengths), cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
-    cos, sin = (t.to(dtype) for t in _rotary_tables(positions, cfg.head_dim))
+    cos, sin = Rotary(cfg.head_dim, cfg.rope_theta, None).to(device)(positions, dtype)
     cu = torch.tensor([0, 5, 16], device=device, dtype=torch.int32)
     out = forward(x, cos, sin, cu, max(lengths))
     counter = _CountAttention()
     with counter:
         out.square().sum().backward()
     return [x.grad, *(p.grad for p in block.parameters())], counter.calls
-
-
-def _rotary_tables(positions: torch.Tensor, head_dim: int):
-    inv = 1e4 ** (-torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    freqs = positions.float()[:, None] * inv
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
 
 
 def test_every_block_mode_gives_the_plain_gradients():
@@ -70,15 +64,11 @@ def test_every_block_mode_gives_the_plain_gradients():
 
 
 @pytest.mark.gpu
-def test_attention_mode_recomputes_everything_but_attention():
-    torch.use_deterministic_algorithms(True, warn_only=True)  # the attention backward's ordered mode
-    try:
-        plain, plain_calls = _block_grads(None, torch.bfloat16, "cuda")
-        calls = {}
-        for mode in MODES:
-            grads, calls[mode] = _block_grads(mode, torch.bfloat16, "cuda")
-            for g, e in zip(grads, plain):
-                torch.testing.assert_close(g, e, rtol=0, atol=0, msg=mode)
-    finally:
-        torch.use_deterministic_algorithms(False)
+def test_attention_mode_recomputes_everything_but_attention(deterministic):
+    plain, plain_calls = _block_grads(None, torch.bfloat16, "cuda")
+    calls = {}
+    for mode in MODES:
+        grads, calls[mode] = _block_grads(mode, torch.bfloat16, "cuda")
+        for g, e in zip(grads, plain):
+            torch.testing.assert_close(g, e, rtol=0, atol=0, msg=mode)
     assert plain_calls == 0 and calls["full"] == 1 and calls["attention"] == 0 and calls["ops"] == 0, calls
