@@ -5,6 +5,9 @@
   extra memory of each.
 - paged_decode_attention for B=256 sequences of 384 cached tokens, Hq=14, Hk=2, D=64, bf16, against
   SDPA over K/V gathered from the paged cache into dense tensors (gather included, and alone).
+- joint_linear (one GEMM over weights joined for the call, as training runs q/k/v) forward+backward
+  on T=32768 tokens of the Qwen2.5-1.5B shape, against the parts as separate GEMMs: for q/k/v
+  (1536 + 256 + 256 wide, with bias) and for gate/up (2 x 8960), eager, bf16.
 
 Prints one summary line and writes bench/results/kernels.json. Run: python bench/kernels.py
 
@@ -33,6 +36,7 @@ from colocate.kernels import (
     token_logprobs,
 )
 from colocate.kernels import paged_attention
+from colocate.models.transformer import joint_linear
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "kernels.json"
 SWEEP_RESULTS = RESULTS.parent / "paged_decode_sweep.json"
@@ -232,6 +236,47 @@ def sample_sweep() -> None:
     SAMPLE_SWEEP_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
 
 
+def bench_joint_linear(do_bench, num_tokens=32768, hidden_size=1536, widths=None,
+                       device="cuda") -> dict:
+    """Forward + backward of linear layers sharing their input, separate against joint."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    cases = widths or {"qkv": ([1536, 256, 256], True), "gate_up": ([8960, 8960], False)}
+    x = torch.randn(num_tokens, hidden_size, device=device, generator=gen).bfloat16().requires_grad_()
+    result = {"shape": dict(tokens=num_tokens, hidden=hidden_size, dtype="bfloat16")}
+    for name, (sizes, bias) in cases.items():
+        parts = tuple(torch.nn.Linear(hidden_size, n, bias=bias, device=device, dtype=torch.bfloat16) for n in sizes)
+        grads = [torch.randn(num_tokens, n, device=device, generator=gen).bfloat16() for n in sizes]
+        leaves = [x] + [p for m in parts for p in m.parameters()]
+        x.grad = None  # the previous case's timing runs leave it set
+
+        def separate():
+            return [m(x) for m in parts]
+
+        def joint():
+            return list(joint_linear(x, parts, None).split(sizes, dim=-1))
+
+        def step(fn):
+            return lambda: torch.autograd.backward(fn(), grads)
+
+        got = {}
+        for fn in (separate, joint):
+            step(fn)()
+            got[fn] = [t.grad.float() for t in leaves]
+            for t in leaves:
+                t.grad = None
+        with torch.no_grad():
+            outputs = (torch.cat(separate(), -1).float() - torch.cat(joint(), -1).float()).abs().max().item()
+        result[name] = {
+            "widths": sizes,
+            "max_abs_diff_out": outputs,
+            "max_abs_diff_grads": max((a - b).abs().max().item() for a, b in zip(got[separate], got[joint])),
+            "separate_ms": do_bench(step(separate), grad_to_none=leaves, return_mode="median"),
+            "joint_ms": do_bench(step(joint), grad_to_none=leaves, return_mode="median"),
+        }
+        result[name]["speedup"] = result[name]["separate_ms"] / result[name]["joint_ms"]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
@@ -249,15 +294,18 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "token_logprobs": bench_logprobs(do_bench),
         "paged_decode": bench_paged_decode(do_bench),
+        "joint_linear": bench_joint_linear(do_bench),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    lp, pd = results["token_logprobs"], results["paged_decode"]
+    lp, pd, jl = results["token_logprobs"], results["paged_decode"], results["joint_linear"]
     print(
         f"token_logprobs fwd+bwd {lp['fused_ms']:.1f} ms ({lp['fused_peak_extra_gib']:.2f} GiB) vs naive "
         f"{lp['naive_fp32_ms']:.1f} ms ({lp['naive_fp32_peak_extra_gib']:.1f} GiB) | paged decode "
         f"{pd['paged_ms'] * 1e3:.0f} us vs gather+SDPA {pd['gather_sdpa_ms'] * 1e3:.0f} us "
-        f"(SDPA alone {pd['sdpa_only_ms'] * 1e3:.0f} us) -> {RESULTS}"
+        f"(SDPA alone {pd['sdpa_only_ms'] * 1e3:.0f} us) | joint q/k/v {jl['qkv']['joint_ms']:.2f} ms vs "
+        f"separate {jl['qkv']['separate_ms']:.2f} ms, joint gate/up {jl['gate_up']['joint_ms']:.2f} ms vs "
+        f"separate {jl['gate_up']['separate_ms']:.2f} ms -> {RESULTS}"
     )
 
 
