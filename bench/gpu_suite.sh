@@ -27,7 +27,7 @@ for step in $steps; do
     e2e) run e2e 330 python bench/e2e.py --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
     colocation) run colocation 150 python bench/colocation.py ;;
-    train) run train 330 python bench/train.py ;;
+    train) run train 480 python bench/train.py ;;
     kernels) run kernels 60 python bench/kernels.py ;;
     units) run units 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
     *) echo "unknown step $step" >&2 ;;

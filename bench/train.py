@@ -3,12 +3,16 @@ mixed-length sequences, side by side with transformers + FSDP2 on a padded batch
 trainer's offload/onload bandwidth for both methods, beside one plain pinned copy of the same bytes
 (what this host's copies reach); with --profile, where the device time goes.
 
-Ours: GRPO steps through `Trainer.train` (Qwen2.5-0.5B / -1.5B shapes, random init) on about 28k
-tokens of packed 160..4160-token samples a step, bf16 compute / fp32 master weights, fused AdamW,
+A step is one optimizer step over --step-tokens tokens (default 131072: an RL rollout batch, e.g.
+32 samples of up to 4k tokens, is several micro-batches; 32768 gives one micro-batch a step).
+Ours: GRPO steps through `Trainer.train` (Qwen2.5-0.5B / -1.5B shapes, random init) on packed
+160..4160-token samples, bf16 compute / fp32 master weights, fused AdamW,
 the Triton log-prob kernel, FlashAttention-4 where installed (else torch's varlen kernel; the JSON's
 `attention` names it), compiled blocks, over a grid of activation-checkpointing plans x micro-batch
-token budgets. Baseline (run first): AutoModelForCausalLM (sdpa) + FSDP2, fused AdamW,
-8 x 2048 padded, fp32 logits; a 1.5B plan counts only within MEMORY_FRACTION of its peak memory.
+token budgets (and keeping the gathered parameters through a step or not). Baseline (run first):
+AutoModelForCausalLM (sdpa) + FSDP2, fused AdamW, micro-batches of 8 x 2048 padded with fp32
+logits, accumulated over the same tokens a step; a 1.5B plan counts only within MEMORY_FRACTION of
+the baseline's peak memory.
 
 MFU counts model FLOPs, never recomputation (checkpointing, the log-prob kernel's backward), the
 same way for both: 6 per parameter per token, the tied embedding once, as the lm_head matmul, only
@@ -17,8 +21,8 @@ where logits are formed (ours: response tokens; baseline: every position); atten
 convention), or half that (`mfu_causal`, what a causal kernel computes); 989 TFLOP/s bf16 peak.
 Peak memory: max_memory_allocated over the measured steps. Warm-up (compilation) is never timed.
 
-Run: python bench/train.py [--models 1.5b,0.5b] [--plans 0,4] [--steps 3] [--profile] [--trace DIR]
-[--budget-s 280]
+Run: python bench/train.py [--models 1.5b,0.5b] [--plans 0,4] [--steps 3] [--step-tokens 131072]
+[--profile] [--trace DIR] [--budget-s 420]
 Writes bench/results/train.json (entries of models not run are kept) and, with --profile,
 train_profile.txt; prints one summary line per model.
 """
@@ -51,7 +55,9 @@ START = time.monotonic()
 RESULTS = pathlib.Path(__file__).parent / "results" / "train.json"
 PROFILE = RESULTS.with_name("train_profile.txt")
 PEAK_TFLOPS = 989.0
-STEP_TOKENS = 32768
+STEP_TOKENS = 131072
+HF_BATCH = (8, 2048)
+"""The baseline's micro-batch (sequences x length); a step accumulates step_tokens / 16384 of them."""
 MEMORY_FRACTION = 0.4
 GROUP = 4
 SHAPES = {
@@ -62,38 +68,43 @@ SHAPES = {
 }
 class Plan(NamedTuple):
     """Fraction of blocks fully recomputed, the others' mode, whether the full ones keep attention's
-    output (colocate.trainer.parallelize.ActivationCheckpointing), and the micro-batch token budget."""
+    output (colocate.trainer.parallelize.ActivationCheckpointing), the micro-batch token budget,
+    and train.keep_gathered (gathered parameters kept through a step, gradients reduced once)."""
 
     full: float
     rest: str
     keep_attention: bool
     max_tokens: int
+    keep_gathered: bool = True
 
     def fields(self) -> dict:
         return dict(full_fraction=round(self.full, 4), rest=self.rest, full_keeps_attention=self.keep_attention,
-                    max_tokens_per_gpu=self.max_tokens)
+                    max_tokens_per_gpu=self.max_tokens, keep_gathered=self.keep_gathered)
 
     def label(self) -> str:
         return (f"full {self.full:.2f}{' keeping attention' if self.keep_attention else ''} + {self.rest}, "
-                f"{self.max_tokens} tok/mb")
+                f"{self.max_tokens} tok/mb{'' if self.keep_gathered else ', resharded'}")
 
     @staticmethod
     def of(run: dict) -> "Plan":
-        return Plan(run["full_fraction"], run["rest"], run["full_keeps_attention"], run["max_tokens_per_gpu"])
+        return Plan(run["full_fraction"], run["rest"], run["full_keeps_attention"], run["max_tokens_per_gpu"],
+                    run.get("keep_gathered", True))
 
 
 # Most informative first; each block kind ("none", "ops", "full", "attention") compiles once, at
 # its first use. The first 1.5B plan ignores the memory limit on purpose: it is the no-recompute
-# ceiling.
+# ceiling. Resharding between forward and backward frees the gathered bf16 copy of the model
+# (2.9 GiB at 1.5B) for about 6 ms of copies a micro-batch on one GPU.
 GRID = {
-    "1.5b": [Plan(0.0, "none", False, 32768), Plan(0.7, "ops", False, 32768), Plan(0.7, "ops", True, 32768),
-             Plan(0.68, "ops", True, 32768), Plan(0.64, "ops", True, 32768), Plan(1.0, "none", True, 32768),
-             Plan(0.75, "ops", True, 32768), Plan(0.5, "ops", False, 16384)],
+    "1.5b": [Plan(0.0, "none", False, 32768), Plan(0.75, "ops", True, 32768, False),
+             Plan(0.82, "ops", True, 32768), Plan(0.68, "ops", True, 32768, False),
+             Plan(0.9, "ops", True, 32768), Plan(0.6, "ops", True, 32768, False),
+             Plan(1.0, "none", True, 32768)],
     "0.5b": [Plan(0.0, "none", False, 32768), Plan(0.0, "none", False, 16384)],
 }
 MEMORY_TARGET = ("1.5b",)
 """Models whose plans must fit in MEMORY_FRACTION of the baseline's peak (the others: speed only)."""
-SECONDS_PER_PLAN = 15
+SECONDS_PER_PLAN = 25
 """Rough cost of one more plan whose blocks are already compiled (build, warm-up, measure)."""
 
 
@@ -121,14 +132,14 @@ def _mfu(flops: float, seconds: float) -> float:
     return flops / seconds / (PEAK_TFLOPS * 1e12)
 
 
-def make_samples(rng: random.Random, vocab: int) -> list[Sample]:
+def make_samples(rng: random.Random, vocab: int, step_tokens: int) -> list[Sample]:
     """Groups of GROUP samples (a shared 32..64-token prompt, 128..4096 response tokens each),
-    as many as fit in STEP_TOKENS."""
+    as many as fit in `step_tokens`."""
     samples, total = [], 0
     while True:
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(32, 64))]
         lengths = [rng.randint(128, 4096) for _ in range(GROUP)]
-        if samples and total + sum(len(prompt) + n for n in lengths) > STEP_TOKENS:
+        if samples and total + sum(len(prompt) + n for n in lengths) > step_tokens:
             return samples
         group = len(samples) // GROUP
         for j, n in enumerate(lengths):
@@ -137,11 +148,12 @@ def make_samples(rng: random.Random, vocab: int) -> list[Sample]:
             total += len(prompt) + n
 
 
-def _config(num_samples: int, max_tokens: int, method: str, compiled: bool) -> Config:
+def _config(num_samples: int, plan: "Plan", method: str, compiled: bool) -> Config:
     cfg = Config()
+    cfg.train.keep_gathered = plan.keep_gathered
     cfg.model.compile = compiled
     cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size = GROUP, num_samples // GROUP
-    cfg.train.max_tokens_per_gpu, cfg.train.lr, cfg.train.num_rollout = max_tokens, 1e-6, 1000
+    cfg.train.max_tokens_per_gpu, cfg.train.lr, cfg.train.num_rollout = plan.max_tokens, 1e-6, 1000
     cfg.offload.method = method
     return cfg
 
@@ -188,14 +200,15 @@ def _graphs() -> int:
 def _trainer(name: str, plan: Plan, info, num_samples: int, method: str = "pinned", compiled: bool = True):
     from colocate.trainer import Trainer
 
-    return Trainer(_config(num_samples, plan.max_tokens, method, compiled), info, model_config=model_config(name),
+    return Trainer(_config(num_samples, plan, method, compiled), info, model_config=model_config(name),
                    checkpointing=ActivationCheckpointing(plan.full, plan.rest, plan.keep_attention))
 
 
-def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None) -> tuple[dict, object]:
+def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None, step_tokens: int
+               ) -> tuple[dict, object]:
     mcfg = model_config(name)
     rng = random.Random(0)
-    batches = [make_samples(rng, mcfg.vocab_size) for _ in range(2 + steps)]
+    batches = [make_samples(rng, mcfg.vocab_size, step_tokens) for _ in range(2 + steps)]
     parts = [pack_micro_batches([len(s.tokens) for s in b], plan.max_tokens) for b in batches[2:]]
     base, graphs = torch.cuda.memory_allocated(), _graphs()
     trainer = _trainer(name, plan, info, len(batches[0]))
@@ -224,8 +237,8 @@ def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None)
                 grad_norm=metrics.get("train/grad_norm")), trainer
 
 
-def bench_hf(name: str, steps: int) -> dict:
-    """The transformers + FSDP2 baseline on an 8 x 2048 batch."""
+def bench_hf(name: str, steps: int, step_tokens: int) -> dict:
+    """The transformers + FSDP2 baseline: steps of step_tokens / 16384 accumulated 8 x 2048 batches."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -245,12 +258,14 @@ def bench_hf(name: str, steps: int) -> dict:
     fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, mcfg.vocab_size, (8, 2048), device="cuda", generator=gen)
+    ids = torch.randint(0, mcfg.vocab_size, HF_BATCH, device="cuda", generator=gen)
+    accumulate = max(1, step_tokens // ids.numel())
 
     def step():
-        logits = model(input_ids=ids).logits.float()  # (8, 2048, V) fp32
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, mcfg.vocab_size), ids[:, 1:].reshape(-1))
-        loss.backward()
+        for _ in range(accumulate):
+            logits = model(input_ids=ids).logits.float()  # (8, 2048, V) fp32
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, mcfg.vocab_size), ids[:, 1:].reshape(-1))
+            (loss / accumulate).backward()
         clip_grad_norm(list(model.parameters()), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -260,9 +275,11 @@ def bench_hf(name: str, steps: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     seconds = sum(_timed(step) for _ in range(steps))
     peak = torch.cuda.max_memory_allocated() - base
-    palm, causal = model_flops(mcfg, [2048] * 8, ids.numel())
-    return dict(tokens_per_s=ids.numel() * steps / seconds, mfu=_mfu(palm * steps, seconds),
-                mfu_causal=_mfu(causal * steps, seconds), peak_gib=peak / 2**30)
+    palm, causal = model_flops(mcfg, [HF_BATCH[1]] * HF_BATCH[0], ids.numel())
+    micro_batches = accumulate * steps
+    return dict(micro_batches_per_step=accumulate, tokens_per_s=ids.numel() * micro_batches / seconds,
+                mfu=_mfu(palm * micro_batches, seconds), mfu_causal=_mfu(causal * micro_batches, seconds),
+                peak_gib=peak / 2**30)
 
 
 def bench_offload(trainer, rounds: int = 2) -> list[dict]:
@@ -288,7 +305,7 @@ def bench_pinned_copy(num_bytes: int, rounds: int = 3) -> dict:
 
 
 def _tms_offload(name: str, info) -> list[dict]:
-    batch = make_samples(random.Random(1), model_config(name).vocab_size)
+    batch = make_samples(random.Random(1), model_config(name).vocab_size, 32768)
     trainer = _trainer(name, Plan(1.0, "none", False, 16384), info, len(batch), method="tms", compiled=False)
     trainer.train(batch, 0)
     return bench_offload(trainer)
@@ -304,12 +321,12 @@ def _guarded(fn, *args):
     return error
 
 
-def profile_plan(name: str, plan: Plan, info, trace_dir: str | None) -> tuple[str, dict]:
+def profile_plan(name: str, plan: Plan, info, trace_dir: str | None, step_tokens: int) -> tuple[str, dict]:
     """torch.profiler over 2 steps of one plan (after a warm-up step): tables and the timeline."""
     from torch.profiler import ProfilerActivity, profile
 
     rng = random.Random(0)
-    batches = [make_samples(rng, model_config(name).vocab_size) for _ in range(3)]
+    batches = [make_samples(rng, model_config(name).vocab_size, step_tokens) for _ in range(3)]
     trainer = _trainer(name, plan, info, len(batches[0]))
     trainer.train(batches[0], 0)
     torch.cuda.synchronize()
@@ -350,19 +367,19 @@ def _time_left(budget_s: float) -> float:
 
 
 def run_model(name: str, args, info, entry: dict) -> None:
-    hf = entry["hf_fsdp2"] = _guarded(bench_hf, name, args.steps)
+    hf = entry["hf_fsdp2"] = _guarded(bench_hf, name, args.steps, args.step_tokens)
     _free()
     limit = MEMORY_FRACTION * hf["peak_gib"] if "peak_gib" in hf and name in MEMORY_TARGET else None
     entry["memory_limit_gib"] = limit
     models = args.models.split(",")
-    later = 90 * len(models[models.index(name) + 1:])  # seconds kept for the models still to run
+    later = 120 * len(models[models.index(name) + 1:])  # seconds kept for the models still to run
     reserve = later + (30 if args.profile else 0)
     plans = [int(i) for i in args.plans.split(",")] if args.plans else range(len(GRID[name]))
     for k, plan in enumerate(GRID[name][i] for i in plans):
         if k and _time_left(args.budget_s) < reserve + SECONDS_PER_PLAN:
             entry["ours"].append(dict(plan.fields(), skipped="time budget"))
             continue
-        out = _guarded(bench_ours, name, plan, args.steps, info, limit)
+        out = _guarded(bench_ours, name, plan, args.steps, info, limit, args.step_tokens)
         run, trainer = out if isinstance(out, tuple) else (out, None)
         entry["ours"].append(run)
         if "mfu" in run:
@@ -383,7 +400,7 @@ def run_model(name: str, args, info, entry: dict) -> None:
     runs = [r for r in entry["ours"] if "mfu" in r]
     best = _best(entry) or max(runs, key=lambda r: r["mfu"], default=None)
     if args.profile and best is not None and _time_left(args.budget_s) > 20 + later:
-        out = _guarded(profile_plan, name, Plan.of(best), info, args.trace)
+        out = _guarded(profile_plan, name, Plan.of(best), info, args.trace, args.step_tokens)
         if isinstance(out, tuple):
             text, entry["profile"] = out
             with PROFILE.open("a") as f:
@@ -412,7 +429,7 @@ def _summary(name: str, entry: dict) -> str:
     line = (f"{name}: ours{note} {best['mfu']:.1%} MFU ({best['mfu_causal']:.1%} causal), "
             f"{best['tokens_per_s'] / 1e3:.1f}k tok/s, {best['peak_gib']:.1f} GiB peak "
             f"({Plan.of(best).label()}, {best['num_micro_batches']} mb) | hf+fsdp2 {hf['mfu']:.1%} MFU ({hf['mfu_causal']:.1%} causal), "
-            f"{hf['tokens_per_s'] / 1e3:.1f}k tok/s, {hf['peak_gib']:.1f} GiB | memory ratio "
+            f"{hf['tokens_per_s'] / 1e3:.1f}k tok/s, {hf['peak_gib']:.1f} GiB ({hf['micro_batches_per_step']} mb) | memory ratio "
             f"{best['peak_gib'] / hf['peak_gib']:.2f} | tok/s ratio {best['tokens_per_s'] / hf['tokens_per_s']:.2f} | "
             + (f"{sum(bool(r['fits']) for r in runs)}/{len(runs)} plans fit {entry['memory_limit_gib']:.1f} GiB"
                if entry.get("memory_limit_gib") is not None else "no memory limit"))
@@ -433,10 +450,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1.5b,0.5b", help="comma-separated, from: " + ", ".join(SHAPES))
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
+                        help="tokens of one optimizer step, for ours and the baseline")
     parser.add_argument("--profile", action="store_true", help="profile each model's best plan")
     parser.add_argument("--trace", default=None, help="directory for gzipped chrome traces of the profiles")
     parser.add_argument("--plans", default=None, help="comma-separated indices into each model's GRID (default all)")
-    parser.add_argument("--budget-s", type=float, default=280.0,
+    parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-clock budget: optional plans are skipped when it runs short")
     args = parser.parse_args(argv)
     for name in args.models.split(","):
@@ -455,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         PROFILE.write_text("")
     for name in args.models.split(","):
-        entry = results["models"][name] = {"params": num_params(model_config(name)), "ours": []}
+        entry = results["models"][name] = {"params": num_params(model_config(name)), "step_tokens": args.step_tokens,
+                                           "ours": []}
         run_model(name, args, info, entry)
         entry["elapsed_s"] = time.monotonic() - START
         print(_summary(name, entry), flush=True)
