@@ -8,7 +8,6 @@ backend preloads the hook into its own scheduler process and refuses a second co
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import sys
@@ -22,15 +21,18 @@ def preload_active() -> bool:
 @functools.cache
 def memory_saver():
     """torch_memory_saver in preload mode when its hook was preloaded, else in its in-process
-    ("torch") hook mode. In torch-hook mode the library frees pool memory only inside a region and
-    otherwise ends the process with exit status 1, and at interpreter exit its pools are destroyed
-    outside any region; so a region is entered for good at exit, and the exit status stands."""
+    ("torch") hook mode.
+
+    Known problem of the torch-hook mode (0.0.10): the library frees pool memory only inside a
+    region and otherwise ends the process with exit status 1, and at interpreter exit its pools are
+    destroyed outside any region. A process that allocated in such a region therefore exits with
+    status 1 after its work is done. Entering a region at exit does not help: the region is a
+    generator context, left again as soon as nothing holds it; held open, it made MemPool's
+    destructor abort the process instead."""
     from torch_memory_saver import torch_memory_saver as saver
 
     if getattr(saver, "_impl", None) is None:
         saver.hook_mode = "preload" if preload_active() else "torch"
-    if not preload_active():
-        atexit.register(lambda: saver.region(tag="exit").__enter__())
     return saver
 
 
