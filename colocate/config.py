@@ -55,9 +55,10 @@ class ModelConfig:
     recompute_fraction: float | None = _ranged(None, "[0, 1]")
     """Fraction of the trainer's blocks, spread over depth, that recompute their whole forward in
     backward; None: 1.0 with gradient_checkpointing, else 0."""
-    recompute_rest: Literal["none", "ops"] = "none"
+    recompute_rest: Literal["none", "ops", "mlp"] = "none"
     """What the other blocks keep for backward: "none" every activation it reads; "ops" the outputs of
-    the matmuls and of attention, recomputing the element-wise work (about a third of the memory)."""
+    the matmuls and of attention, recomputing the element-wise work (about a third of the memory);
+    "mlp" as "ops" but recomputing the gate and up projections too (about a third of "ops")."""
     recompute_keeps_attention: bool = False
     """The recomputed blocks also keep attention's output, about their input's size again, so their
     recompute skips attention."""

@@ -1,5 +1,6 @@
 """Activation checkpointing plans: where the recomputed blocks go, that every block mode gives the
-gradients of a plain block, and (GPU) that the "attention" mode's recompute skips attention."""
+gradients of a plain block, which forward matmuls each mode runs again in backward, and (GPU) that
+the "attention" mode's recompute skips attention."""
 
 import pytest
 import torch
@@ -10,13 +11,14 @@ from colocate.models.layers import Rotary
 from colocate.models.transformer import DecoderLayer
 from colocate.trainer.parallelize import ActivationCheckpointing, _attention_ops, _checkpointed
 
-MODES = ("full", "attention", "ops")
+MODES = ("full", "attention", "ops", "mlp")
 
 
 def test_activation_checkpointing_places_full_blocks_evenly():
     assert ActivationCheckpointing(1 / 3).block_modes(9) == ["full", "none", "none"] * 3
     assert ActivationCheckpointing(0.5, "ops").block_modes(4) == ["full", "ops", "full", "ops"]
     assert ActivationCheckpointing(0.5, "ops", full_keeps_attention=True).block_modes(4) == ["attention", "ops"] * 2
+    assert ActivationCheckpointing(0.5, "mlp", full_keeps_attention=True).block_modes(2) == ["attention", "mlp"]
     assert ActivationCheckpointing(1.0).block_modes(3) == ["full"] * 3
     assert ActivationCheckpointing().block_modes(2) == ["none", "none"]
     with pytest.raises(ValueError, match="full_fraction"):
@@ -25,34 +27,43 @@ def test_activation_checkpointing_places_full_blocks_evenly():
         ActivationCheckpointing(0.5, "selective")
 
 
-class _CountAttention(TorchDispatchMode):
+class _Ops(TorchDispatchMode):
+    """The ops run under it, with their outputs' shapes."""
+
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.ops: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in _attention_ops()
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+        return out
+
+    def count(self, funcs, shape=None) -> int:
+        return sum(f in funcs and (shape is None or s == shape) for f, s in self.ops)
 
 
-def _block_grads(mode: str | None, dtype: torch.dtype, device: str) -> tuple[list[torch.Tensor], int]:
-    """Gradients of one decoder block on two packed sequences, and the attention calls its
-    backward made (recomputation included)."""
-    cfg = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=256, intermediate_size=320, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=128, attention_bias=True)
+CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=256, intermediate_size=320, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=128, attention_bias=True)
+LENGTHS = [5, 11]
+
+
+def _block_grads(mode: str | None, dtype: torch.dtype, device: str) -> tuple[list[torch.Tensor], _Ops]:
+    """Gradients of one decoder block on two packed sequences, and the ops its backward ran
+    (recomputation included)."""
+    cfg, lengths = CFG, LENGTHS
     torch.manual_seed(0)
     block = DecoderLayer(cfg, 0).to(device=device, dtype=dtype)
-    forward = _checkpointed(block.forward, mode) if mode else block.forward
-    lengths = [5, 11]
+    forward = _checkpointed(block.forward, mode, cfg.intermediate_size) if mode else block.forward
     x = torch.randn(sum(lengths), cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
     cos, sin = Rotary(cfg.head_dim, cfg.rope_theta, None).to(device)(positions, dtype)
     cu = torch.tensor([0, 5, 16], device=device, dtype=torch.int32)
     out = forward(x, cos, sin, cu, max(lengths))
-    counter = _CountAttention()
-    with counter:
+    ops = _Ops()
+    with ops:
         out.square().sum().backward()
-    return [x.grad, *(p.grad for p in block.parameters())], counter.calls
+    return [x.grad, *(p.grad for p in block.parameters())], ops
 
 
 def test_every_block_mode_gives_the_plain_gradients():
@@ -63,12 +74,27 @@ def test_every_block_mode_gives_the_plain_gradients():
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=mode)
 
 
+def test_modes_recompute_the_forward_matmuls_they_do_not_keep():
+    """In backward, a (tokens, intermediate) matmul output is the down projection's input gradient
+    (always) or a recomputed gate/up projection; a (tokens, q+k+v) one only a recomputed q/k/v."""
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    n = sum(LENGTHS)
+    qkv = (CFG.num_attention_heads + 2 * CFG.num_key_value_heads) * CFG.head_dim
+    seen = {}
+    for mode in (None, *MODES):
+        _, ops = _block_grads(mode, torch.float32, "cpu")
+        seen[mode] = (ops.count(matmuls, (n, CFG.intermediate_size)), ops.count(matmuls, (n, qkv)))
+    assert seen == {None: (1, 0), "ops": (1, 0), "mlp": (3, 0), "attention": (3, 1), "full": (3, 1)}, seen
+
+
 @pytest.mark.gpu
 def test_attention_mode_recomputes_everything_but_attention(deterministic):
-    plain, plain_calls = _block_grads(None, torch.bfloat16, "cuda")
+    plain, plain_ops = _block_grads(None, torch.bfloat16, "cuda")
+    plain_calls = plain_ops.count(_attention_ops())
     calls = {}
     for mode in MODES:
-        grads, calls[mode] = _block_grads(mode, torch.bfloat16, "cuda")
+        grads, ops = _block_grads(mode, torch.bfloat16, "cuda")
+        calls[mode] = ops.count(_attention_ops())
         for g, e in zip(grads, plain):
             torch.testing.assert_close(g, e, rtol=0, atol=0, msg=mode)
-    assert plain_calls == 0 and calls["full"] == 1 and calls["attention"] == 0 and calls["ops"] == 0, calls
+    assert plain_calls == 0 and calls == {"full": 1, "attention": 0, "ops": 0, "mlp": 0}, calls

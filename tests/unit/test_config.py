@@ -127,7 +127,7 @@ def test_range_error_message_format(tmp_path):
     ({"eval": {"datasets": [{"name": "a", "path": "x", "top_p": 1}]}}, "unknown key"),
     ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last must be >= 1"),
     ({"model": {"recompute_fraction": 1.5}}, "model.recompute_fraction must be in [0, 1], got 1.5"),
-    ({"model": {"recompute_rest": "all"}}, "model.recompute_rest must be one of ['none', 'ops']"),
+    ({"model": {"recompute_rest": "all"}}, "model.recompute_rest must be one of ['none', 'ops', 'mlp']"),
 ])
 def test_impossible_combinations(tmp_path, overrides, field):
     path = write_yaml(tmp_path, overrides)
