@@ -81,23 +81,13 @@ def _attention_ops() -> frozenset:
                       torch.ops.torch_attn._varlen_attn.default, torch.ops.colocate.flash_attention.default})
 
 
-@functools.cache
-def _matmul_ops() -> frozenset:
-    """The matmuls (a linear layer on flat tokens is mm or addmm) and attention: "ops" keeps their
-    outputs, since recomputing them would cost as much as the forward."""
-    return frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default}) | _attention_ops()
-
-
 def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _matmul_ops() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _matmul_width(op, args) -> int | None:
-    """Output width of a linear layer's matmul on flat tokens (mm(x, w_t) or addmm(b, x, w_t))."""
+    """Output width of a linear layer's matmul on flat tokens (mm(x, w_t) or addmm(b, x, w_t));
+    None for any other op."""
     if op == torch.ops.aten.mm.default:
         return args[1].shape[-1]
     if op == torch.ops.aten.addmm.default:
@@ -105,8 +95,11 @@ def _matmul_width(op, args) -> int | None:
     return None
 
 
-def _keep_matmuls_but(width: int, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in _matmul_ops() and _matmul_width(op, args) != width:
+def _keep_matmuls(recompute_width: int | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep attention's output and the matmuls' (recomputing them would cost as much as the
+    forward), but for matmuls of output width `recompute_width`."""
+    width = _matmul_width(op, args)
+    if op in _attention_ops() or (width is not None and width != recompute_width):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -115,8 +108,8 @@ def _contexts(mode: str, mlp_width: int):
     """Block mode -> its selective recomputation's context ("full" keeps nothing but the input).
     "mlp" recomputes the matmuls of output width `mlp_width`: a block's gate and up projections
     (and any other of that width: only more recompute, never a wrong gradient)."""
-    policy = {"attention": _keep_attention, "ops": _keep_matmuls,
-              "mlp": functools.partial(_keep_matmuls_but, mlp_width)}[mode]
+    policy = {"attention": _keep_attention, "ops": functools.partial(_keep_matmuls, None),
+              "mlp": functools.partial(_keep_matmuls, mlp_width)}[mode]
     return create_selective_checkpoint_contexts(policy)
 
 
