@@ -1,6 +1,6 @@
 """Activation checkpointing plans: where the recomputed blocks go, that every block mode gives the
-gradients of a plain block, which forward matmuls each mode runs again in backward, and (GPU) that
-the "attention" mode's recompute skips attention."""
+gradients of a plain block, which forward matmuls each mode runs again in backward, that each
+mode compiles to one graph, and (GPU) that the "attention" mode's recompute skips attention."""
 
 import pytest
 import torch
@@ -85,6 +85,35 @@ def test_modes_recompute_the_forward_matmuls_they_do_not_keep():
         _, ops = _block_grads(mode, torch.float32, "cpu")
         seen[mode] = (ops.count(matmuls, (n, CFG.intermediate_size)), ops.count(matmuls, (n, qkv)))
     assert seen == {None: (1, 0), "ops": (1, 0), "mlp": (3, 0), "attention": (3, 1), "full": (3, 1)}, seen
+
+
+def _mixing_stand_in(q, k, v, cu_seqlens, max_seqlen):
+    """A stand-in for attention with no data-dependent op (the CPU path loops over cu_seqlens),
+    so that a compiled block has no graph break of its own."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return q * k + v
+
+
+def test_every_block_mode_compiles_to_one_graph(monkeypatch):
+    """torch.compile with dynamic shapes (as parallelize compiles blocks) captures each mode's block,
+    recomputation policy included, as one graph for every micro-batch size: a graph break makes
+    the block run eagerly, slower but with the same gradients, which no other CPU test would see."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr("colocate.models.transformer.packed_causal_attention", _mixing_stand_in)
+    block = DecoderLayer(CFG, 0)
+    rotary = Rotary(CFG.head_dim, CFG.rope_theta, None)
+    for mode in (None, *MODES):
+        torch._dynamo.reset()
+        counters.clear()
+        forward = _checkpointed(block.forward, mode, CFG.intermediate_size) if mode else block.forward
+        compiled = torch.compile(forward, backend="aot_eager", dynamic=True)
+        for n in (13, 21):
+            cos, sin = rotary(torch.arange(n), torch.float32)
+            x = torch.randn(n, CFG.hidden_size, requires_grad=True)
+            compiled(x, cos, sin, torch.tensor([0, n], dtype=torch.int32), n).sum().backward()
+        assert not counters["graph_break"], (mode, dict(counters["graph_break"]))
+        assert counters["stats"]["unique_graphs"] == 1, (mode, dict(counters["stats"]))
 
 
 @pytest.mark.gpu
