@@ -97,8 +97,8 @@ class Plan(NamedTuple):
 # (2.9 GiB at 1.5B) for about 6 ms of copies a micro-batch on one GPU. At 32k tokens a block keeps
 # about 1.7 GB under "ops", 0.5 under "mlp" and 0.2 under "attention".
 GRID = {
-    "1.5b": [Plan(0.0, "none", False, 32768), Plan(0.82, "ops", True, 32768), Plan(0.2, "mlp", True, 32768),
-             Plan(0.1, "mlp", True, 32768), Plan(0.0, "mlp", False, 32768, False),
+    "1.5b": [Plan(0.0, "none", False, 32768), Plan(0.82, "ops", True, 32768), Plan(0.0, "mlp", False, 32768),
+             Plan(0.1, "mlp", True, 32768), Plan(0.2, "mlp", True, 32768), Plan(0.0, "mlp", False, 32768, False),
              Plan(0.75, "ops", True, 32768, False), Plan(0.68, "ops", True, 32768, False)],
     "0.5b": [Plan(0.0, "none", False, 32768), Plan(0.0, "none", False, 16384)],
 }

@@ -104,22 +104,13 @@ def _keep_matmuls(recompute_width: int | None, ctx, op, *args, **kwargs) -> Chec
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-@functools.cache
-def _context_fn(mode: str, mlp_width: int) -> Callable:
-    """Block mode -> the context_fn of its selective recomputation ("full" has none). "mlp"
-    recomputes the matmuls of output width `mlp_width`: a block's gate and up projections (and any
-    other of that width: only more recompute, never a wrong gradient).
-
-    A plain function, built once per mode and width: torch.compile must read a checkpoint's
-    context_fn as a constant, and with dynamic shapes it treats the ints a partial binds as
-    symbolic, so `partial(..., mlp_width)` made every checkpointed block fall back to eager."""
+def _contexts(mode: str, mlp_width: str):
+    """Block mode -> its selective recomputation's context ("full" keeps nothing but the input).
+    "mlp" recomputes the matmuls of output width `mlp_width`: a block's gate and up projections
+    (and any other of that width: only more recompute, never a wrong gradient)."""
     policy = {"attention": _keep_attention, "ops": functools.partial(_keep_matmuls, None),
-              "mlp": functools.partial(_keep_matmuls, mlp_width)}[mode]
-
-    def contexts():
-        return create_selective_checkpoint_contexts(policy)
-
-    return contexts
+              "mlp": functools.partial(_keep_matmuls, int(mlp_width))}[mode]
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _checkpointed(forward, mode: str, mlp_width: int):
@@ -127,7 +118,11 @@ def _checkpointed(forward, mode: str, mlp_width: int):
     FSDP's hooks and torch.compile see ordinary autograd), but for the outputs that `mode` keeps
     (`mlp_width`: the block's intermediate size, for "mlp").
     The models have no randomness, so no RNG state is saved for the recomputation."""
-    extra = {} if mode == "full" else dict(context_fn=_context_fn(mode, mlp_width))
+    # torch.compile reads context_fn as a constant and guards on a partial's arguments by value;
+    # the width goes as a string because with dynamic shapes a bound int turns symbolic (the block
+    # then runs eagerly), and a closure would be guarded by its code alone (all modes would share
+    # the graph compiled first).
+    extra = {} if mode == "full" else dict(context_fn=functools.partial(_contexts, mode, str(mlp_width)))
 
     @functools.wraps(forward)
     def run(*args, **kwargs):

@@ -1,6 +1,8 @@
 """Activation checkpointing plans: where the recomputed blocks go, that every block mode gives the
-gradients of a plain block, which forward matmuls each mode runs again in backward, that each
-mode compiles to one graph, and (GPU) that the "attention" mode's recompute skips attention."""
+gradients of a plain block, which forward matmuls each mode runs again in backward, compiled
+or not, and (GPU) that the "attention" mode's recompute skips attention."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -74,19 +76,6 @@ def test_every_block_mode_gives_the_plain_gradients():
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=mode)
 
 
-def test_modes_recompute_the_forward_matmuls_they_do_not_keep():
-    """In backward, a (tokens, intermediate) matmul output is the down projection's input gradient
-    (always) or a recomputed gate/up projection; a (tokens, q+k+v) one only a recomputed q/k/v."""
-    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-    n = sum(LENGTHS)
-    qkv = (CFG.num_attention_heads + 2 * CFG.num_key_value_heads) * CFG.head_dim
-    seen = {}
-    for mode in (None, *MODES):
-        _, ops = _block_grads(mode, torch.float32, "cpu")
-        seen[mode] = (ops.count(matmuls, (n, CFG.intermediate_size)), ops.count(matmuls, (n, qkv)))
-    assert seen == {None: (1, 0), "ops": (1, 0), "mlp": (3, 0), "attention": (3, 1), "full": (3, 1)}, seen
-
-
 def _mixing_stand_in(q, k, v, cu_seqlens, max_seqlen):
     """A stand-in for attention with no data-dependent op (the CPU path loops over cu_seqlens),
     so that a compiled block has no graph break of its own."""
@@ -94,26 +83,54 @@ def _mixing_stand_in(q, k, v, cu_seqlens, max_seqlen):
     return q * k + v
 
 
-def test_every_block_mode_compiles_to_one_graph(monkeypatch):
-    """torch.compile with dynamic shapes (as parallelize compiles blocks) captures each mode's block,
-    recomputation policy included, as one graph for every micro-batch size: a graph break makes
-    the block run eagerly, slower but with the same gradients, which no other CPU test would see."""
+def _matmul_counts(ops: _Ops, cfg: ModelConfig, n: int) -> tuple[int, int]:
+    """Matmuls run in a backward with a (tokens, intermediate) and a (tokens, q+k+v) output."""
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    return ops.count(matmuls, (n, cfg.intermediate_size)), ops.count(matmuls, (n, qkv))
+
+
+RECOMPUTED = {None: (1, 0), "ops": (1, 0), "mlp": (3, 0), "attention": (3, 1), "full": (3, 1)}
+"""Per mode, the backward's matmul counts: a (tokens, intermediate) output is the down projection's
+input gradient (always) or a recomputed gate/up projection; a (tokens, q+k+v) one only a
+recomputed q/k/v projection."""
+
+
+def test_modes_recompute_the_forward_matmuls_they_do_not_keep():
+    seen = {}
+    for mode in (None, *MODES):
+        _, ops = _block_grads(mode, torch.float32, "cpu")
+        seen[mode] = _matmul_counts(ops, CFG, sum(LENGTHS))
+    assert seen == RECOMPUTED, seen
+
+
+def test_compiled_modes_recompute_what_they_should_without_graph_breaks(monkeypatch):
+    """torch.compile with dynamic shapes, as parallelize compiles blocks, with one compile cache for
+    every mode and two intermediate sizes: each compiled block recomputes exactly what its mode
+    says (a graph shared between modes would not), with no graph break (a break makes the block
+    run eagerly: slower, with the same gradients, which the gradient tests cannot see)."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr("colocate.models.transformer.packed_causal_attention", _mixing_stand_in)
-    block = DecoderLayer(CFG, 0)
-    rotary = Rotary(CFG.head_dim, CFG.rope_theta, None)
-    for mode in (None, *MODES):
-        torch._dynamo.reset()
-        counters.clear()
-        forward = _checkpointed(block.forward, mode, CFG.intermediate_size) if mode else block.forward
-        compiled = torch.compile(forward, backend="aot_eager", dynamic=True)
-        for n in (13, 21):
-            cos, sin = rotary(torch.arange(n), torch.float32)
-            x = torch.randn(n, CFG.hidden_size, requires_grad=True)
-            compiled(x, cos, sin, torch.tensor([0, n], dtype=torch.int32), n).sum().backward()
-        assert not counters["graph_break"], (mode, dict(counters["graph_break"]))
-        assert counters["stats"]["unique_graphs"] == 1, (mode, dict(counters["stats"]))
+    torch._dynamo.reset()
+    counters.clear()
+    for cfg in (CFG, dataclasses.replace(CFG, intermediate_size=384)):
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, None)
+        seen = {}
+        for mode in (None, *MODES):
+            block = DecoderLayer(cfg, 0)
+            forward = _checkpointed(block.forward, mode, cfg.intermediate_size) if mode else block.forward
+            compiled = torch.compile(forward, backend="aot_eager", dynamic=True)
+            for n in (13, 21):  # the second size runs the same graph
+                cos, sin = rotary(torch.arange(n), torch.float32)
+                x = torch.randn(n, cfg.hidden_size, requires_grad=True)
+                out = compiled(x, cos, sin, torch.tensor([0, n], dtype=torch.int32), n)
+                ops = _Ops()
+                with ops:
+                    out.sum().backward()
+            seen[mode] = _matmul_counts(ops, cfg, n)
+        assert seen == RECOMPUTED, (cfg.intermediate_size, seen)
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 @pytest.mark.gpu
