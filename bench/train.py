@@ -191,10 +191,12 @@ class _GcClock:
         gc.callbacks.remove(self._callback)
 
 
-def _graphs() -> int:
+def _graphs() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process. A break in a block makes it run
+    partly eagerly: slower, with the same numbers, so the bench records it with each plan."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"])
+    return int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values())
 
 
 def _trainer(name: str, plan: Plan, info, num_samples: int, method: str = "pinned", compiled: bool = True):
@@ -233,7 +235,8 @@ def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None,
                 tokens_per_s=tokens / seconds, mfu=_mfu(flops, seconds), mfu_causal=_mfu(causal, seconds),
                 peak_gib=peak, fits=None if limit_gib is None else peak <= limit_gib,
                 warmup_s=warmup_s, step_s=times, gc_s=gc_s, step_tokens=tokens / steps,
-                graphs_compiled=warm_graphs - graphs, graphs_compiled_while_measured=_graphs() - warm_graphs,
+                graphs_compiled=warm_graphs[0] - graphs[0], graph_breaks=warm_graphs[1] - graphs[1],
+                graphs_compiled_while_measured=_graphs()[0] - warm_graphs[0],
                 grad_norm=metrics.get("train/grad_norm")), trainer
 
 
@@ -385,7 +388,8 @@ def run_model(name: str, args, info, entry: dict) -> None:
         if "mfu" in run:
             print(f"  {name} {plan.label()}: {run['mfu']:.1%} MFU, "
                   f"{run['peak_gib']:.1f} GiB, steps {', '.join(f'{t:.3f}' for t in run['step_s'])} s "
-                  f"(garbage collection {', '.join(f'{t:.3f}' for t in run['gc_s'])} s)", flush=True)
+                  f"(garbage collection {', '.join(f'{t:.3f}' for t in run['gc_s'])} s)"
+                  + (f" [{run['graph_breaks']} graph breaks]" if run["graph_breaks"] else ""), flush=True)
         if trainer is not None and name == "0.5b" and "offload_pinned" not in entry:
             entry["offload_pinned_reserve_s"] = trainer.reserve_offload_buffers()
             entry["offload_pinned"] = _guarded(bench_offload, trainer)
