@@ -1,7 +1,8 @@
 """Trainer throughput on one GPU: tokens/s, MFU and peak memory of our FSDP2 trainer on packed
 mixed-length sequences, side by side with transformers + FSDP2 on a padded batch, in one run; the
 trainer's offload/onload bandwidth for both methods, beside one plain pinned copy of the same bytes
-(what this host's copies reach); with --profile, where the device time goes.
+(what this host's copies reach); with --profile, where the device time goes (by kernel category, by
+op, and matmuls by input shape).
 
 A step is one optimizer step over --step-tokens tokens (default 131072: an RL rollout batch, e.g.
 32 samples of up to 4k tokens, is several micro-batches; 32768 gives one micro-batch a step).
@@ -339,7 +340,7 @@ def profile_plan(name: str, plan: Plan, info, trace_dir: str | None, step_tokens
             light_walls.append(_timed(lambda b=batch: trainer.train(b, 1)))
     light_busy = busy_us(device_spans(trace_events(light))) / 1e6
     walls = []
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for batch in batches[1:]:
             walls.append(_timed(lambda b=batch: trainer.train(b, 1)))
     events = trace_events(prof)
@@ -361,8 +362,18 @@ def profile_plan(name: str, plan: Plan, info, trace_dir: str | None, step_tokens
             "top scopes by device time of everything launched inside (compiled blocks, log-prob kernel, FSDP):",
             averages.table(sort_by="device_time_total", row_limit=25, max_name_column_width=70),
             "top host ops by self host time:",
-            averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)]
+            averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
+            "matmuls by input shapes (which GEMM each kernel time belongs to):",
+            *_matmul_shapes(prof)]
     return "\n".join(text), dict(summary, step_wall_s=walls, plan=plan.fields())
+
+
+def _matmul_shapes(prof, row_limit: int = 40) -> list[str]:
+    """aten::mm / aten::addmm grouped by input shapes, by device time: one line each."""
+    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm")]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [f"  {e.key:12s} {e.count:6d} calls {e.device_time_total / 1e3:9.1f} ms "
+            f"{e.device_time_total / max(e.count, 1) / 1e3:7.3f} ms/call  {e.input_shapes}" for e in rows[:row_limit]]
 
 
 def _time_left(budget_s: float) -> float:
