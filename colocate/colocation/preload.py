@@ -8,6 +8,7 @@ backend preloads the hook into its own scheduler process and refuses a second co
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
@@ -21,19 +22,34 @@ def preload_active() -> bool:
 @functools.cache
 def memory_saver():
     """torch_memory_saver in preload mode when its hook was preloaded, else in its in-process
-    ("torch") hook mode.
-
-    Known problem of the torch-hook mode (0.0.10): the library frees pool memory only inside a
-    region and otherwise ends the process with exit status 1, and at interpreter exit its pools are
-    destroyed outside any region. A process that allocated in such a region therefore exits with
-    status 1 after its work is done. Entering a region at exit does not help: the region is a
-    generator context, left again as soon as nothing holds it; held open, it made MemPool's
-    destructor abort the process instead."""
+    ("torch") hook mode, whose pools are freed at exit by `_free_pools_at_exit`."""
     from torch_memory_saver import torch_memory_saver as saver
 
     if getattr(saver, "_impl", None) is None:
         saver.hook_mode = "preload" if preload_active() else "torch"
+    if not preload_active():
+        atexit.register(_free_pools_at_exit, saver)
     return saver
+
+
+def _free_pools_at_exit(saver) -> None:
+    """Free the torch-hook mode's memory pools while the CUDA runtime is still up.
+
+    In this mode torch_memory_saver 0.0.10 frees pool memory only while its thread-local
+    "interesting region" flag is set, and otherwise ends the process with exit status 1. Its pools
+    are destroyed at interpreter exit, outside any region, so a process that allocated in a region
+    ends with status 1 after its work is done. Here the flag is set for the rest of the
+    process (nothing allocates after this), and the pools are dropped now, as the library itself
+    does at exit on ROCm and XPU; tensors still alive free their blocks later, with the flag set.
+    Entering a region instead would hold the pool in use, which makes MemPool's destructor abort.
+    Uses the library's private handles; does nothing if they are not there (another version, or
+    the saver never used)."""
+    impl = getattr(saver, "_impl", None)
+    wrapper = getattr(impl, "_binary_wrapper", None)
+    if getattr(impl, "_hook_mode", None) != "torch" or wrapper is None or not hasattr(impl, "_mem_pools"):
+        return
+    wrapper.cdll.tms_set_interesting_region(True)
+    impl._mem_pools.clear()
 
 
 def preload_library() -> str | None:
