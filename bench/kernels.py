@@ -8,6 +8,11 @@
 - joint_linear (one GEMM over weights joined for the call, as training runs q/k/v) forward+backward
   on T=32768 tokens of the Qwen2.5-1.5B shape, against the parts as separate GEMMs: for q/k/v
   (1536 + 256 + 256 wide, with bias) and for gate/up (2 x 8960), eager, bf16.
+- a matmul plus a residual, as compiled blocks run it: inductor rewrites `x @ w.T + r` into
+  `addmm(r, x, w.T)` when the sum has a non-pointwise user (a block's output, the next norm), which
+  cuBLAS runs as a GEMM with beta=1; against the plain GEMM and against the GEMM then the add, on
+  T=32768 tokens of the 1.5B shape (o_proj 1536 -> 1536, down_proj 8960 -> 1536), with each
+  variant's kernel names.
 
 Prints one summary line and writes bench/results/kernels.json. Run: python bench/kernels.py
 
@@ -277,6 +282,29 @@ def bench_joint_linear(do_bench, num_tokens=32768, hidden_size=1536, widths=None
     return result
 
 
+def bench_residual_addmm(do_bench, num_tokens=32768, hidden_size=1536, intermediate_size=8960,
+                         device="cuda") -> dict:
+    """addmm(r, x, w.T) (beta=1, 2-D r) against mm(x, w.T) alone and mm then add, eager, bf16."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    residual = torch.randn(num_tokens, hidden_size, device=device, generator=gen).bfloat16()
+    result = {"shape": dict(tokens=num_tokens, dtype="bfloat16")}
+    for name, width in (("o_proj", hidden_size), ("down_proj", intermediate_size)):
+        x = torch.randn(num_tokens, width, device=device, generator=gen).bfloat16()
+        w_t = torch.randn(hidden_size, width, device=device, generator=gen).bfloat16().T
+        variants = {"addmm": lambda: torch.addmm(residual, x, w_t), "mm": lambda: torch.mm(x, w_t),
+                    "mm_then_add": lambda: torch.mm(x, w_t) + residual}
+        case = {f"{k}_ms": do_bench(fn, return_mode="median") for k, fn in variants.items()}
+        for k, fn in variants.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+            case[f"{k}_kernels"] = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+        case["addmm_over_mm_then_add"] = case["addmm_ms"] / case["mm_then_add_ms"]
+        result[name] = case
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
@@ -295,17 +323,20 @@ def main() -> None:
         "token_logprobs": bench_logprobs(do_bench),
         "paged_decode": bench_paged_decode(do_bench),
         "joint_linear": bench_joint_linear(do_bench),
+        "residual_addmm": bench_residual_addmm(do_bench),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    lp, pd, jl = results["token_logprobs"], results["paged_decode"], results["joint_linear"]
+    lp, pd, jl, ra = (results[k] for k in ("token_logprobs", "paged_decode", "joint_linear", "residual_addmm"))
     print(
         f"token_logprobs fwd+bwd {lp['fused_ms']:.1f} ms ({lp['fused_peak_extra_gib']:.2f} GiB) vs naive "
         f"{lp['naive_fp32_ms']:.1f} ms ({lp['naive_fp32_peak_extra_gib']:.1f} GiB) | paged decode "
         f"{pd['paged_ms'] * 1e3:.0f} us vs gather+SDPA {pd['gather_sdpa_ms'] * 1e3:.0f} us "
         f"(SDPA alone {pd['sdpa_only_ms'] * 1e3:.0f} us) | joint q/k/v {jl['qkv']['joint_ms']:.2f} ms vs "
         f"separate {jl['qkv']['separate_ms']:.2f} ms, joint gate/up {jl['gate_up']['joint_ms']:.2f} ms vs "
-        f"separate {jl['gate_up']['separate_ms']:.2f} ms -> {RESULTS}"
+        f"separate {jl['gate_up']['separate_ms']:.2f} ms | residual addmm o_proj {ra['o_proj']['addmm_ms']:.2f} ms vs "
+        f"mm+add {ra['o_proj']['mm_then_add_ms']:.2f}, down_proj {ra['down_proj']['addmm_ms']:.2f} vs "
+        f"{ra['down_proj']['mm_then_add_ms']:.2f} -> {RESULTS}"
     )
 
 
