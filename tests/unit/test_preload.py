@@ -41,6 +41,7 @@ def test_child_environment_preloads_the_hook_once(monkeypatch):
     monkeypatch.setattr(preload, "preload_library", lambda: "/lib/hook.so")
     env = with_preload({"LD_PRELOAD": "/lib/other.so"})
     assert env["LD_PRELOAD"] == "/lib/hook.so:/lib/other.so"
-    assert with_preload({"LD_PRELOAD": "/x/torch_memory_saver_hook.so"})["LD_PRELOAD"] == "/x/torch_memory_saver_hook.so"
+    preloaded = {"LD_PRELOAD": "/x/torch_memory_saver_hook.so"}
+    assert with_preload(preloaded) == preloaded
     monkeypatch.setattr(preload, "preload_library", lambda: None)
     assert "LD_PRELOAD" not in with_preload({})
