@@ -38,7 +38,7 @@ def _adds_a_residual(match: Match) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() == 2 and scales == (1, 1)
 
 
-def _split(match: Match, mat1, mat2, *, inp, **scales) -> None:
+def _split(match: Match, mat1, mat2, *, inp, **unit_scales) -> None:
     def repl(inp, mat1, mat2):
         return torch.mm(mat1, mat2) + inp
 
