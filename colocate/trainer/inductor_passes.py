@@ -14,9 +14,11 @@ stay fused: cuBLAS applies those in the GEMM's epilogue.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
-from torch._inductor import config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
+from torch._inductor import config, custom_graph_pass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import (
     Arg,
     CallFunction,
@@ -61,9 +63,19 @@ class SplitResidualAddmm(CustomGraphPass):
 
 
 def install() -> None:
-    """Add the pass to the post-grad custom passes of inductor's process-wide config, once, beside
-    any already set. Process-wide because the compiled blocks compile lazily, at their first call,
-    and because a per-call `torch.compile(options=...)` would not reach other backends."""
-    passes = get_custom_graph_passes(config.post_grad_custom_post_pass)
-    if not any(isinstance(p, SplitResidualAddmm) for p in passes):
+    """Add the pass to the post-grad custom passes of inductor's process-wide config, once.
+    Process-wide because the compiled blocks compile lazily, at their first call, and because a
+    per-call `torch.compile(options=...)` would not reach other backends. Beside a pass already
+    set where torch takes several (2.13 does); an older torch takes one, and then the pass set
+    first stays, with a warning."""
+    current = config.post_grad_custom_post_pass
+    passes = tuple(current) if isinstance(current, (list, tuple)) else () if current is None else (current,)
+    if any(isinstance(p, SplitResidualAddmm) for p in passes):
+        return
+    if not passes:
+        config.post_grad_custom_post_pass = SplitResidualAddmm()
+    elif hasattr(custom_graph_pass, "get_custom_graph_passes"):
         config.post_grad_custom_post_pass = (*passes, SplitResidualAddmm())
+    else:
+        warnings.warn("inductor's post_grad_custom_post_pass is already set and this torch takes one: "
+                      "compiled blocks keep inductor's residual addmm fusion", stacklevel=2)

@@ -62,10 +62,13 @@ def test_install_adds_the_pass_once_beside_existing_ones():
     with config.patch(post_grad_custom_post_pass=None):
         install()
         install()
-        assert [type(p) for p in config.post_grad_custom_post_pass] == [SplitResidualAddmm]
+        assert type(config.post_grad_custom_post_pass) is SplitResidualAddmm  # one pass: any torch takes it
     with config.patch(post_grad_custom_post_pass=other):
         install()
         assert [type(p) for p in config.post_grad_custom_post_pass] == [_OtherPass, SplitResidualAddmm]
+    with config.patch(post_grad_custom_post_pass=(other, SplitResidualAddmm())):
+        install()
+        assert len(config.post_grad_custom_post_pass) == 2
 
 
 @pytest.mark.gpu
