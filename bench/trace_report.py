@@ -1,6 +1,6 @@
 """Where a profiled trainer step's device time goes, from a torch.profiler trace: device busy and
-idle time, idle time per trainer phase, the largest idle gaps with what the host was doing, and
-device time per kernel category (used by bench/train.py --profile)."""
+idle time, idle time per trainer phase, the largest idle gaps with what the host was doing, device time per
+kernel category, and the matmuls by input shape (used by bench/train.py --profile)."""
 
 from __future__ import annotations
 
@@ -95,3 +95,11 @@ def timeline(events: list[dict]) -> tuple[list[str], dict]:
                    idle_ms_by_phase={k: v / 1e3 for k, v in idle.items()},
                    device_ms_by_category={k: v / 1e3 for k, v in by_category.items()})
     return lines, summary
+
+
+def matmul_shapes(prof, row_limit: int = 40) -> list[str]:
+    """aten::mm / aten::addmm grouped by input shapes, by device time: one line each."""
+    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm")]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [f"  {e.key:12s} {e.count:6d} calls {e.device_time_total / 1e3:9.1f} ms "
+            f"{e.device_time_total / max(e.count, 1) / 1e3:7.3f} ms/call  {e.input_shapes}" for e in rows[:row_limit]]

@@ -50,7 +50,7 @@ from colocate.models import CausalLM, ModelConfig
 from colocate.rollout.sample import Sample
 from colocate.trainer.packing import pack_micro_batches
 from colocate.trainer.parallelize import ActivationCheckpointing
-from trace_report import PHASES, busy_us, device_spans, timeline, trace_events
+from trace_report import PHASES, busy_us, device_spans, matmul_shapes, timeline, trace_events
 
 START = time.monotonic()
 RESULTS = pathlib.Path(__file__).parent / "results" / "train.json"
@@ -364,16 +364,8 @@ def profile_plan(name: str, plan: Plan, info, trace_dir: str | None, step_tokens
             "top host ops by self host time:",
             averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
             "matmuls by input shapes (which GEMM each kernel time belongs to):",
-            *_matmul_shapes(prof)]
+            *matmul_shapes(prof)]
     return "\n".join(text), dict(summary, step_wall_s=walls, plan=plan.fields())
-
-
-def _matmul_shapes(prof, row_limit: int = 40) -> list[str]:
-    """aten::mm / aten::addmm grouped by input shapes, by device time: one line each."""
-    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm")]
-    rows.sort(key=lambda e: e.device_time_total, reverse=True)
-    return [f"  {e.key:12s} {e.count:6d} calls {e.device_time_total / 1e3:9.1f} ms "
-            f"{e.device_time_total / max(e.count, 1) / 1e3:7.3f} ms/call  {e.input_shapes}" for e in rows[:row_limit]]
 
 
 def _time_left(budget_s: float) -> float:
