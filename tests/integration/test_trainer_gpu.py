@@ -24,7 +24,8 @@ MEDIUM = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_atte
 def info():
     from colocate import dist
 
-    return dist.init()
+    yield dist.init()
+    dist.destroy()
 
 
 def _config(path, **overrides) -> Config:
