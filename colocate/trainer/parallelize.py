@@ -146,8 +146,7 @@ def parallelize(
     `param_dtype` is the compute dtype of the mixed-precision policy (gradients reduce in fp32);
     None computes in the parameters' own dtype. `checkpointing` says what each block recomputes.
     `compile` compiles each block's forward with dynamic shapes: the packed token count changes
-    with every micro-batch, and one graph per block kind then serves them all; it also installs
-    the inductor pass that keeps residual adds out of the GEMMs (colocate.trainer.inductor_passes).
+    with every micro-batch, and one graph per block kind then serves them all.
     `forward_methods` are methods other than `forward` that callers use as the model's entry.
     `reshard_after_forward=False` keeps every block's gathered parameters until its backward
     (the last block always keeps them: its backward comes next).
@@ -155,10 +154,6 @@ def parallelize(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
     blocks = list(model.model.layers)
-    if compile:
-        from colocate.trainer import inductor_passes  # loads inductor: only when compiling
-
-        inductor_passes.install()
     for i, (block, mode) in enumerate(zip(blocks, checkpointing.block_modes(len(blocks)))):
         if mode != "none":
             block.forward = _checkpointed(block.forward, mode, block.mlp.gate_proj.out_features)
