@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -48,9 +48,11 @@ class OffloadStats:
         return OffloadStats(self.num_bytes + other.num_bytes, self.seconds + other.seconds)
 
 
-def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
-    """Distinct non-empty device storages behind these tensors, in first-seen order."""
-    seen, out = set(), []
+def _storages(tensors: Iterable[torch.Tensor], index: dict[int, int] | None = None) -> list[torch.UntypedStorage]:
+    """Distinct non-empty device storages behind these tensors, in first-seen order. With `index`,
+    also record there each tensor's (by id) position in that list."""
+    seen: dict[int, int] = {}
+    out = []
     for t in tensors:
         if t is None:
             continue
@@ -59,10 +61,13 @@ def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
         local = t._local_tensor if isinstance(t, DTensor) else t
         storage = local.untyped_storage()
         ptr = storage.data_ptr()
-        if storage.device.type == "cpu" or storage.nbytes() == 0 or ptr in seen:
+        if storage.device.type == "cpu" or storage.nbytes() == 0:
             continue
-        seen.add(ptr)
-        out.append(storage)
+        if ptr not in seen:
+            seen[ptr] = len(out)
+            out.append(storage)
+        if index is not None:
+            index[id(t)] = seen[ptr]
     return out
 
 
@@ -79,17 +84,23 @@ class _PinnedGroup:
         self.sizes: list[int] = []
         self.buffer: torch.Tensor | None = None  # (total_bytes,) uint8, pinned
         self.offsets: list[int] = []
-        self.offloaded = False
+        self.away: set[int] = set()  # storages on the host, not yet queued home
+        self.tensors: list[torch.Tensor] = []  # held while offloaded, so that `index`'s ids stay theirs
+        self.index: dict[int, int] = {}  # id(tensor) -> its storage's position
         self.arrived: torch.cuda.Event | None = None  # end of an onload not yet waited for
 
-    def _slots(self) -> Iterator[tuple[torch.UntypedStorage, torch.Tensor]]:
-        for storage, offset, size in zip(self.storages, self.offsets, self.sizes):
-            yield storage, self.buffer[offset : offset + size]
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.away)
 
-    def prepare(self) -> None:
+    def _slot(self, i: int) -> torch.Tensor:
+        return self.buffer[self.offsets[i] : self.offsets[i] + self.sizes[i]]
+
+    def prepare(self) -> tuple[list[torch.Tensor], dict[int, int]]:
         """Find the group's storages as they are now; (re)allocate the pinned buffer if their sizes
-        differ from the last layout."""
-        self.storages = _storages(self.source())
+        differ from the last layout. Returns the tensors and their storage positions."""
+        tensors, index = [t for t in self.source() if t is not None], {}
+        self.storages = _storages(tensors, index)
         sizes = [s.nbytes() for s in self.storages]
         if sizes != self.sizes or self.buffer is None:
             self.sizes = sizes
@@ -98,35 +109,41 @@ class _PinnedGroup:
                 self.offsets.append(total)
                 total += -(-size // _ALIGN) * _ALIGN
             self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        return tensors, index
 
     def offload(self, stream: torch.cuda.Stream) -> int:
         if self.offloaded:
             return 0
-        self.prepare()
+        self.tensors, self.index = self.prepare()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for storage, slot in self._slots():
-                slot.copy_(_bytes_view(storage), non_blocking=True)
+            for i, storage in enumerate(self.storages):
+                self._slot(i).copy_(_bytes_view(storage), non_blocking=True)
         stream.synchronize()
         for storage in self.storages:
             storage.resize_(0)
-        self.offloaded, self.arrived = True, None
+        self.away, self.arrived = set(range(len(self.storages))), None
         return sum(self.sizes)
 
-    def onload(self, stream: torch.cuda.Stream) -> int:
-        """Allocate the storages again and queue the copies home on `stream`; `wait` orders the
-        current stream after them."""
-        if not self.offloaded:
+    def onload(self, stream: torch.cuda.Stream, tensors: Iterable[torch.Tensor] | None = None) -> int:
+        """Allocate the storages again (only those behind `tensors`, when given) on the current
+        stream and queue their copies home on `stream`; `wait` orders the current stream after them.
+        The group is back once every storage is."""
+        chosen = self.away if tensors is None else {self.index[id(t)] for t in tensors if id(t) in self.index}
+        todo = sorted(chosen & self.away)
+        if not todo:
             return 0
-        for storage, size in zip(self.storages, self.sizes):
-            storage.resize_(size)
+        for i in todo:
+            self.storages[i].resize_(self.sizes[i])
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for storage, slot in self._slots():
-                _bytes_view(storage).copy_(slot, non_blocking=True)
+            for i in todo:
+                _bytes_view(self.storages[i]).copy_(self._slot(i), non_blocking=True)
         self.arrived = stream.record_event()
-        self.offloaded = False
-        return sum(self.sizes)
+        self.away.difference_update(todo)
+        if not self.away:
+            self.tensors, self.index = [], {}
+        return sum(self.sizes[i] for i in todo)
 
     def wait(self) -> None:
         if self.arrived is not None:
@@ -164,6 +181,11 @@ class StateOffloader:
     def is_offloaded(self, tag: str) -> bool:
         return self.groups[tag].offloaded or tag in self.paused
 
+    def away_bytes(self, tag: str) -> int:
+        """Bytes of this group still on the host ("pinned"; 0 otherwise)."""
+        group = self.groups[tag]
+        return sum(group.sizes[i] for i in group.away)
+
     def reserve(self, tags: Iterable[str]) -> float:
         """Allocate the pinned buffers of these groups (not yet offloaded) for their tensors as they
         are now; returns the seconds it took. Without it the first offload allocates them."""
@@ -183,6 +205,17 @@ class StateOffloader:
         use of those tensors. The statistics then hold the bytes and no time."""
         return self._move(list(tags), to_host=False, wait=wait)
 
+    def onload_part(self, tag: str, tensors: Iterable[torch.Tensor],
+                    stream: torch.cuda.Stream | None = None) -> int:
+        """Queue home just the storages behind `tensors` of an offloaded group ("pinned" only; under
+        "tms" or on CPU nothing moves): the part of the state needed next, into memory the device
+        freed just now. They are allocated on `stream` (default: the current one), whose work so
+        far the copies wait for. Returns the bytes queued; `wait(tag)` before using them."""
+        if self._stream is None or not self.groups[tag].offloaded:
+            return 0
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            return self.groups[tag].onload(self._stream, tensors)
+
     def wait(self, tags: Iterable[str]) -> None:
         """Order the current stream after the pending onloads of these groups (no host wait)."""
         for tag in tags:
@@ -194,7 +227,8 @@ class StateOffloader:
                 raise KeyError(f"unknown offload group {tag!r}; registered: {sorted(self.groups)}")
         if not self.enabled:
             return OffloadStats()
-        torch.cuda.synchronize()
+        if wait or self._tms is not None:  # a queued pinned onload neither waits nor is timed
+            torch.cuda.synchronize()
         start = time.perf_counter()
         num_bytes = 0
         for tag in tags:

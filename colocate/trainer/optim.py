@@ -128,6 +128,9 @@ class OptimizerStep:
         self.num_skipped = 0
         self.before_update: Callable[[], None] = lambda: None
         """Called right before the optimizer touches its state (e.g. to wait for it to arrive)."""
+        self.before_last_backward: Callable[[], None] = lambda: None
+        """Called as the backward of a step's last micro-batch begins: the state, if away, may
+        start coming back as that backward frees memory."""
 
     @property
     def lr(self) -> float:

@@ -96,8 +96,8 @@ def gradient_step(
     sums: dict[str, torch.Tensor] = {}
     num_tokens = 0
     for i, part in enumerate(plan.parts):
+        last = i == len(plan.parts) - 1
         if gathered is not None:
-            last = i == len(plan.parts) - 1
             gathered.set_requires_gradient_sync(last)
             gathered.set_reshard_after_backward(last)
         with record_function("micro_batch.inputs"):
@@ -105,6 +105,8 @@ def gradient_step(
         with record_function("micro_batch.forward"):
             loss, shares = loss_fn(mb, plan)
         with record_function("micro_batch.backward"):
+            if last:
+                opt.before_last_backward()
             (loss * world).backward()
         loss_sum += loss.detach().double()
         for name, value in shares.items():

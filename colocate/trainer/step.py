@@ -9,6 +9,7 @@ actor steps unless the run is still in its critic-only warm-up.
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager
 
@@ -73,6 +74,9 @@ class Trainer:
         self.compute_dtype = resolve_dtype(m.dtype, self.device)
         self.mesh = device_mesh(self.device)
         self.offloader = StateOffloader(cfg.offload.method, self.device)
+        self._deferred: set[str] = set()  # optimizer states away until their step's last backward
+        self._streaming: set[str] = set()  # ... which has begun: each comes home as its grad is final
+        self._compute_stream = None
         self.random_config = model_config
         self.keep_gathered = info.world_size == 1 if t.keep_gathered is None else t.keep_gathered
         full = m.recompute_fraction if m.recompute_fraction is not None else float(m.gradient_checkpointing)
@@ -141,8 +145,33 @@ class Trainer:
         with self.offloader.region(tag):
             init_optimizer_state(opt.optimizer)
         self.offloader.register(tag, lambda: _optimizer_tensors(opt, model))
-        opt.before_update = lambda: self.offloader.wait([tag])
+        opt.before_update = lambda: self._finish_onload([tag])
+        opt.before_last_backward = lambda: self._start_streaming(tag)
+        hook = functools.partial(self._onload_state_of, opt, tag)
+        for p in opt.params:
+            p.register_post_accumulate_grad_hook(hook)
         return opt
+
+    def _start_streaming(self, tag: str) -> None:
+        if tag in self._deferred:
+            self._streaming.add(tag)
+            self._compute_stream = torch.cuda.current_stream(self.device)
+
+    def _onload_state_of(self, opt: OptimizerStep, tag: str, param: torch.Tensor) -> None:
+        """Runs when FSDP has reduced a parameter's gradient. In the last backward of a step whose
+        optimizer state is away, that parameter's state is queued home now, into the memory the
+        backward has freed so far: the state never sits beside the forward's activations."""
+        if tag in self._streaming:
+            self.offloader.onload_part(tag, opt.optimizer.state[param].values(), self._compute_stream)
+
+    def _finish_onload(self, tags: list[str]) -> None:
+        """Queue whatever these groups still have away, then order the current stream after it."""
+        for tag in tags:
+            if tag in self._deferred:
+                self._deferred.discard(tag)
+                self._streaming.discard(tag)
+                self.offloader.onload([tag], wait=False)
+        self.offloader.wait(tags)
 
     @property
     def actor_module(self) -> nn.Module:
@@ -194,7 +223,7 @@ class Trainer:
             metrics.update(_summarize(steps, "train/"))
             total_tokens = float(dist.all_reduce_sum([num_tokens], self.device)[0])
             metrics["perf/train_tokens_per_s"] = total_tokens / max(metrics["perf/actor_train_time"], 1e-9)
-        self.offloader.wait(list(self.offloader.groups))  # state a skipped step left in flight
+        self._finish_onload(list(self.offloader.groups))  # state a step without update left away
         return metrics
 
     def _transfer(self, tags: list[str], to_host: bool, wait: bool = True) -> OffloadStats:
@@ -230,12 +259,22 @@ class Trainer:
 
     def onload(self, overlap: bool = False) -> OffloadStats:
         """Everything back. With `overlap`, only the parameters are waited for (the statistics are
-        theirs); the optimizer states' copies are queued to overlap the forward and backward
-        passes, and each optimizer waits for its own right before its first update."""
+        theirs). The optimizer states stay away through the forward passes: under "pinned", each
+        parameter's state is queued home during the last backward of its first step, as soon as
+        its gradient is final (see `_onload_state_of`), so it takes memory the activations have
+        left; under "tms" they are resumed now. Each optimizer waits for its own state right
+        before its first update."""
         if not overlap:
             return self._transfer([ACTOR_PARAMS, ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM], to_host=False)
         stats = self._transfer([ACTOR_PARAMS, CRITIC_PARAMS], to_host=False)
-        self._transfer([ACTOR_OPTIM, CRITIC_OPTIM], to_host=False, wait=False)
+        states = [tag for tag in (ACTOR_OPTIM, CRITIC_OPTIM) if tag in self.offloader.groups]
+        if self.offloader.method != "pinned":
+            self._transfer(states, to_host=False, wait=False)
+            return stats
+        self._deferred.update(tag for tag in states if self.offloader.is_offloaded(tag))
+        if self._deferred:
+            away = sum(self.offloader.away_bytes(tag) for tag in self._deferred)
+            self.transfer_metrics["perf/trainer_prefetch_gib"] = away / (1 << 30)
         return stats
 
     def clear_memory(self) -> None:

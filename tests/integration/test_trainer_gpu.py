@@ -152,11 +152,12 @@ def test_offload_round_trip_restores_values_and_frees_memory(tmp_path, info, met
 
 
 def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info, deterministic):
-    """The loop's onload only queues the optimizer state and the optimizer waits for it right
-    before its update: that update equals the one after a fully waited onload. (A step that read
-    the state before it arrived would move the weights by about the learning rate, 1e-4.) Ordered
-    kernels: Adam's first update is about lr * sign(grad), which rounding noise would flip where a
-    gradient is near 0."""
+    """The loop's onload leaves the optimizer state on the host through the forward passes; each
+    parameter's state is queued home in the last backward once FSDP has reduced its gradient, and
+    the optimizer waits for it right before its update: that update equals the one after a fully
+    waited onload. (A step that read the state before it arrived would move the weights by about
+    the learning rate, 1e-4.) Ordered kernels: Adam's first update is about lr * sign(grad), which
+    rounding noise would flip where a gradient is near 0."""
     from colocate.trainer import Trainer
     from colocate.trainer.step import ACTOR_OPTIM
 
@@ -169,17 +170,45 @@ def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info, determinist
         trainer.train(samples, rollout_id=0)
         trainer.offload(keep_params=False)
         stats = trainer.onload(overlap=overlap)
-        assert (trainer.offloader.groups[ACTOR_OPTIM].arrived is not None) == overlap
+        away = trainer.offloader.away_bytes(ACTOR_OPTIM)
+        assert (away > 0) == overlap == trainer.offloader.is_offloaded(ACTOR_OPTIM)
         storages = {p.to_local().untyped_storage().data_ptr(): p.to_local().untyped_storage().nbytes()
                     for p in trainer.actor_module.parameters()}
         assert stats.num_bytes == sum(storages.values()) if overlap else stats.num_bytes > sum(storages.values())
+        parts, onload_part = [], trainer.offloader.onload_part
+        trainer.offloader.onload_part = lambda *args: parts.append(onload_part(*args)) or parts[-1]
         trainer.train(samples, rollout_id=1)
+        assert not trainer.offloader.is_offloaded(ACTOR_OPTIM)
         assert trainer.offloader.groups[ACTOR_OPTIM].arrived is None
+        if overlap:  # all of it came home in the backward, one parameter's state at a time
+            assert sum(parts) == away and sum(p > 0 for p in parts) == len(list(trainer.actor_module.parameters()))
         weights.append({n: p.full_tensor().cpu() for n, p in trainer.actor_module.named_parameters()})
         del trainer
         torch.cuda.empty_cache()
     for name, expected in weights[0].items():
         torch.testing.assert_close(weights[1][name], expected, rtol=0, atol=1e-5, msg=name)
+
+
+def test_partial_onload_brings_back_just_the_chosen_tensors():
+    """The pinned offloader's per-tensor onload: the chosen tensors' storages (a view counts as its
+    base's) come back with their bytes, the rest stays away until the group's onload."""
+    from colocate.trainer.offload import StateOffloader
+
+    base = torch.randn(64, 32, device="cuda")
+    tensors = [base, base[8:16], torch.randn(1000, device="cuda"), torch.arange(7, device="cuda")]
+    saved = [t.clone() for t in tensors]
+    offloader = StateOffloader("pinned", torch.device("cuda"))
+    offloader.register("g", lambda: tensors)
+    total = offloader.offload(["g"]).num_bytes
+    assert total == (64 * 32 + 1000) * 4 + 7 * 8 and offloader.away_bytes("g") == total
+    assert offloader.onload_part("g", [tensors[1]]) == 64 * 32 * 4
+    assert offloader.onload_part("g", [tensors[0]]) == 0  # already queued
+    offloader.wait(["g"])
+    assert torch.equal(tensors[0], saved[0]) and torch.equal(tensors[1], saved[1])
+    assert tensors[2].untyped_storage().nbytes() == 0 and offloader.is_offloaded("g")
+    assert offloader.onload(["g"], wait=True).num_bytes == 1000 * 4 + 7 * 8
+    assert not offloader.is_offloaded("g") and offloader.away_bytes("g") == 0
+    assert all(torch.equal(t, s) for t, s in zip(tensors, saved))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
