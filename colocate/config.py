@@ -244,7 +244,10 @@ class OffloadConfig:
     offload_rollout: bool = False
     """Release the engine's weights, KV cache and CUDA graphs while training."""
     offload_train: bool = False
-    """Move the trainer's parameters, gradients and optimizer state off the GPU while generating."""
+    """Move the trainer's parameters, gradients and optimizer state off the GPU while generating.
+    With "pinned", the optimizer state stays on the host through the forward passes too and comes
+    back parameter by parameter during the last backward before its update, so training peaks
+    that much lower (1.5B: 11.5 GiB)."""
     method: Literal["pinned", "tms"] = "pinned"
     """Trainer offload: copies to pinned host memory, or torch_memory_saver pause/resume."""
 
