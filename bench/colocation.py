@@ -32,7 +32,7 @@ from colocate.rollout.native import NativeEngine
 from colocate.trainer import Trainer
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from train import model_config  # noqa: E402  (the benchmarks' shared model shapes)
+from train_plans import model_config  # noqa: E402  (the benchmarks' shared model shapes)
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "colocation.json"
 TAGS = ["weights", "kv_cache", "cuda_graph"]

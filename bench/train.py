@@ -39,7 +39,6 @@ import pathlib
 import random
 import statistics
 import time
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +46,10 @@ import torch.nn.functional as F
 from colocate import dist
 from colocate.config import Config
 from colocate.kernels import flash
-from colocate.models import CausalLM, ModelConfig
-from colocate.rollout.sample import Sample
 from colocate.trainer.packing import pack_micro_batches
 from colocate.trainer.parallelize import ActivationCheckpointing
 from trace_report import PHASES, busy_us, device_spans, matmul_shapes, timeline, trace_events
+from train_plans import GRID, GROUP, SHAPES, Plan, make_samples, model_config, model_flops, num_params
 
 START = time.monotonic()
 RESULTS = pathlib.Path(__file__).parent / "results" / "train.json"
@@ -61,102 +59,17 @@ STEP_TOKENS = 131072
 HF_BATCH = (8, 2048)
 """The baseline's micro-batch (sequences x length); a step accumulates step_tokens / 16384 of them."""
 MEMORY_FRACTION = 0.4
-GROUP = 4
-SHAPES = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960),
-}
-class Plan(NamedTuple):
-    """Fraction of blocks fully recomputed, the others' mode, whether the full ones keep attention's
-    output (colocate.trainer.parallelize.ActivationCheckpointing), the micro-batch token budget,
-    train.keep_gathered (gathered parameters kept through a step, gradients reduced once), and
-    whether the optimizer state goes to the host between steps, as in the colocated loop with
-    offload.offload_train: it streams back during each step's last backward (untimed offloads)."""
-
-    full: float
-    rest: str
-    keep_attention: bool
-    max_tokens: int
-    keep_gathered: bool = True
-    offload: bool = False
-
-    def fields(self) -> dict:
-        return dict(full_fraction=round(self.full, 4), rest=self.rest, full_keeps_attention=self.keep_attention,
-                    max_tokens_per_gpu=self.max_tokens, keep_gathered=self.keep_gathered, offload=self.offload)
-
-    def label(self) -> str:
-        return (f"full {self.full:.2f}{' keeping attention' if self.keep_attention else ''} + {self.rest}, "
-                f"{self.max_tokens} tok/mb{'' if self.keep_gathered else ', resharded'}"
-                f"{', optimizer state offloaded' if self.offload else ''}")
-
-    @staticmethod
-    def of(run: dict) -> "Plan":
-        return Plan(run["full_fraction"], run["rest"], run["full_keeps_attention"], run["max_tokens_per_gpu"],
-                    run.get("keep_gathered", True), run.get("offload", False))
-
-
-# Most informative first; each block kind ("none", "ops", "mlp", "full", "attention") compiles once,
-# at its first use. The first 1.5B plan ignores the memory limit on purpose: it is the no-recompute
-# ceiling. Resharding between forward and backward frees the gathered bf16 copy of the model
-# (2.9 GiB at 1.5B) for about 6 ms of copies a micro-batch on one GPU. At 32k tokens a block keeps
-# about 1.7 GB under "ops", 0.5 under "mlp" and 0.2 under "attention". With the optimizer state
-# offloaded between steps (11.5 GiB at 1.5B), 82% recomputed peaked at 29.1 GiB and 40% at 44.0.
-GRID = {
-    "1.5b": [Plan(0.0, "none", False, 32768), Plan(0.82, "ops", True, 32768),
-             Plan(0.46, "ops", True, 32768, offload=True), Plan(0.5, "ops", True, 32768, offload=True),
-             Plan(0.4, "ops", True, 32768, False, offload=True), Plan(0.82, "ops", True, 32768, offload=True),
-             Plan(0.0, "mlp", False, 32768), Plan(0.68, "ops", True, 32768, False)],
-    "0.5b": [Plan(0.0, "none", False, 32768), Plan(0.0, "none", False, 16384)],
-}
 MEMORY_TARGET = ("1.5b",)
 """Models whose plans must fit in MEMORY_FRACTION of the baseline's peak (the others: speed only)."""
 SECONDS_PER_PLAN = 25
 """Rough cost of one more plan whose blocks are already compiled (build, warm-up, measure)."""
 
 
-def model_config(name: str) -> ModelConfig:
-    s = SHAPES[name]
-    return ModelConfig(model_type="qwen2", vocab_size=151936, head_dim=s["hidden_size"] // s["num_attention_heads"],
-                       rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, attention_bias=True, **s)
-
-
-def num_params(cfg: ModelConfig) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in CausalLM(cfg).parameters())
-
-
-def model_flops(cfg: ModelConfig, seq_lengths: list[int], num_logits: int) -> tuple[float, float]:
-    """(PaLM FLOPs, causal FLOPs) of one forward + backward over these sequences."""
-    head = cfg.vocab_size * cfg.hidden_size
-    tables = head * (1 if cfg.tie_word_embeddings else 2)
-    dense = 6.0 * (num_params(cfg) - tables) * sum(seq_lengths) + 6.0 * head * num_logits
-    attn = 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * sum(n * n for n in seq_lengths)
-    return dense + attn, dense + attn / 2
-
-
 def _mfu(flops: float, seconds: float) -> float:
     return flops / seconds / (PEAK_TFLOPS * 1e12)
 
 
-def make_samples(rng: random.Random, vocab: int, step_tokens: int) -> list[Sample]:
-    """Groups of GROUP samples (a shared 32..64-token prompt, 128..4096 response tokens each),
-    as many as fit in `step_tokens`."""
-    samples, total = [], 0
-    while True:
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(32, 64))]
-        lengths = [rng.randint(128, 4096) for _ in range(GROUP)]
-        if samples and total + sum(len(prompt) + n for n in lengths) > step_tokens:
-            return samples
-        group = len(samples) // GROUP
-        for j, n in enumerate(lengths):
-            samples.append(Sample(prompt, [rng.randrange(vocab) for _ in range(n)], [0.0] * n, [1] * n, group, j,
-                                  reward=rng.random()))
-            total += len(prompt) + n
-
-
-def _config(num_samples: int, plan: "Plan", method: str, compiled: bool) -> Config:
+def _config(num_samples: int, plan: Plan, method: str, compiled: bool) -> Config:
     cfg = Config()
     cfg.train.keep_gathered = plan.keep_gathered
     cfg.model.compile = compiled
