@@ -18,6 +18,8 @@ SHAPES = {
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960),
 }
+
+
 class Plan(NamedTuple):
     """Fraction of blocks fully recomputed, the others' mode, whether the full ones keep attention's
     output (colocate.trainer.parallelize.ActivationCheckpointing), the micro-batch token budget,
