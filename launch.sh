@@ -43,7 +43,7 @@ fi
 if [[ "$gpus" -gt 0 ]]; then
   # The native engine's pausable CUDA graphs need torch_memory_saver's hook preloaded (the SGLang
   # backend preloads it into its own scheduler process instead and refuses a second copy).
-  preload=$("$PYTHON" -m colocate.colocation.preload "$config" "$@" 2>/dev/null || true)
+  preload=$("$PYTHON" -m colocate.memory_saver "$config" "$@" 2>/dev/null || true)
   [[ -n "$preload" ]] && export LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}"
 fi
 exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" \

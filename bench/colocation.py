@@ -24,7 +24,7 @@ import time
 import torch
 
 from colocate import dist
-from colocate.colocation.preload import preload_active, preload_library, with_preload
+from colocate.memory_saver import preload_active, preload_library, with_preload
 from colocate.colocation.weight_sync import sync_weights
 from colocate.config import Config
 from colocate.models import CausalLM

@@ -349,7 +349,7 @@ def _child_env(extra_path: str | None = None, preload: bool = False, cpu: bool =
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     if preload:
-        from colocate.colocation.preload import with_preload
+        from colocate.memory_saver import with_preload
 
         env = with_preload(env)
     return env

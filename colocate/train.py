@@ -40,9 +40,9 @@ class Phases:
 
 class Loop:
     def __init__(self, cfg: Config, info: dist.DistInfo):
-        from colocate.colocation.memory import MemoryLedger
+        from colocate.colocation.ledger import MemoryLedger
         from colocate.metrics import MetricsLogger
-        from colocate.setup import RunInputs
+        from colocate.inputs import RunInputs
 
         self.cfg, self.info = cfg, info
         self.out = Path(cfg.output_dir)

@@ -12,7 +12,7 @@ def build_engine(cfg, info: DistInfo, eos_token_ids: list[int]) -> RolloutEngine
     r = cfg.rollout
     dtype = resolve_dtype(cfg.model.dtype, info.device)
     if r.engine == "sglang":
-        from colocate.rollout.sglang_engine import SGLangEngine
+        from colocate.rollout.sglang.engine import SGLangEngine
 
         return SGLangEngine(
             model_path=cfg.model.path, dtype=dtype, seed=r.seed, rank=info.rank, local_rank=info.local_rank,

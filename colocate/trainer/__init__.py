@@ -1,5 +1,5 @@
 """The training half: FSDP2 actor, reference and critic, packing, optimizer, offload."""
 
-from colocate.trainer.step import Trainer
+from colocate.trainer.trainer import Trainer
 
 __all__ = ["Trainer"]

@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from colocate.colocation.preload import memory_saver
+from colocate.memory_saver import memory_saver
 
 OFFLOAD_METHODS = ("pinned", "tms")
 _ALIGN = 512

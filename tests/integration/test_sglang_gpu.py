@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from colocate.rollout.protocol import SamplingParams
-from colocate.rollout.sglang_process import engine_ports, visible_device_index
+from colocate.rollout.sglang.process import engine_ports, visible_device_index
 from tests.helpers import write_hf_model
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +63,7 @@ def wait_free_at_least(target: int, timeout_s: float = 20.0) -> int:
 def test_sglang_engine_on_gpu(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from colocate.rollout.sglang_engine import SGLangEngine
+    from colocate.rollout.sglang.engine import SGLangEngine
 
     dir_a, _ = write_hf_model(tmp_path / "a", "qwen2", seed=0, **MODEL)
     dir_b, _ = write_hf_model(tmp_path / "b", "qwen2", seed=1, **MODEL)

@@ -403,7 +403,7 @@ def test_every_estimator_and_loss_variant_trains(one_rank):
 
 def test_advantages_match_the_algo_estimators():
     from colocate import algo
-    from colocate.trainer.advantage import compute_advantages
+    from colocate.trainer.global_advantages import compute_advantages
     from colocate.trainer.batch import RolloutBatch
 
     cfg = _config("unused").algorithm

@@ -159,7 +159,7 @@ def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info, determinist
     the learning rate, 1e-4.) Ordered kernels: Adam's first update is about lr * sign(grad), which
     rounding noise would flip where a gradient is near 0."""
     from colocate.trainer import Trainer
-    from colocate.trainer.step import ACTOR_OPTIM
+    from colocate.trainer.trainer import ACTOR_OPTIM
 
     path, _ = write_hf_model(tmp_path, "qwen2", **MEDIUM)
     samples = _samples(MEDIUM["vocab_size"])

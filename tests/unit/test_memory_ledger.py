@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from colocate.colocation import memory
-from colocate.colocation.memory import MemoryGrowthError, MemoryLedger
+from colocate.colocation import ledger as memory
+from colocate.colocation.ledger import MemoryGrowthError, MemoryLedger
 
 GIB = 1 << 30
 

@@ -3,8 +3,8 @@ release of the torch-hook mode's pools (which the library would otherwise end wi
 
 from types import SimpleNamespace
 
-from colocate.colocation import preload
-from colocate.colocation.preload import _free_pools_at_exit, with_preload
+from colocate import memory_saver as preload
+from colocate.memory_saver import _free_pools_at_exit, with_preload
 
 
 class _Library:

@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from colocate.rollout import sglang_engine, sglang_weights
+from colocate.rollout.sglang import engine as sglang_engine, weights as sglang_weights
 from colocate.rollout.protocol import SamplingParams
-from colocate.rollout.sglang_api import SAMPLING_KEYS, SERVER_ARG_NAMES, engine_kwargs
-from colocate.rollout.sglang_engine import SGLangEngine
-from colocate.rollout.sglang_process import (
+from colocate.rollout.sglang.api import SAMPLING_KEYS, SERVER_ARG_NAMES, engine_kwargs
+from colocate.rollout.sglang.engine import SGLangEngine
+from colocate.rollout.sglang.process import (
     check_allocator_env, check_ports_free, child_env, engine_ports, visible_device_index,
 )
-from colocate.rollout.sglang_weights import BUCKET_KEYS
+from colocate.rollout.sglang.weights import BUCKET_KEYS
 from tests import fake_sglang
 
 PARAMS = {  # name: (shape, dtype) of the fake checkpoint
@@ -226,7 +226,7 @@ def test_generate_expands_n_prompt_major(fake, tmp_path, caplog):
         assert "n" not in params and set(params) <= set(SAMPLING_KEYS) and "sampling_seed" not in params
         assert (params["top_k"], params["temperature"], params["min_p"]) == (-1, 0.7, 0.05)
         assert params["stop_token_ids"] == [500]
-    with caplog.at_level(logging.WARNING, logger="colocate.rollout.sglang_engine"):
+    with caplog.at_level(logging.WARNING, logger="colocate.rollout.sglang.engine"):
         for _ in range(2):
             engine.generate([[1]], SamplingParams(seed=3, max_new_tokens=1))
     assert "sampling_seed" not in requests[-1][1]

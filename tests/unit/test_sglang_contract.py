@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from colocate.rollout.protocol import FINISH_REASONS, MEMORY_TAGS
-from colocate.rollout.sglang_api import (
+from colocate.rollout.sglang.api import (
     CUDA_GRAPH_ENV, DTYPES, ENGINE_ATTRIBUTES, ENGINE_METHODS, LOAD_FORMATS, LOGPROB_KEY,
     MEMORY_TAG_CONSTANTS, REMOVED_SERVER_ARGS, SAMPLING_KEYS, SERVER_ARG_NAMES, SGLANG_IMPORTS,
     SGLANG_VERSION, TOKENIZER_MANAGER_ATTRIBUTES, TOKENIZER_MANAGER_METHODS,
 )
-from colocate.rollout.sglang_weights import BUCKET_KEYS, FLATTENED_BUCKET_FORMAT
+from colocate.rollout.sglang.weights import BUCKET_KEYS, FLATTENED_BUCKET_FORMAT
 
 WHEEL_ENV = "COLOCATE_SGLANG_WHEEL"
 

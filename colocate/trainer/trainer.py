@@ -21,7 +21,7 @@ from colocate import dist
 from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype
 from colocate.rollout.sample import Sample
 from colocate.trainer.actor import Actor
-from colocate.trainer.advantage import compute_advantages, global_masked_mean
+from colocate.trainer.global_advantages import compute_advantages, global_masked_mean
 from colocate.trainer.batch import RolloutBatch
 from colocate.trainer.critic import Critic, ValueModel, zero_value_head_
 from colocate.trainer.offload import OffloadStats, StateOffloader

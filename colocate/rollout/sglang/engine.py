@@ -3,7 +3,7 @@
 SGLang runs its scheduler (the GPU work) and detokenizer in child processes and its tokenizer
 manager in ours. The adapter keeps that engine to our protocol and to the memory contract of
 the loop: one TP=1 engine per rank on the rank's GPU, distinct ports per rank, the process
-state SGLang rewrites put back (see sglang_process.py), release/resume only when the scheduler
+state SGLang rewrites put back (see process.py), release/resume only when the scheduler
 is provably idle (its release asserts idleness and a failed assert takes the rank down), weights
 pushed as CUDA IPC buckets inside a begin/end session, and every answer checked against the
 weight version we last recorded.
@@ -25,14 +25,14 @@ from typing import Iterable, Sequence
 import torch
 
 from colocate.rollout.protocol import Completion, SamplingParams, check_tags
-from colocate.rollout.sglang_api import (
+from colocate.rollout.sglang.api import (
     completion_from_output, engine_kwargs, import_sglang, sampling_request,
 )
-from colocate.rollout.sglang_process import (
+from colocate.rollout.sglang.process import (
     DEFAULT_BASE_PORT, ProcessState, check_allocator_env, check_ports_free, child_env,
     engine_ports, engine_process_guard, kill_process_trees, visible_device_index,
 )
-from colocate.rollout.sglang_weights import (
+from colocate.rollout.sglang.weights import (
     FLATTENED_BUCKET_FORMAT, TIED_HEAD, check_buffer, checkpoint_parameter_names, group_by_dtype,
     serialize_bucket, ties_word_embeddings,
 )
@@ -65,7 +65,7 @@ class SGLangEngine:
         """
         dtype: an SGLang dtype name or torch.bfloat16 / float16 / float32.
         device_index: this rank's GPU among its visible devices; default: LOCAL_RANK when all GPUs
-            are visible, 0 when the rank sees one (sglang_process.visible_device_index).
+            are visible, 0 when the rank sees one (process.visible_device_index).
         release_cuda_graph: make CUDA-graph memory releasable (costs host RAM for a backup).
         load_dummy: start from random weights; generate is refused until the first weight push.
         deterministic: SGLang's batch-invariant mode (slower), the only one in which per-request

@@ -1,4 +1,4 @@
-"""`python -m colocate.colocation.preload CONFIG [FLAGS...]` prints the torch_memory_saver hook
+"""`python -m colocate.memory_saver CONFIG [FLAGS...]` prints the torch_memory_saver hook
 library to put in LD_PRELOAD for this run, or nothing; `memory_saver()` is the library's handle in
 the mode this process can use.
 

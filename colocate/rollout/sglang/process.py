@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
-from colocate.rollout.sglang_api import CUDA_GRAPH_ENV
+from colocate.rollout.sglang.api import CUDA_GRAPH_ENV
 
 DEFAULT_BASE_PORT = 30000
 """First port of rank 0. Below Linux's ephemeral range (32768+) and clear of torchrun's 29500."""
