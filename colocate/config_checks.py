@@ -8,11 +8,12 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from colocate.user_code import is_function_spec
+
 if TYPE_CHECKING:
     from colocate.config import Config
 
 BUILTIN_REWARDS = ("toy", "math", "exact", "f1")
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class Origin:
@@ -57,7 +58,7 @@ def validate(cfg: Config, origin: Callable[[Config, str], str] | None = None) ->
         ("rollout.reward", _reward_name_ok(r.reward),
          f"must be one of {list(BUILTIN_REWARDS)} or module:function", r.reward),
         ("rollout.custom_generate",
-         r.custom_generate is None or bool(_IMPORT_PATH.match(r.custom_generate)),
+         r.custom_generate is None or is_function_spec(r.custom_generate),
          "must be module:function", r.custom_generate),
         ("algorithm.advantage_estimator",
          n >= 2 or a.advantage_estimator in ("reinforce_plus_plus", "gae"),
@@ -119,7 +120,7 @@ def _range_checks(obj: Any, prefix: str):
 
 
 def _reward_name_ok(name: str) -> bool:
-    return name in BUILTIN_REWARDS or bool(_IMPORT_PATH.match(name))
+    return name in BUILTIN_REWARDS or is_function_spec(name)
 
 
 def _expandable_segments() -> bool:

@@ -9,6 +9,7 @@ from typing import Callable
 from colocate import dist
 from colocate.config import Config
 from colocate.dist import DistInfo
+from colocate.rollout.rewards import RewardFn
 
 
 def _prepare_toy(cfg: Config, info: DistInfo):
@@ -27,8 +28,7 @@ def _prepare_toy(cfg: Config, info: DistInfo):
 class RunInputs:
     tokenizer: object
     data: object
-    reward_fn: Callable
-    score: Callable
+    reward_fn: RewardFn
     eval_sets: list
     eos_token_ids: list[int]
     overlong: tuple[int, float] | None
@@ -42,8 +42,8 @@ class RunInputs:
 
         from colocate.models import ModelConfig
         from colocate.rollout.data import PromptDataset, PromptSampler
-        from colocate.rollout.orchestrator import load_hook
-        from colocate.rollout.rewards import RewardInput, compute_rewards, load_reward_fn
+        from colocate.rollout.rewards import load_reward_fn
+        from colocate.user_code import load_function
 
         cfg.check_world_size(info.world_size)
         _prepare_toy(cfg, info)
@@ -65,14 +65,11 @@ class RunInputs:
         for d in cfg.eval.datasets:
             ds = dataset(d.path, d.input_key, d.label_key, d.metadata_key)
             mine = [ds[i] for i in range(info.rank, len(ds), info.world_size)]
-            eval_sets.append((d.name, mine, load_reward_fn(d.reward or r.reward)))
-
-        def score(fn, samples):
-            inputs = [RewardInput(s.prompt_text, s.response_text, s.label, s.metadata) for s in samples]
-            return compute_rewards(fn, inputs, strict=cfg.train.strict)
+            field = f"eval.datasets.{d.name}.reward" if d.reward else "rollout.reward"
+            eval_sets.append((d.name, mine, load_reward_fn(d.reward or r.reward, field)))
 
         a = cfg.algorithm
         overlong = (a.overlong_buffer_len, a.overlong_penalty_factor) if a.overlong_buffer_len else None
-        hook = load_hook(r.custom_generate, "rollout.custom_generate") if r.custom_generate else None
-        return cls(tokenizer, data, reward_fn, score, eval_sets, eos, overlong, hook,
+        hook = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else None
+        return cls(tokenizer, data, reward_fn, eval_sets, eos, overlong, hook,
                    num_dropped_prompts=train_set.num_dropped)

@@ -9,13 +9,14 @@ round cap is reached; all ranks run the same number of rounds so their data sour
 from __future__ import annotations
 
 import hashlib
-import importlib
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from colocate import dist
+from colocate.config import RolloutConfig
 from colocate.rollout.protocol import Completion, RolloutEngine, SamplingParams
+from colocate.rollout.rewards import RewardFn, RewardInput, compute_rewards
 from colocate.rollout.sample import Sample
 
 
@@ -23,20 +24,6 @@ def stable_seed(*parts: int) -> int:
     """A seed that depends only on the given integers (not on Python's hash randomisation)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x3FFFFFFF
-
-
-def load_hook(spec: str, what: str) -> Callable:
-    """Import `module:function`; errors name the spec and `what` it is for."""
-    if ":" not in spec:
-        raise ValueError(f"{what}: expected 'module:function', got {spec!r}")
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what}: cannot import {spec!r}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"{what}: {spec!r} is not callable")
-    return fn
 
 
 @dataclass
@@ -53,12 +40,12 @@ class GroupStats:
 class RolloutManager:
     """Owns the engine calls of a rank: training rollouts and evaluation."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, rollout_cfg, *, reward_fn, score_fn,
-                 overlong: tuple[int, float] | None = None, custom_generate: Callable | None = None,
-                 seed: int = 0):
-        """score_fn(reward_fn, samples) -> (rewards, num_errors); overlong = (buffer_len, factor)."""
+    def __init__(self, engine: RolloutEngine, tokenizer, rollout_cfg: RolloutConfig, *, reward_fn: RewardFn,
+                 strict: bool = False, overlong: tuple[int, float] | None = None,
+                 custom_generate: Callable | None = None, seed: int = 0):
+        """strict: a reward function that raises stops the run; overlong = (buffer_len, factor)."""
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, rollout_cfg
-        self.reward_fn, self.score_fn = reward_fn, score_fn
+        self.reward_fn, self.strict = reward_fn, strict
         self.overlong, self.custom_generate, self.seed = overlong, custom_generate, seed
         self.info = dist.get_info()
 
@@ -85,7 +72,8 @@ class RolloutManager:
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         for s, text in zip(samples, texts):
             s.response_text = text
-        rewards, errors = self.score_fn(reward_fn, samples)
+        inputs = [RewardInput(s.prompt_text, s.response_text, s.label, s.metadata) for s in samples]
+        rewards, errors = compute_rewards(reward_fn, inputs, strict=self.strict)
         for s, r in zip(samples, rewards):
             s.raw_reward = s.reward = float(r)
         if self.overlong is not None:

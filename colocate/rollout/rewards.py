@@ -12,7 +12,6 @@ logged once, or fatal in strict mode.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import re
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from colocate.toy import toy_score
+from colocate.user_code import is_function_spec, load_function
 
 logger = logging.getLogger(__name__)
 
@@ -85,24 +85,15 @@ BUILTIN_REWARD_FNS: dict[str, RewardFn] = {
 }
 
 
-def load_reward_fn(name: str) -> RewardFn:
-    """A built-in by name, or `module:function` imported now so a typo fails at start-up."""
+def load_reward_fn(name: str, what: str = "rollout.reward") -> RewardFn:
+    """A built-in by name, or `module:function` imported now so a typo fails at start-up; errors
+    name `what` (the config field)."""
     if name in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"reward function {name!r}: expected one of {sorted(BUILTIN_REWARD_FNS)} "
-            "or module:function"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ValueError(f"reward function {name!r}: cannot import {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward function {name!r}: {module_name} has no callable {attr!r}")
-    return fn
+    if not is_function_spec(name):
+        raise ValueError(f"{what}: {name!r} is not a built-in reward (one of "
+                         f"{sorted(BUILTIN_REWARD_FNS)}) nor 'module:function'")
+    return load_function(name, what)
 
 
 class RewardContractError(ValueError):

@@ -11,8 +11,9 @@ from transformers import AutoTokenizer
 from colocate import dist
 from colocate.rollout.data import PromptDataset, PromptSampler
 from colocate.rollout.native import NativeEngine
-from colocate.rollout.orchestrator import RolloutManager, load_hook
-from colocate.rollout.rewards import RewardInput, compute_rewards, load_reward_fn
+from colocate.rollout.orchestrator import RolloutManager
+from colocate.rollout.rewards import load_reward_fn
+from colocate.user_code import load_function
 from colocate.toy import ensure_toy
 from tests.multiturn_hook import TOOL_REPLY
 
@@ -38,13 +39,9 @@ def manager(toy, reward="toy", **over):
     strict = over.pop("strict", False)
     hook = over.pop("custom_generate", None)
 
-    def score(fn, samples):
-        return compute_rewards(fn, [RewardInput(s.prompt_text, s.response_text, s.label, s.metadata)
-                                    for s in samples], strict=strict)
-
     data = PromptSampler(PromptDataset(toy / "train.jsonl", tok), seed=0)
     fn = reward if callable(reward) else load_reward_fn(reward)
-    return RolloutManager(engine, tok, rollout_cfg(**over), reward_fn=fn, score_fn=score, seed=1,
+    return RolloutManager(engine, tok, rollout_cfg(**over), reward_fn=fn, strict=strict, seed=1,
                           custom_generate=hook), data
 
 
@@ -89,14 +86,14 @@ def test_raising_reward_counted_and_strict_fatal(toy):
 
 
 def test_custom_generate_hook_masks_tool_tokens(toy):
-    hook = load_hook("tests.multiturn_hook:two_turns", "rollout.custom_generate")
+    hook = load_function("tests.multiturn_hook:two_turns", "rollout.custom_generate")
     rm, data = manager(toy, custom_generate=hook)
     samples, _ = rm.generate(data, rollout_id=0)
     assert len(samples) == 16
     for s in samples:
         assert s.response_ids[3:5] == TOOL_REPLY and s.loss_mask == [1, 1, 1, 0, 0, 1, 1, 1]
     with pytest.raises(ValueError, match="rollout.custom_generate"):
-        load_hook("tests.multiturn_hook:nope", "rollout.custom_generate")
+        load_function("tests.multiturn_hook:nope", "rollout.custom_generate")
 
 
 def test_weight_version_mismatch_fails_loudly(toy):
