@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -96,10 +98,30 @@ def barrier():
 
 def destroy(synchronize: bool = True):
     """Leave the process group. On a normal exit every rank first meets at a barrier, so that no
-    rank tears gloo down while a peer's last collective is still in flight (2-rank CPU runs aborted
-    with "terminate called without an active exception" far more often without it). After a
-    failure, skip it (peers may be gone)."""
+    rank tears its group down while a peer's last collective is still in flight; after a failure
+    the barrier is skipped (peers may be gone). A process that ran collectives should then end
+    with `exit_process`."""
     if dist.is_initialized():
         if synchronize and dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """End a process that ran collectives: run the atexit handlers, flush, then leave with `code`
+    without finalizing the interpreter.
+
+    A gloo group outlives `destroy` once FSDP2 has used it (its module state keeps the group),
+    and so do its worker threads. Such a thread drops its last collective's tensors a moment
+    after the collective completes, and dropping a tensor that Python has seen takes the GIL.
+    Once the main thread has begun finalizing, CPython ends any thread that asks for the GIL
+    with pthread_exit, which unwinds through gloo's C++ frames and aborts the process
+    ("terminate called without an active exception": about 1 two-rank run in 20 on 2 cores).
+    Leaving with os._exit after the handlers have run skips finalization, and the race with it."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more can reach it
+            pass
+    os._exit(code)

@@ -70,7 +70,7 @@ class Loop:
         self.engine = build_engine(cfg, self.info, self.inputs.eos_token_ids)
         self.rollout = RolloutManager(
             self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,
-            score_fn=self.inputs.score, overlong=self.inputs.overlong,
+            strict=cfg.train.strict, overlong=self.inputs.overlong,
             custom_generate=self.inputs.custom_generate, seed=cfg.rollout.seed)
         # The engine always starts from the trainer's weights (they differ from disk after resume).
         if off.offload_rollout:  # the first sync follows the same resume order as every later one
@@ -218,4 +218,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    dist.exit_process(main())

@@ -27,6 +27,7 @@ def _worker(rank, world_size, port, fn, args, errors):
         raise
     finally:
         dist.destroy(synchronize=finished)
+    dist.exit_process(0)
 
 
 def run_ranks(fn, world_size: int, *args):

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import colocate.checkpoint as ckpt_mod
+from colocate import dist as cdist
 from colocate.checkpoint import ModelOptimizerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from colocate.export import export, main as export_main
 from colocate.models import ModelConfig, from_config, from_pretrained, load_weights
@@ -135,12 +136,11 @@ def _worker(rank, store_file, model_dir, root, out, device_type="cpu"):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store_file}",
                             rank=rank, world_size=2)
-    try:
-        result = _run_and_resume(model_dir, root, {"rollout_id": 2}, device)
-    finally:
-        dist.destroy_process_group()
+    result = _run_and_resume(model_dir, root, {"rollout_id": 2}, device)
     if rank == 0:
         torch.save(result, out)
+    cdist.destroy()
+    cdist.exit_process(0)
 
 
 def test_two_ranks_resume_exact_and_reshard_to_one(model_dir, tmp_path):
