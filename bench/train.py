@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from colocate import dist
 from colocate.config import Config
 from colocate.kernels import flash
+from colocate.trainer.memory import PARAMS, STATE
 from colocate.trainer.packing import pack_micro_batches
 from colocate.trainer.parallelize import ActivationCheckpointing
 from trace_report import PHASES, busy_us, device_spans, matmul_shapes, timeline, trace_events
@@ -139,12 +140,12 @@ def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None,
 
     def step(batch):
         if plan.offload:
-            trainer.onload(overlap=True)
+            trainer.memory.onload(*PARAMS, *STATE, stream_state=True)
         metrics.update(trainer.train(batch, 1))
 
     def offload():
         if plan.offload:
-            offload_s.append(_timed(trainer.offload_optimizer_and_grads))
+            offload_s.append(_timed(lambda: trainer.memory.offload(*STATE)))
 
     warmup_s = 0.0
     for batch in batches[:2]:
@@ -226,8 +227,8 @@ def bench_offload(trainer, rounds: int = 2) -> list[dict]:
     """Offload everything, then onload, `rounds` times."""
     out = []
     for _ in range(rounds):
-        off = trainer.offload(keep_params=False)
-        on = trainer.onload()
+        off = trainer.memory.offload(*STATE, *PARAMS)
+        on = trainer.memory.onload(*STATE, *PARAMS)
         out.append(dict(gib=off.num_bytes / 2**30, offload_s=off.seconds, onload_s=on.seconds,
                         offload_gb_per_s=off.gb_per_s, onload_gb_per_s=on.gb_per_s))
     return out
@@ -335,7 +336,7 @@ def run_model(name: str, args, info, entry: dict) -> None:
                   + (f" [untimed optimizer state offloads {', '.join(f'{t:.3f}' for t in run['offload_s'])} s]"
                      if run["offload_s"] else ""), flush=True)
         if trainer is not None and name == "0.5b" and "offload_pinned" not in entry:
-            entry["offload_pinned_reserve_s"] = trainer.reserve_offload_buffers()
+            entry["offload_pinned_reserve_s"] = trainer.memory.reserve()
             entry["offload_pinned"] = _guarded(bench_offload, trainer)
             if isinstance(entry["offload_pinned"], list):
                 num_bytes = round(entry["offload_pinned"][-1]["gib"] * 2**30)

@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from colocate.algo import aggregate, kl_estimate, mis_mask, policy_loss, truncated_is_weights
+from colocate.config import AlgorithmConfig
 from colocate.kernels.logprob import token_logprobs
 from colocate.trainer.batch import MicroBatch, RolloutBatch
+from colocate.trainer.memory import StateArrival
 from colocate.trainer.optim import OptimizerStep
 from colocate.trainer.passes import StepPlan, gradient_step, no_grad_pass
 
@@ -31,9 +33,9 @@ def response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with
 class Actor:
     """FSDP2 policy + its optimizer; `logprobs` for the no-grad pass, `train` for the update."""
 
-    def __init__(self, model: nn.Module, opt: OptimizerStep, algo, *, temperature: float,
-                 norm_len: int | None, keep_gathered: bool = False):
-        self.model, self.opt, self.algo = model, opt, algo
+    def __init__(self, model: nn.Module, opt: OptimizerStep, arrival: StateArrival, algo: AlgorithmConfig, *,
+                 temperature: float, norm_len: int | None, keep_gathered: bool = False):
+        self.model, self.opt, self.arrival, self.algo = model, opt, arrival, algo
         self.gathered = model if keep_gathered else None
         self.temperature = temperature
         self.norm_len = norm_len if algo.loss_agg_mode == "seq_mean_token_sum" else None
@@ -55,7 +57,7 @@ class Actor:
         loss_fn = functools.partial(self._loss, batch, use_old_pass)
         results, num_tokens = [], 0
         for plan in plans:
-            metrics, tokens = gradient_step(self.opt, batch, plan, loss_fn, self.gathered)
+            metrics, tokens = gradient_step(self.opt, self.arrival, batch, plan, loss_fn, self.gathered)
             results.append(metrics)
             num_tokens += tokens
         return results, num_tokens

@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from colocate.algo import aggregate, value_loss
+from colocate.config import AlgorithmConfig
 from colocate.models.config import ModelConfig
 from colocate.models.transformer import Backbone, CausalLM
 from colocate.trainer.batch import MicroBatch, RolloutBatch
+from colocate.trainer.memory import StateArrival
 from colocate.trainer.optim import OptimizerStep
 from colocate.trainer.parallelize import local_tensor
 from colocate.trainer.passes import StepPlan, gradient_step, no_grad_pass
@@ -49,9 +51,9 @@ def zero_value_head_(model: ValueModel) -> None:
 
 
 class Critic:
-    def __init__(self, model: ValueModel, opt: OptimizerStep, algo, *, norm_len: int | None,
-                 keep_gathered: bool = False):
-        self.model, self.opt, self.algo = model, opt, algo
+    def __init__(self, model: ValueModel, opt: OptimizerStep, arrival: StateArrival, algo: AlgorithmConfig, *,
+                 norm_len: int | None, keep_gathered: bool = False):
+        self.model, self.opt, self.arrival, self.algo = model, opt, arrival, algo
         self.gathered = model if keep_gathered else None
         self.norm_len = norm_len if algo.loss_agg_mode == "seq_mean_token_sum" else None
 
@@ -64,8 +66,8 @@ class Critic:
 
     def train(self, batch: RolloutBatch, plans: list[StepPlan]) -> list[dict[str, float]]:
         """One optimizer step per plan on the clipped value loss against batch["returns"]."""
-        return [gradient_step(self.opt, batch, plan, functools.partial(self._loss, batch), self.gathered)[0]
-                for plan in plans]
+        return [gradient_step(self.opt, self.arrival, batch, plan, functools.partial(self._loss, batch),
+                              self.gathered)[0] for plan in plans]
 
     def _loss(self, batch: RolloutBatch, mb: MicroBatch, plan: StepPlan
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

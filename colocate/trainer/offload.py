@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from colocate.memory_saver import memory_saver
+from colocate.memory_saver import handle as memory_saver_handle
 
 OFFLOAD_METHODS = ("pinned", "tms")
 _ALIGN = 512
@@ -162,12 +162,12 @@ class StateOffloader:
     def __init__(self, method: str, device: torch.device):
         if method not in OFFLOAD_METHODS:
             raise ValueError(f"offload.method={method!r} must be one of {OFFLOAD_METHODS}")
-        self.method = method
+        self.method, self.device = method, device
         self.enabled = device.type == "cuda"
         self.groups: dict[str, _PinnedGroup] = {}
         self.paused: set[str] = set()
         self._stream = torch.cuda.Stream(device) if self.enabled and method == "pinned" else None
-        self._tms = memory_saver() if self.enabled and method == "tms" else None
+        self._tms = memory_saver_handle() if self.enabled and method == "tms" else None
 
     def register(self, tag: str, source: TensorSource) -> None:
         assert tag not in self.groups, f"offload group {tag!r} registered twice"

@@ -126,11 +126,6 @@ class OptimizerStep:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: schedule(step))
         self.grad_clip = grad_clip
         self.num_skipped = 0
-        self.before_update: Callable[[], None] = lambda: None
-        """Called right before the optimizer touches its state (e.g. to wait for it to arrive)."""
-        self.before_last_backward: Callable[[], None] = lambda: None
-        """Called as the backward of a step's last micro-batch begins: the state, if away, may
-        start coming back as that backward frees memory."""
 
     @property
     def lr(self) -> float:
@@ -139,9 +134,10 @@ class OptimizerStep:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, loss: torch.Tensor) -> dict[str, float]:
+    def step(self, loss: torch.Tensor, before_update: Callable[[], None] | None = None) -> dict[str, float]:
         """Clip and step unless the global `loss` (same on every rank) or the grad norm is not
         finite; the gradients are freed either way. Returns grad_norm, lr (of this step), skipped.
+        `before_update` runs right before the optimizer reads its state (e.g. to wait for it).
 
         The fused optimizer takes the verdict as a device tensor (`found_inf`: parameters, moments
         and step counts stay as they were), so the update is queued before the host reads it:
@@ -150,7 +146,8 @@ class OptimizerStep:
         not_finite = ~(torch.isfinite(grad_norm.to(loss.device)) & torch.isfinite(loss))
         lr = self.lr
         if self.params:
-            self.before_update()
+            if before_update is not None:
+                before_update()
             self.optimizer.found_inf = not_finite.float()
             self.optimizer.step()
         self.zero_grad()

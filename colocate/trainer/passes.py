@@ -25,6 +25,7 @@ from torch.profiler import record_function
 
 from colocate import dist
 from colocate.trainer.batch import MicroBatch, RolloutBatch, build_micro_batch
+from colocate.trainer.memory import StateArrival
 from colocate.trainer.optim import OptimizerStep
 from colocate.trainer.packing import pack_micro_batches, step_slices
 from colocate.trainer.parallelize import reshard_all
@@ -77,7 +78,7 @@ def no_grad_pass(model: nn.Module, batch: RolloutBatch, parts: list[list[int]],
 
 
 def gradient_step(
-    opt: OptimizerStep, batch: RolloutBatch, plan: StepPlan,
+    opt: OptimizerStep, arrival: StateArrival, batch: RolloutBatch, plan: StepPlan,
     loss_fn: Callable[[MicroBatch, StepPlan], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     gathered: nn.Module | None = None,
 ) -> tuple[dict[str, float], int]:
@@ -89,6 +90,8 @@ def gradient_step(
     With `gathered` (the FSDP root, built with reshard_after_forward=False), its parameters stay
     gathered and its gradients accumulate unreduced, in the reduce dtype, until the step's last
     micro-batch, whose backward reduces and reshards once.
+    An optimizer state left on the host (`arrival`, see colocate/trainer/memory.py) streams home
+    during the last backward and is waited for right before the update.
     """
     world = dist.get_info().world_size
     device = batch.mask.device
@@ -106,7 +109,7 @@ def gradient_step(
             loss, shares = loss_fn(mb, plan)
         with record_function("micro_batch.backward"):
             if last:
-                opt.before_last_backward()
+                arrival.last_backward_begins()
             (loss * world).backward()
         loss_sum += loss.detach().double()
         for name, value in shares.items():
@@ -115,6 +118,6 @@ def gradient_step(
     with record_function("optimizer.step"):
         names = sorted(sums)
         totals = dist.all_reduce_sum(torch.stack([loss_sum] + [sums[n] for n in names]), device)
-        out = opt.step(totals[0])
+        out = opt.step(totals[0], before_update=arrival.wait)
         out.update({n: float(v) for n, v in zip(names, totals[1:].tolist())})
     return out, num_tokens

@@ -1,5 +1,6 @@
-"""`Trainer`: what the loop calls to train on a rollout batch and to move trainer state on and off
-the GPU. It owns the actor and, when the algorithm needs them, the reference model and the critic.
+"""`Trainer`: what the loop calls to train on a rollout batch. It owns the actor and, when the
+algorithm needs them, the reference model and the critic, and their memory (`self.memory`, a
+`TrainerMemory`; the colocation handoff decides when it moves).
 
 Per `train` call: pack the rank's samples into micro-batches agreed over ranks; old log-probs
 (only when needed: several optimizer steps, or KL in the reward), reference log-probs, values;
@@ -9,37 +10,26 @@ actor steps unless the run is still in its critic-only warm-up.
 
 from __future__ import annotations
 
-import functools
-import time
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 from torch.profiler import record_function
 
 from colocate import dist
+from colocate.config import Config
 from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype
 from colocate.rollout.sample import Sample
 from colocate.trainer.actor import Actor
 from colocate.trainer.global_advantages import compute_advantages, global_masked_mean
 from colocate.trainer.batch import RolloutBatch
 from colocate.trainer.critic import Critic, ValueModel, zero_value_head_
-from colocate.trainer.offload import OffloadStats, StateOffloader
+from colocate.trainer.memory import (
+    ACTOR_OPTIM, ACTOR_PARAMS, CRITIC_OPTIM, CRITIC_PARAMS, REFERENCE, StateArrival, TrainerMemory,
+)
 from colocate.trainer.optim import LRSchedule, OptimizerStep, init_optimizer_state
 from colocate.trainer.parallelize import ActivationCheckpointing, build_sharded, device_mesh
 from colocate.trainer.passes import agreed_micro_batches, plan_steps
 from colocate.trainer.reference import Reference
-
-ACTOR_PARAMS, ACTOR_OPTIM = "actor_params", "actor_optim"
-CRITIC_PARAMS, CRITIC_OPTIM = "critic_params", "critic_optim"
-REFERENCE = "reference"
-
-
-def _optimizer_tensors(opt: OptimizerStep, model: nn.Module):
-    """Optimizer state and gradients: what the trainer can drop before the weight sync."""
-    for state in opt.optimizer.state.values():
-        yield from (v for v in state.values() if torch.is_tensor(v))
-    yield from (p.grad for p in model.parameters() if p.grad is not None)
+from colocate.timing import timed
 
 
 def _summarize(steps: list[dict[str, float]], prefix: str) -> dict[str, float]:
@@ -61,22 +51,14 @@ class Trainer:
     With cfg.offload.offload_train the pinned host buffers are allocated here, once, so that no
     offload during training pays for pinning host memory."""
 
-    def __init__(self, cfg, info: dist.DistInfo, *, model_config: ModelConfig | None = None,
+    def __init__(self, cfg: Config, info: dist.DistInfo, *, model_config: ModelConfig | None = None,
                  checkpointing: ActivationCheckpointing | None = None):
         self.cfg, self.info = cfg, info
         m, t, a, r = cfg.model, cfg.train, cfg.algorithm, cfg.rollout
         self.device = info.device
-        if t.global_batch_size is not None and t.global_batch_size % info.world_size:
-            raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of the "
-                             f"world size {info.world_size} (each rank takes an equal share per step)")
-        if t.max_tokens_per_gpu < 1:
-            raise ValueError(f"train.max_tokens_per_gpu={t.max_tokens_per_gpu} must be >= 1")
         self.compute_dtype = resolve_dtype(m.dtype, self.device)
         self.mesh = device_mesh(self.device)
-        self.offloader = StateOffloader(cfg.offload.method, self.device)
-        self._deferred: set[str] = set()  # optimizer states away until their step's last backward
-        self._streaming: set[str] = set()  # ... which has begun: each comes home as its grad is final
-        self._compute_stream = None
+        self.memory = TrainerMemory(cfg.offload.method, self.device)
         self.random_config = model_config
         self.keep_gathered = info.world_size == 1 if t.keep_gathered is None else t.keep_gathered
         full = m.recompute_fraction if m.recompute_fraction is not None else float(m.gradient_checkpointing)
@@ -89,8 +71,9 @@ class Trainer:
         policy_cfg = model_config or ModelConfig.from_dir(m.path)
         self.vocab_size = policy_cfg.vocab_size
         actor_model = self._build(lambda: CausalLM(policy_cfg), m.path, ACTOR_PARAMS, train=True)
-        actor_opt = self._optimizer(actor_model, t.lr, ACTOR_OPTIM, max(1, actor_rollouts * steps_per_rollout))
-        self.actor = Actor(actor_model, actor_opt, a, temperature=r.temperature, norm_len=norm_len,
+        actor_opt, arrival = self._optimizer(actor_model, t.lr, ACTOR_OPTIM,
+                                             max(1, actor_rollouts * steps_per_rollout))
+        self.actor = Actor(actor_model, actor_opt, arrival, a, temperature=r.temperature, norm_len=norm_len,
                            keep_gathered=self.keep_gathered)
 
         self.reference = None
@@ -98,8 +81,8 @@ class Trainer:
             ref_path = m.ref_path or m.path
             ref_model = self._build(lambda: CausalLM(model_config or ModelConfig.from_dir(ref_path)),
                                     ref_path, REFERENCE, train=False)
-            self.reference = Reference(ref_model, self.offloader, REFERENCE, temperature=r.temperature)
-            self.offloader.offload([REFERENCE])
+            self.reference = Reference(ref_model, self.memory, REFERENCE, temperature=r.temperature)
+            self.memory.offload(REFERENCE)
 
         self.critic = None
         if a.use_critic:
@@ -107,12 +90,12 @@ class Trainer:
             critic_cfg = model_config or ModelConfig.from_dir(critic_path)
             critic_model = self._build(lambda: ValueModel(critic_cfg), critic_path, CRITIC_PARAMS, train=True,
                                        skip=("lm_head.",), new=("value_head.",), forward_methods=())
-            critic_opt = self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,
-                                         max(1, t.num_rollout * steps_per_rollout))
-            self.critic = Critic(critic_model, critic_opt, a, norm_len=norm_len, keep_gathered=self.keep_gathered)
-        self.transfer_metrics: dict[str, float] = {}
+            critic_opt, critic_arrival = self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,
+                                                         max(1, t.num_rollout * steps_per_rollout))
+            self.critic = Critic(critic_model, critic_opt, critic_arrival, a, norm_len=norm_len,
+                                 keep_gathered=self.keep_gathered)
         if cfg.offload.offload_train:
-            self.reserve_offload_buffers()
+            self.memory.reserve()
 
     def _build(self, make, path: str, tag: str, *, train: bool, skip: tuple[str, ...] = (),
                new: tuple[str, ...] = (), forward_methods: tuple[str, ...] = ("hidden_states",)) -> nn.Module:
@@ -128,63 +111,29 @@ class Trainer:
             checkpointing=self.checkpointing if train else ActivationCheckpointing(),
             compile=bool(self.cfg.model.compile),
             forward_methods=forward_methods, reshard_after_forward=not (train and self.keep_gathered),
-            region=self.offloader.region(tag), seed=self.cfg.train.seed)
+            region=self.memory.region(tag), seed=self.cfg.train.seed)
         unexpected = sorted(n for n in missing if not n.startswith(new))
         if unexpected:
             raise ValueError(f"{path}: missing tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
         if missing and isinstance(model, ValueModel):
             zero_value_head_(model)
-        self.offloader.register(tag, model.parameters)
+        self.memory.add_model(tag, model)
         return model
 
-    def _optimizer(self, model: nn.Module, lr: float, tag: str, total_steps: int) -> OptimizerStep:
+    def _optimizer(self, model: nn.Module, lr: float, tag: str, total_steps: int
+                   ) -> tuple[OptimizerStep, StateArrival]:
         t = self.cfg.train
         schedule = LRSchedule(t.lr_schedule, t.lr_warmup_steps, total_steps, t.min_lr_ratio)
         opt = OptimizerStep(model, lr=lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                             weight_decay=t.weight_decay, grad_clip=t.grad_clip, schedule=schedule)
-        with self.offloader.region(tag):
+        with self.memory.region(tag):
             init_optimizer_state(opt.optimizer)
-        self.offloader.register(tag, lambda: _optimizer_tensors(opt, model))
-        opt.before_update = lambda: self._finish_onload([tag])
-        opt.before_last_backward = lambda: self._start_streaming(tag)
-        hook = functools.partial(self._onload_state_of, opt, tag)
-        for p in opt.params:
-            p.register_post_accumulate_grad_hook(hook)
-        return opt
-
-    def _start_streaming(self, tag: str) -> None:
-        if tag in self._deferred:
-            self._streaming.add(tag)
-            self._compute_stream = torch.cuda.current_stream(self.device)
-
-    def _onload_state_of(self, opt: OptimizerStep, tag: str, param: torch.Tensor) -> None:
-        """Runs when FSDP has reduced a parameter's gradient. In the last backward of a step whose
-        optimizer state is away, that parameter's state is queued home now, into the memory the
-        backward has freed so far: the state never sits beside the forward's activations."""
-        if tag in self._streaming:
-            self.offloader.onload_part(tag, opt.optimizer.state[param].values(), self._compute_stream)
-
-    def _finish_onload(self, tags: list[str]) -> None:
-        """Queue whatever these groups still have away, then order the current stream after it."""
-        for tag in tags:
-            if tag in self._deferred:
-                self._deferred.discard(tag)
-                self._streaming.discard(tag)
-                self.offloader.onload([tag], wait=False)
-        self.offloader.wait(tags)
+        return opt, self.memory.add_optimizer(tag, opt, model)
 
     @property
     def actor_module(self) -> nn.Module:
         """The FSDP2 policy (HF parameter names), for the weight sync."""
         return self.actor.model
-
-    @contextmanager
-    def _timed(self, metrics: dict[str, float], name: str):
-        start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        metrics[f"perf/{name}_time"] = time.perf_counter() - start
 
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Train on this rank's samples (whole groups) of one rollout step.
@@ -194,7 +143,7 @@ class Trainer:
         """
         cfg, a = self.cfg, self.cfg.algorithm
         t = cfg.train
-        metrics: dict[str, float] = dict(self.transfer_metrics)
+        metrics: dict[str, float] = {}
         with record_function("train.prepare"):
             batch = RolloutBatch.from_samples(samples, self.device, vocab_size=self.vocab_size)
             per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
@@ -202,85 +151,29 @@ class Trainer:
             pass_parts = agreed_micro_batches(batch.lengths, list(range(batch.num_samples)), t.max_tokens_per_gpu)
         actor_trains = not (a.use_critic and rollout_id < a.num_critic_only_steps)
         if a.kl_in_reward or (actor_trains and len(plans) > 1):
-            with self._timed(metrics, "old_logprob"):
+            with timed(metrics, "perf/old_logprob_time", self.device):
                 batch["old_logprobs"] = self.actor.logprobs(batch, pass_parts)
         if self.reference is not None:
-            with self._timed(metrics, "ref_logprob"):
+            with timed(metrics, "perf/ref_logprob_time", self.device):
                 batch["ref_logprobs"] = self.reference.logprobs(batch, pass_parts)
             if self.reference.last_onload.num_bytes:
                 metrics["perf/ref_onload_gb_per_s"] = self.reference.last_onload.gb_per_s
         if self.critic is not None:
-            with self._timed(metrics, "values"):
+            with timed(metrics, "perf/values_time", self.device):
                 batch["values"] = self.critic.values(batch, pass_parts)
         compute_advantages(batch, a, cfg.rollout.n_samples_per_prompt)
         metrics["train/advantage_mean"] = global_masked_mean(batch["advantages"], batch.mask)
         if self.critic is not None:
-            with self._timed(metrics, "critic_train"):
+            with timed(metrics, "perf/critic_train_time", self.device):
                 metrics.update(_summarize(self.critic.train(batch, plans), "critic/"))
         if actor_trains:
-            with self._timed(metrics, "actor_train"):
+            with timed(metrics, "perf/actor_train_time", self.device):
                 steps, num_tokens = self.actor.train(batch, plans)
             metrics.update(_summarize(steps, "train/"))
             total_tokens = float(dist.all_reduce_sum([num_tokens], self.device)[0])
             metrics["perf/train_tokens_per_s"] = total_tokens / max(metrics["perf/actor_train_time"], 1e-9)
-        self._finish_onload(list(self.offloader.groups))  # state a step without update left away
+        self.memory.settle()
         return metrics
-
-    def _transfer(self, tags: list[str], to_host: bool, wait: bool = True) -> OffloadStats:
-        tags = [tag for tag in tags if tag in self.offloader.groups]
-        stats = self.offloader.offload(tags) if to_host else self.offloader.onload(tags, wait=wait)
-        if to_host:
-            self.clear_memory()
-        if stats.num_bytes:
-            kind = "offload" if to_host else "onload" if wait else "prefetch"
-            self.transfer_metrics[f"perf/trainer_{kind}_gib"] = stats.num_bytes / (1 << 30)
-            if wait:
-                self.transfer_metrics[f"perf/trainer_{kind}_gb_per_s"] = stats.gb_per_s
-        return stats
-
-    def reserve_offload_buffers(self) -> float:
-        """Allocate the host buffers of every offload group now (seconds it took); gradients are
-        freed after each optimizer step, so the buffers are sized for parameters and optimizer state."""
-        return self.offloader.reserve(list(self.offloader.groups))
-
-    def offload_optimizer_and_grads(self) -> OffloadStats:
-        """Everything the weight sync does not need: actor optimizer state and gradients, the critic."""
-        return self._transfer([ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM], to_host=True)
-
-    def offload_params(self) -> OffloadStats:
-        return self._transfer([ACTOR_PARAMS], to_host=True)
-
-    def offload(self, keep_params: bool) -> OffloadStats:
-        stats = self.offload_optimizer_and_grads()
-        return stats if keep_params else stats + self.offload_params()
-
-    def onload_params(self) -> OffloadStats:
-        return self._transfer([ACTOR_PARAMS], to_host=False)
-
-    def onload(self, overlap: bool = False) -> OffloadStats:
-        """Everything back. With `overlap`, only the parameters are waited for (the statistics are
-        theirs). The optimizer states stay away through the forward passes: under "pinned", each
-        parameter's state is queued home during the last backward of its first step, as soon as
-        its gradient is final (see `_onload_state_of`), so it takes memory the activations have
-        left; under "tms" they are resumed now. Each optimizer waits for its own state right
-        before its first update."""
-        if not overlap:
-            return self._transfer([ACTOR_PARAMS, ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM], to_host=False)
-        stats = self._transfer([ACTOR_PARAMS, CRITIC_PARAMS], to_host=False)
-        states = [tag for tag in (ACTOR_OPTIM, CRITIC_OPTIM) if tag in self.offloader.groups]
-        if self.offloader.method != "pinned":
-            self._transfer(states, to_host=False, wait=False)
-            return stats
-        self._deferred.update(tag for tag in states if self.offloader.is_offloaded(tag))
-        if self._deferred:
-            away = sum(self.offloader.away_bytes(tag) for tag in self._deferred)
-            self.transfer_metrics["perf/trainer_prefetch_gib"] = away / (1 << 30)
-        return stats
-
-    def clear_memory(self) -> None:
-        """Return cached, unused blocks to the device (no tensor is freed)."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def checkpoint_states(self) -> dict:
         """Stateful parts for colocate.checkpoint (DCP): the actor as "model", the critic as "critic"."""

@@ -12,6 +12,7 @@ import torch
 from colocate.config import Config
 from colocate.models import from_pretrained
 from colocate.rollout.sample import Sample
+from colocate.trainer.memory import PARAMS, STATE
 from tests.distributed import run_ranks
 from tests.helpers import capture_grads, write_hf_model
 
@@ -171,7 +172,8 @@ def _reference(path, info) -> dict:
     trainer = Trainer(cfg, info)
     assert trainer.reference is not None and trainer.critic is None
     # On CPU the offload calls move nothing but still answer, so the loop needs no special case.
-    moved = [trainer.offload(keep_params=False).num_bytes, trainer.onload().num_bytes]
+    memory = trainer.memory
+    moved = [memory.offload(*STATE, *PARAMS).num_bytes, memory.onload(*STATE, *PARAMS).num_bytes]
     return dict(trainer.train(_samples(vocab=101), rollout_id=0), moved=moved)
 
 

@@ -9,6 +9,7 @@ import torch
 from colocate.config import Config
 from colocate.models import from_pretrained
 from colocate.rollout.sample import Sample
+from colocate.trainer.memory import ACTOR_OPTIM, PARAMS, STATE
 from tests.helpers import capture_grads, write_hf_model
 
 pytestmark = pytest.mark.gpu
@@ -128,10 +129,10 @@ def test_offload_round_trip_restores_values_and_frees_memory(tmp_path, info, met
     saved = {k: t.detach().cpu().clone() for k, t in tensors.items()}
     state_bytes = sum(t.untyped_storage().nbytes() for t in tensors.values())
     torch.cuda.synchronize()
-    trainer.clear_memory()
+    torch.cuda.empty_cache()
     allocated, free = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
 
-    stats = trainer.offload(keep_params=False)
+    stats = trainer.memory.offload(*STATE, *PARAMS)
     torch.cuda.synchronize()
     assert stats.num_bytes >= 0.95 * state_bytes and stats.gb_per_s > 0
     if method == "pinned":
@@ -139,7 +140,7 @@ def test_offload_round_trip_restores_values_and_frees_memory(tmp_path, info, met
     else:  # the memory saver unmaps pages behind the allocator: the device sees them free
         assert torch.cuda.mem_get_info()[0] - free >= 0.95 * state_bytes
 
-    stats = trainer.onload()
+    stats = trainer.memory.onload(*STATE, *PARAMS)
     assert stats.num_bytes >= 0.95 * state_bytes
     after = _state_tensors(trainer)
     assert set(after) == set(tensors)
@@ -159,7 +160,6 @@ def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info, determinist
     the learning rate, 1e-4.) Ordered kernels: Adam's first update is about lr * sign(grad), which
     rounding noise would flip where a gradient is near 0."""
     from colocate.trainer import Trainer
-    from colocate.trainer.trainer import ACTOR_OPTIM
 
     path, _ = write_hf_model(tmp_path, "qwen2", **MEDIUM)
     samples = _samples(MEDIUM["vocab_size"])
@@ -168,18 +168,19 @@ def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info, determinist
         torch.manual_seed(0)
         trainer = Trainer(_config(path), info)
         trainer.train(samples, rollout_id=0)
-        trainer.offload(keep_params=False)
-        stats = trainer.onload(overlap=overlap)
-        away = trainer.offloader.away_bytes(ACTOR_OPTIM)
-        assert (away > 0) == overlap == trainer.offloader.is_offloaded(ACTOR_OPTIM)
+        memory = trainer.memory
+        memory.offload(*STATE, *PARAMS)
+        stats = memory.onload(*STATE, *PARAMS, stream_state=overlap)
+        away = memory.pending_bytes()
+        assert (away > 0) == overlap == memory.is_offloaded(ACTOR_OPTIM)
         storages = {p.to_local().untyped_storage().data_ptr(): p.to_local().untyped_storage().nbytes()
                     for p in trainer.actor_module.parameters()}
         assert stats.num_bytes == sum(storages.values()) if overlap else stats.num_bytes > sum(storages.values())
-        parts, onload_part = [], trainer.offloader.onload_part
-        trainer.offloader.onload_part = lambda *args: parts.append(onload_part(*args)) or parts[-1]
+        parts, onload_part = [], memory.offloader.onload_part
+        memory.offloader.onload_part = lambda *args: parts.append(onload_part(*args)) or parts[-1]
         trainer.train(samples, rollout_id=1)
-        assert not trainer.offloader.is_offloaded(ACTOR_OPTIM)
-        assert trainer.offloader.groups[ACTOR_OPTIM].arrived is None
+        assert not memory.is_offloaded(ACTOR_OPTIM) and memory.pending_bytes() == 0
+        assert memory.offloader.groups[ACTOR_OPTIM].arrived is None
         if overlap:  # all of it came home in the backward, one parameter's state at a time
             assert sum(parts) == away and sum(p > 0 for p in parts) == len(list(trainer.actor_module.parameters()))
         weights.append({n: p.full_tensor().cpu() for n, p in trainer.actor_module.named_parameters()})

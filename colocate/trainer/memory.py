@@ -1,0 +1,144 @@
+"""The trainer's memory: which of its tensors leave the GPU between steps, and how they come back.
+
+One object, `TrainerMemory`, with two entry points, `offload` and `onload`, over named groups:
+
+    actor_params    the actor's parameters: the weight sync reads them, so they leave last
+    actor_optim     the actor's optimizer state and gradients
+    critic_params   the critic's parameters            (PPO/GAE only)
+    critic_optim    the critic's optimizer state and gradients
+    reference       the frozen reference policy: on the host except during its log-prob pass
+
+`STATE` names what the weight sync does not need, `PARAMS` what it reads. The colocation handoff
+(colocate/colocation/handoff.py) decides when each moves; this module only moves them (through
+`StateOffloader`, colocate/trainer/offload.py).
+
+The optimizer state's return can overlap training: `onload(..., stream_state=True)` leaves it on
+the host through the forward passes, and during a step's last backward each parameter's state is
+queued home as soon as FSDP has reduced that parameter's gradient, into memory the backward has
+just freed; the optimizer waits for it right before its update (`StateArrival`). The state never
+sits beside the forward's activations. Under "tms" the state is resumed at once instead, and
+waited for at the same place.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from colocate.trainer.offload import OffloadStats, StateOffloader
+from colocate.trainer.optim import OptimizerStep
+
+ACTOR_PARAMS, ACTOR_OPTIM = "actor_params", "actor_optim"
+CRITIC_PARAMS, CRITIC_OPTIM = "critic_params", "critic_optim"
+REFERENCE = "reference"
+PARAMS = (ACTOR_PARAMS,)
+"""What the weight sync reads."""
+STATE = (ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM)
+"""What the trainer keeps on the device between steps that the weight sync does not read."""
+
+
+def _optimizer_tensors(opt: OptimizerStep, model: nn.Module) -> Iterator[torch.Tensor]:
+    for state in opt.optimizer.state.values():
+        yield from (v for v in state.values() if torch.is_tensor(v))
+    yield from (p.grad for p in model.parameters() if p.grad is not None)
+
+
+class StateArrival:
+    """One optimizer's state on its way home from the host, for the step about to run.
+
+    `gradient_step` calls `last_backward_begins` as the step's last backward starts and `wait`
+    right before the update. Both do nothing when the state is already on the device."""
+
+    def __init__(self, offloader: StateOffloader, tag: str, opt: OptimizerStep):
+        self.offloader, self.tag, self.opt = offloader, tag, opt
+        self.pending = False
+        """The state is on the host, to come home in the next step's last backward."""
+        self._stream: torch.cuda.Stream | None = None  # the backward's stream while it streams home
+        for p in opt.params:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def last_backward_begins(self) -> None:
+        if self.pending:
+            self._stream = torch.cuda.current_stream(self.offloader.device)
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        """FSDP has reduced this parameter's gradient: its state is needed next, and the backward
+        has freed memory to hold it."""
+        if self._stream is not None:
+            self.offloader.onload_part(self.tag, self.opt.optimizer.state[param].values(), self._stream)
+
+    def wait(self) -> None:
+        """Queue whatever is still away, then order the current stream after all of it."""
+        if self.pending:
+            self.pending, self._stream = False, None
+            self.offloader.onload([self.tag], wait=False)
+        self.offloader.wait([self.tag])
+
+
+class TrainerMemory:
+    """The trainer's groups of device tensors and the two moves between device and host.
+
+    On CPU nothing moves; calls still return statistics (0 bytes), so callers need no special case.
+    With offload on, `reserve` pins the host buffers once at start-up: pinning many GiB takes
+    seconds, which no step should pay."""
+
+    def __init__(self, method: str, device: torch.device):
+        self.offloader = StateOffloader(method, device)
+        self.arrivals: dict[str, StateArrival] = {}
+
+    def region(self, tag: str):
+        """Allocate a group's tensors inside this context (needed by "tms", a no-op otherwise)."""
+        return self.offloader.region(tag)
+
+    def add_model(self, tag: str, model: nn.Module) -> None:
+        self.offloader.register(tag, model.parameters)
+
+    def add_optimizer(self, tag: str, opt: OptimizerStep, model: nn.Module) -> StateArrival:
+        self.offloader.register(tag, lambda: _optimizer_tensors(opt, model))
+        self.arrivals[tag] = StateArrival(self.offloader, tag, opt)
+        return self.arrivals[tag]
+
+    def reserve(self) -> float:
+        """Pin the host buffers of every group now; returns the seconds it took."""
+        return self.offloader.reserve(list(self.offloader.groups))
+
+    def offload(self, *tags: str) -> OffloadStats:
+        """Move these groups (those that exist) to the host and hand their memory back to the device."""
+        stats = self.offloader.offload(self._existing(tags))
+        if self.offloader.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return stats
+
+    def onload(self, *tags: str, stream_state: bool = False) -> OffloadStats:
+        """Bring these groups back. With `stream_state`, optimizer states stay on the host to come
+        home during the next step's last backward (see the module docstring); the statistics then
+        count what came back now, and `pending_bytes` what is still to come."""
+        tags = self._existing(tags)
+        if not stream_state:
+            return self.offloader.onload(tags)
+        states = [tag for tag in tags if tag in self.arrivals]
+        stats = self.offloader.onload([tag for tag in tags if tag not in self.arrivals])
+        if self.offloader.method != "pinned":
+            self.offloader.onload(states, wait=False)
+            return stats
+        for tag in states:
+            self.arrivals[tag].pending = self.offloader.is_offloaded(tag)
+        return stats
+
+    def pending_bytes(self) -> int:
+        """Bytes of optimizer state left on the host to stream home in the next last backward."""
+        return sum(self.offloader.away_bytes(tag) for tag, a in self.arrivals.items() if a.pending)
+
+    def settle(self) -> None:
+        """Bring home any optimizer state a step did not use (e.g. the actor's during critic-only
+        warm-up steps), so that no group is left half on the host."""
+        for arrival in self.arrivals.values():
+            arrival.wait()
+
+    def is_offloaded(self, tag: str) -> bool:
+        return self.offloader.is_offloaded(tag)
+
+    def _existing(self, tags) -> list[str]:
+        return [tag for tag in tags if tag in self.offloader.groups]
