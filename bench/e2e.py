@@ -12,10 +12,9 @@ Both sides train fp32 master weights with bf16 compute and take one optimizer st
   (model.compile, the setting for runs longer than a few steps) and/or eager. Response lengths
   are exact because group sampling goes through `fixed_length_generate`
   (rollout.custom_generate), which sets the engine's `ignore_eos`. Reported: median of each
-  perf/<phase>_time and of the step's wall time (between consecutive metric records), over the
-  steps after warm-up. Phase seconds are host wall
-  times (the loop does not synchronise the device at phase ends, so queued kernels may land in the
-  next phase); the step time is exact, since every step waits for its generated tokens.
+  perf/<phase>_time, of each move of the handoff (handoff/<move>_s) and of the step's wall time
+  (between consecutive metric records), over the steps after warm-up. The loop synchronises the
+  device at each phase's end, so a phase's queued kernels count in that phase.
 - TRL: GRPOTrainer with transformers' generate (no vLLM), 32-completion micro-batches with 4
   accumulation steps (one generation of 128 completions per optimizer step), gradient
   checkpointing off as in ours, `min_new_tokens` = max_completion_length for exact lengths.
@@ -70,7 +69,7 @@ OURS_TIMEOUT_S, TRL_TIMEOUT_S = 200.0, 300.0
 """Per-process limits that keep a hung run from eating the whole GPU session."""
 LR = 1e-6
 CHOICES = {"on": [True], "off": [False], "both": [True, False]}
-LOOP_PHASES = ("generate", "release", "train", "save", "offload", "sync", "eval")
+LOOP_PHASES = ("generate", "to_train", "train", "save", "to_rollout", "eval")
 """The loop's perf/<phase>_time keys in step order; other perf/*_time keys time parts of these."""
 
 
@@ -233,6 +232,8 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None) -> dict:
         "phase_median_s": {p: med(f"perf/{p}_time") for p in phases},
         "phase_sum_median_s": _median([sum(r.get(f"perf/{p}_time") or 0.0 for p in phases) for r in timed]),
         "sub_phase_median_s": {p: med(f"perf/{p}_time") for p in sorted(timers - set(phases))},
+        "handoff_median_s": {k[len("handoff/"):-len("_s")]: med(k) for k in sorted({k for r in timed for k in r})
+                             if k.startswith("handoff/") and k.endswith("_s")},
         "response_len_mean": med("rollout/response_len/mean"),
         "truncated_ratio": med("rollout/truncated_ratio"),
         "rollout_tokens_per_s": med("perf/rollout_tokens_per_s"),

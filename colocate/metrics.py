@@ -36,17 +36,16 @@ def _values(m: dict[str, Any], prefix: str, suffix: str) -> list[float]:
     return [v for k, v in m.items() if k.startswith(prefix) and k.endswith(suffix) and v is not None]
 
 
-def _step_seconds(m: dict[str, Any]) -> float | None:
-    """The whole step's seconds: `perf/step_time` when the loop measures it, else the phase sum."""
-    if m.get("perf/step_time") is not None:
-        return m["perf/step_time"]
-    phases = _values(m, "perf/", "_time")
-    return sum(phases) if phases else None
+def _handoff_seconds(m: dict[str, Any]) -> float | None:
+    """Seconds of the step's two memory switches (to_train and to_rollout)."""
+    values = [m[k] for k in ("perf/to_train_time", "perf/to_rollout_time") if m.get(k) is not None]
+    return sum(values) if values else None
 
 
-def _peak_memory(m: dict[str, Any]) -> float | None:
-    """The largest allocated GiB over all phases of the step (the ledger logs one key per phase)."""
-    values = _values(m, "memory/", "allocated_gib")
+def _device_memory(m: dict[str, Any]) -> float | None:
+    """The most device memory in use at any phase end of the step (`memory/<phase>/device_used_gib`:
+    what the device reports, so paused torch_memory_saver regions do not count)."""
+    values = _values(m, "memory/", "device_used_gib")
     return max(values) if values else None
 
 
@@ -66,13 +65,13 @@ _COLUMNS = (
     ("gnorm", 7, lambda m: m.get("train/grad_norm")),
     ("gen s", 6, lambda m: m.get("perf/generate_time")),
     ("train s", 7, lambda m: m.get("perf/train_time")),
-    ("sync s", 6, lambda m: m.get("perf/sync_time")),
-    ("step s", 6, _step_seconds),
-    ("GiB", 6, _peak_memory),
+    ("move s", 6, _handoff_seconds),
+    ("step s", 6, lambda m: m.get("perf/step_time")),
+    ("GiB", 6, _device_memory),
     ("eval", 7, _eval_reward),
 )
 _STEP_WIDTH = 6
-_LEGEND = "len=response_len/mean  s=perf/*_time  GiB=max memory/*/allocated_gib  eval=mean eval/*/avg@k"
+_LEGEND = "len=response_len  move=to_train+to_rollout  GiB=max device used  eval=mean eval/*/avg@k"
 
 
 def _fmt(value: Any, width: int) -> str:

@@ -1,8 +1,9 @@
 """The colocated RL loop: `torchrun --nproc-per-node N -m colocate.train --config X.yaml`.
 
-Per rollout step, in this order (a memory contract, see DESIGN.md): generate -> release the engine
--> train -> save -> offload trainer state -> resume engine weights, push weights, offload trainer
-parameters, resume the engine's graphs and KV cache -> eval.
+Per rollout step, in this order (docs/architecture.md): generate -> to_train (the engine gives its
+memory back, the trainer's comes back) -> train -> save -> to_rollout (the trainer's memory goes,
+the weights reach the engine, the engine's memory comes back) -> eval. What moves in each switch,
+and when, is colocate/colocation/handoff.py's to decide; this file only says when to switch.
 """
 
 from __future__ import annotations
@@ -16,21 +17,19 @@ import torch
 
 from colocate import dist
 from colocate.config import Config, load_config, save_yaml
+from colocate.timing import timed
 
 
 class Phases:
-    """Per-phase wall seconds (perf/<phase>_time) and a ledger row at every transition."""
+    """Per-phase wall seconds (perf/<phase>_time) and a ledger row at every phase's end."""
 
-    def __init__(self, ledger):
-        self.ledger, self.times, self.step = ledger, {}, 0
+    def __init__(self, ledger, device: torch.device):
+        self.ledger, self.device, self.times, self.step = ledger, device, {}, 0
 
     @contextmanager
     def __call__(self, name: str):
-        start = time.perf_counter()
-        yield
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # queued kernels belong to this phase, not the next
-        self.times[f"perf/{name}_time"] = time.perf_counter() - start
+        with timed(self.times, f"perf/{name}_time", self.device):
+            yield
         self.ledger.record(self.step, name)
 
     def take(self) -> dict[str, float]:
@@ -41,8 +40,8 @@ class Phases:
 class Loop:
     def __init__(self, cfg: Config, info: dist.DistInfo):
         from colocate.colocation.ledger import MemoryLedger
-        from colocate.metrics import MetricsLogger
         from colocate.inputs import RunInputs
+        from colocate.metrics import MetricsLogger
 
         self.cfg, self.info = cfg, info
         self.out = Path(cfg.output_dir)
@@ -52,30 +51,31 @@ class Loop:
                                  wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
                                  config=cfg.to_dict(), console=cfg.logging.console)
         self.ledger = MemoryLedger(info.device, strict=cfg.train.strict)
-        self.phase = Phases(self.ledger)
+        self.phase = Phases(self.ledger, info.device)
         self.weight_version = 0
         self.start_rollout_id = 0
 
     def build(self):
+        from colocate.colocation.handoff import Colocation
+        from colocate.models import resolve_dtype
         from colocate.rollout.factory import build_engine
         from colocate.rollout.orchestrator import RolloutManager
         from colocate.trainer import Trainer
 
-        cfg, off = self.cfg, self.cfg.offload
+        cfg = self.cfg
         self.trainer = Trainer(cfg, self.info)
         self._maybe_resume()
-        if off.offload_train:  # the engine sizes its KV cache from what the trainer leaves free
-            self.trainer.offload_optimizer_and_grads()
-            self.trainer.offload_params()
+        self.colocation = Colocation(self.trainer, cfg.offload, dtype=resolve_dtype(cfg.model.dtype, self.info.device),
+                                     bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+        self.colocation.make_room()
         self.engine = build_engine(cfg, self.info, self.inputs.eos_token_ids)
         self.rollout = RolloutManager(
             self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,
             strict=cfg.train.strict, overlong=self.inputs.overlong,
             custom_generate=self.inputs.custom_generate, seed=cfg.rollout.seed)
         # The engine always starts from the trainer's weights (they differ from disk after resume).
-        if off.offload_rollout:  # the first sync follows the same resume order as every later one
-            self.engine.release_memory()
-        self.sync()
+        self.weight_version += 1
+        self.colocation.start(self.engine, self.weight_version)
         self.ledger.record(self.start_rollout_id, "start")
 
     def _maybe_resume(self):
@@ -97,29 +97,7 @@ class Loop:
     def ckpt_dir(self) -> Path:
         return Path(self.cfg.checkpoint.dir or self.out / "checkpoints")
 
-    def sync(self):
-        """Resume engine weights -> push -> offload trainer params -> resume graphs and KV cache."""
-        from colocate.colocation.weight_sync import sync_weights
-        from colocate.models import resolve_dtype
-
-        off = self.cfg.offload
-        if off.offload_train:
-            self.trainer.onload_params()
-        if off.offload_rollout:
-            self.engine.resume_memory(["weights"])
-        self.weight_version += 1
-        stats = sync_weights(self.trainer.actor_module, self.engine, version=self.weight_version,
-                             dtype=resolve_dtype(self.cfg.model.dtype, self.info.device),
-                             bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20)
-        if off.offload_train:
-            self.trainer.offload_params()
-        if off.offload_rollout:
-            self.engine.resume_memory(["cuda_graph", "kv_cache"])
-        return stats
-
     def evaluate(self, rollout_id: int) -> dict[str, float]:
-        if not self.inputs.eval_sets:
-            return {}
         with self.phase("eval"):
             return self.rollout.evaluate(self.inputs.eval_sets, rollout_id, self.cfg.eval)
 
@@ -132,13 +110,14 @@ class Loop:
                         model_dir=Path(self.cfg.model.path), keep_last=self.cfg.checkpoint.keep_last)
 
     def run(self):
-        cfg, off = self.cfg, self.cfg.offload
+        cfg = self.cfg
         eval_on = cfg.eval.interval is not None and bool(self.inputs.eval_sets)
         if cfg.train.num_rollout == 0:
             if eval_on:
                 self.log.log(0, self.evaluate(0))
             return
         for rollout_id in range(self.start_rollout_id, cfg.train.num_rollout):
+            step_start = time.perf_counter()
             self.phase.step = rollout_id
             metrics = {}
             if eval_on and rollout_id == 0:
@@ -148,34 +127,27 @@ class Loop:
             with self.phase("generate"), self.log.progress(groups, f"rollout {rollout_id}") as bar:
                 samples, rollout_metrics = self.rollout.generate(self.inputs.data, rollout_id, bar.advance)
             epoch_end = self.inputs.data.epoch != epoch
-            if off.offload_rollout:
-                with self.phase("release"):
-                    self.engine.flush_cache()
-                    self.engine.release_memory()
+            last = rollout_id + 1 == cfg.train.num_rollout
+            with self.phase("to_train"):
+                to_train = self.colocation.to_train()
             with self.phase("train"):
-                if off.offload_train:
-                    self.trainer.onload(overlap=True)
                 train_metrics = self.trainer.train(samples, rollout_id)
-            if cfg.checkpoint.save_interval is not None and (
-                    (rollout_id + 1) % cfg.checkpoint.save_interval == 0 or epoch_end
-                    or rollout_id + 1 == cfg.train.num_rollout):
+            interval = cfg.checkpoint.save_interval
+            if interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end or last):
                 with self.phase("save"):
                     self.save(rollout_id)
-            with self.phase("offload"):
-                if off.offload_train:
-                    self.trainer.offload_optimizer_and_grads()
-                else:
-                    self.trainer.clear_memory()
-            with self.phase("sync"):
-                sync = self.sync()
-            if eval_on and ((rollout_id + 1) % cfg.eval.interval == 0 or epoch_end
-                            or rollout_id + 1 == cfg.train.num_rollout):
+            self.weight_version += 1
+            with self.phase("to_rollout"):
+                to_rollout = self.colocation.to_rollout(self.weight_version)
+            if eval_on and ((rollout_id + 1) % cfg.eval.interval == 0 or epoch_end or last):
                 metrics.update(self.evaluate(rollout_id))
             metrics.update(rollout_metrics)
             metrics.update(train_metrics)
-            metrics.update(sync.metrics())
+            metrics.update(to_train.metrics())
+            metrics.update(to_rollout.metrics())
             metrics.update(self.phase.take())
             metrics.update(self.ledger.step_metrics(rollout_id))
+            metrics["perf/step_time"] = time.perf_counter() - step_start
             metrics["rollout/weight_version"] = self.weight_version
             metrics["rollout/dropped_long_prompts"] = self.inputs.num_dropped_prompts
             metrics["rollout/epoch"] = self.inputs.data.epoch

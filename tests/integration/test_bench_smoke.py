@@ -25,6 +25,7 @@ def test_e2e_bench_cpu_smoke_writes_every_variant(tmp_path):
     for name, run in ours.items():
         assert run["config"]["train"]["max_tokens_per_gpu"] == int(name.rsplit("_", 1)[1])
         assert run["step_median_s"] > 0 and run["response_len_mean"] == 16, name
-        expected = ["generate", "release", "train", "offload", "sync"] if "_on_" in name else \
-            ["generate", "train", "offload", "sync"]
-        assert list(run["phase_median_s"]) == expected, name
+        assert list(run["phase_median_s"]) == ["generate", "to_train", "train", "to_rollout"], name
+        # On CPU the trainer moves nothing; with offload on, the engine's moves are timed.
+        moves = ["engine_release", "engine_resume_cache", "engine_resume_weights"] if "_on_" in name else []
+        assert sorted(run["handoff_median_s"]) == moves, name

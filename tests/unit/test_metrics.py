@@ -94,15 +94,18 @@ def test_console_prints_header_once_and_one_row_per_step(tmp_path):
     logger = _logger(tmp_path, console=Console(file=buf, width=100))
     logger.log(7, {
         "rollout/raw_reward": 0.625, "perf/generate_time": 2.0, "perf/train_time": 1.5,
-        "memory/after_generate/allocated_gib": 10.0, "memory/after_train/allocated_gib": 20.5,
+        "perf/actor_train_time": 1.2, "perf/to_train_time": 0.25, "perf/to_rollout_time": 0.5,
+        "perf/step_time": 4.5, "memory/generate/allocated_gib": 30.0,
+        "memory/generate/device_used_gib": 10.0, "memory/train/device_used_gib": 20.5,
     })
     logger.log(8, {"rollout/raw_reward": 0.75, "train/grad_norm": 12345.678, "eval/toy/avg@4": 0.25,
                    "eval/other/avg@4": 0.5, "perf/step_time": 9.0, "perf/train_time": 4.0})
     lines = buf.getvalue().splitlines()
     assert sum(line.split()[:2] == ["step", "reward"] for line in lines) == 1
     rows = {line.split()[0]: line.split() for line in lines if line.split()[0].isdigit()}
-    # step reward len kl clip entropy gnorm gen_s train_s sync_s step_s GiB eval
-    assert rows["7"] == ["7", "0.625", "-", "-", "-", "-", "-", "2", "1.5", "-", "3.5", "20.5", "-"]
+    # step reward len kl clip entropy gnorm gen_s train_s move_s step_s GiB eval: the step's wall
+    # clock as measured (not a sum of nested phases), device memory in use (not torch's allocated)
+    assert rows["7"] == ["7", "0.625", "-", "-", "-", "-", "-", "2", "1.5", "0.75", "4.5", "20.5", "-"]
     assert rows["8"] == ["8", "0.75", "-", "-", "-", "-", "12346", "-", "4", "-", "9", "-", "0.375"]
     assert max(len(line) for line in lines) <= 100
 
