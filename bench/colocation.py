@@ -24,9 +24,9 @@ import time
 import torch
 
 from colocate import dist
-from colocate.memory_saver import preload_active, preload_library, with_preload
 from colocate.colocation.weight_sync import sync_weights
 from colocate.config import Config
+from colocate.memory_saver import preload_active, preload_library, with_preload
 from colocate.models import CausalLM
 from colocate.rollout.native import NativeEngine
 from colocate.trainer import Trainer

@@ -26,12 +26,15 @@ import tyro
 import yaml
 
 from colocate.config_checks import Origin, validate
-from colocate.toy import cache_root, default_cache_dir
 
+
+def cache_root() -> Path:
+    """Root of colocate's caches (the toy model and task): $COLOCATE_CACHE, else ~/.cache/colocate."""
+    return Path(os.environ.get("COLOCATE_CACHE") or "~/.cache/colocate").expanduser()
 
 
 def _toy_path(name: str) -> str:
-    return str(default_cache_dir() / name)
+    return str(cache_root() / "toy" / name)
 
 
 def _ranged(default: Any, spec: str) -> Any:
@@ -64,12 +67,6 @@ class ModelConfig:
     recompute skips attention."""
     compile: bool = False
     """torch.compile each transformer block of the trainer's model."""
-
-    def dtype_name(self, device_type: str) -> str:
-        """The concrete dtype for a device type ('cuda' or 'cpu')."""
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if device_type == "cuda" else "float32"
 
 
 @dataclass
@@ -246,8 +243,8 @@ class OffloadConfig:
     offload_train: bool = False
     """Move the trainer's parameters, gradients and optimizer state off the GPU while generating.
     With "pinned", the optimizer state stays on the host through the forward passes too and comes
-    back parameter by parameter during the last backward before its update, so training peaks
-    that much lower (1.5B: 11.5 GiB)."""
+    back parameter by parameter during the last backward before its update, so the training peak
+    does not hold it beside the activations."""
     method: Literal["pinned", "tms"] = "pinned"
     """Trainer offload: copies to pinned host memory, or torch_memory_saver pause/resume."""
 
@@ -328,10 +325,6 @@ class Config:
     """Saving and resuming."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Console, JSONL and W&B metrics."""
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or os.path.join(self.output_dir, "checkpoints")
 
     @property
     def samples_per_rollout(self) -> int:

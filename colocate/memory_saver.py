@@ -1,5 +1,5 @@
 """`python -m colocate.memory_saver CONFIG [FLAGS...]` prints the torch_memory_saver hook
-library to put in LD_PRELOAD for this run, or nothing; `memory_saver()` is the library's handle in
+library to put in LD_PRELOAD for this run, or nothing; `handle()` is the library's handle in
 the mode this process can use.
 
 The native engine needs the preload hook so that its CUDA-graph memory can be paused too; the SGLang
@@ -20,7 +20,7 @@ def preload_active() -> bool:
 
 
 @functools.cache
-def memory_saver():
+def handle():
     """torch_memory_saver in preload mode when its hook was preloaded, else in its in-process
     ("torch") hook mode, whose pools are freed at exit by `_free_pools_at_exit`."""
     from torch_memory_saver import torch_memory_saver as saver

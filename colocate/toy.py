@@ -25,6 +25,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from colocate.config import cache_root
+
 TOY_VERSION = "1"
 """Bumped whenever the model or the task changes, so that `ensure_toy` replaces older caches."""
 TOY_SYMBOLS = tuple("abcdef")
@@ -38,11 +40,6 @@ TOY_NUM_EVAL = 64
 EOS_TOKEN = "<eos>"
 UNK_TOKEN = "<unk>"
 PROMPT_WORD = "after"
-
-
-def cache_root() -> Path:
-    """Root of colocate's caches: $COLOCATE_CACHE, else ~/.cache/colocate."""
-    return Path(os.environ.get("COLOCATE_CACHE") or "~/.cache/colocate").expanduser()
 
 
 def default_cache_dir() -> Path:

@@ -145,7 +145,7 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype
     start = time.perf_counter()
     engine.begin_weight_update()
     num_tensors = num_bytes = num_buckets = 0
-    for bucket, size in _buckets(model, dtype, bucket_bytes, getattr(engine, "casts_on_update", False)):
+    for bucket, size in _buckets(model, dtype, bucket_bytes, engine.casts_on_update):
         engine.update_weights(bucket)
         num_tensors, num_bytes, num_buckets = num_tensors + len(bucket), num_bytes + size, num_buckets + 1
         del bucket  # before the generator resumes and reshards: no full tensor outlives its unit

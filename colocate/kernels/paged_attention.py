@@ -119,7 +119,7 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_cache.shape[1], head_dim, D_PAD=_next_pow2(head_dim),
+        k_cache.shape[1], head_dim, D_PAD=_tile(head_dim),
     )
 
 
@@ -213,9 +213,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _next_pow2(n: int) -> int:
-    """Smallest power of two >= n, and >= 16 so that tl.dot accepts the tile."""
-    return max(16, 1 << max(n - 1, 0).bit_length())
+def _tile(n: int) -> int:
+    """Smallest power of two >= n, and >= 16 so that tl.dot accepts the tile (CUDA launchers only)."""
+    import triton
+
+    return max(16, triton.next_power_of_2(n))
 
 
 def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, config: DecodeConfig):
@@ -242,7 +244,7 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), block_tables.shape[1],
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
-        GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim),
+        GROUP=group, GROUP_PAD=_tile(group), HEAD_DIM=head_dim, D_PAD=_tile(head_dim),
         BLOCK_N=config.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -250,7 +252,7 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
     if num_splits > 1:
         merge_kernel[(batch, num_q_heads)](
             part_out, part_stats, out, num_q_heads, head_dim,
-            NUM_SPLITS=num_splits, D_PAD=_next_pow2(head_dim), num_warps=4,
+            NUM_SPLITS=num_splits, D_PAD=_tile(head_dim), num_warps=4,
         )
     return out
 

@@ -81,8 +81,10 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     out = torch.empty((n, heads, dim), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
+    import triton
+
     half = dim // 2
-    heads_p2, half_p2 = _next_pow2(heads), _next_pow2(half)
+    heads_p2, half_p2 = triton.next_power_of_2(heads), triton.next_power_of_2(half)
     block_n = max(1, 4096 // (heads_p2 * half_p2))
     _kernels()[(-(-n // block_n),)](
         x, cos, sin, out, n, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
@@ -90,10 +92,6 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
         SIGN=-1.0 if inverse else 1.0,
     )
     return out
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @functools.cache

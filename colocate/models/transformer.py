@@ -4,15 +4,14 @@ The model never knows about parallelism or paging. `forward` works on flat packe
 that own a KV cache (the rollout engine) pass an `attn(layer_idx, q, k, v)` callable that stores
 k/v and attends over the cache, and the model stays the same.
 
-q/k/v run as one GEMM whose output is split: one 2048-wide GEMM beats a 1536-wide one and two
-256-wide ones (Qwen2.5-1.5B's GQA k/v), in training too, where their weights are joined for each
-call (a copy of a few MB; autograd splits the gradient back). An inference owner may call
-`CausalLM.pack_projections()`: q/k/v and gate/up then live in one packed tensor each (their
-parameters become views of it, so names and loading are unchanged), no copy is made, and gate/up
-run as one GEMM too, which at decode batch sizes costs little more than one of the parts. Training
-keeps gate and up apart: their GEMMs are already wide (joined, forward and backward took 8.45 ms
-against 7.95 on 32k tokens of the 1.5B shape, H200, bench/kernels.py), and a joint one makes the
-compiled SiLU backward write its two gradients as one concatenated tensor, 1.7x as slow per token.
+q/k/v run as one GEMM whose output is split, since one wide GEMM beats a wide one and two narrow
+GQA ones, in training too, where their weights are joined for each call (a copy of a few MB;
+autograd splits the gradient back). An inference owner may call `CausalLM.pack_projections()`:
+q/k/v and gate/up then live in one packed tensor each (their parameters become views of it, so
+names and loading are unchanged), no copy is made, and gate/up run as one GEMM too, which at decode
+batch sizes costs little more than one of the parts. Training keeps gate and up apart: their GEMMs
+are already wide, and a joint one slows the compiled SiLU backward (measured by bench/kernels.py;
+figures in README.md).
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from colocate.config import Config
 from colocate.dist import DistInfo
 from colocate.models import resolve_dtype
 from colocate.rollout.protocol import RolloutEngine
 
 
-def build_engine(cfg, info: DistInfo, eos_token_ids: list[int]) -> RolloutEngine:
+def build_engine(cfg: Config, info: DistInfo, eos_token_ids: list[int]) -> RolloutEngine:
     """The native engine (default) or SGLang's, sized for whatever the trainer left free."""
     r = cfg.rollout
     dtype = resolve_dtype(cfg.model.dtype, info.device)

@@ -72,6 +72,9 @@ class RolloutEngine(Protocol):
     """What the loop needs from a rollout engine. Every method runs on the calling rank only."""
 
     weight_version: int
+    casts_on_update: bool
+    """update_weights takes tensors in any floating dtype and casts them while copying (so the
+    weight sync can hand over fp32 masters as they are); False: tensors arrive in the engine dtype."""
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]

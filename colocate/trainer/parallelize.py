@@ -37,15 +37,13 @@ class ActivationCheckpointing:
     `full_fraction` of the blocks, spread evenly over depth from block 0, keep only their input
     and recompute their whole forward in backward ("full"); with `full_keeps_attention` they also
     keep attention's output and log-sum-exp ("attention"): about as many bytes again as the input,
-    and the recompute skips attention, its costliest op per byte kept (on the 1.5B shape at 32k
-    tokens, 100 MB a block against 1.2 ms of flash forward). The other blocks follow `rest`:
+    and the recompute skips attention, its costliest op per byte kept. The other blocks follow `rest`:
     "none" keeps every activation the backward reads; "ops" keeps the outputs of the matmuls and of
     attention and recomputes the element-wise work between them (norms, rotary, SiLU-and-multiply),
     which is a few percent of a block's time but about a third of what it would keep; "mlp" is
     "ops" but for the gate and up projections, whose outputs it recomputes with the element-wise
-    work. On the 1.5B shape at 32k tokens those outputs are 1.17 of the 1.7 GB that "ops" keeps a
-    block, and their GEMMs 59% of the block's forward GEMMs (against 100% for "attention", which
-    keeps 0.2 GB).
+    work: most of what "ops" keeps, for a little over half of the block's forward GEMMs. What each
+    plan costs and saves is measured by bench/train.py (README.md).
     """
 
     full_fraction: float = 0.0

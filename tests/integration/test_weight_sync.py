@@ -10,6 +10,8 @@ from tests.helpers import write_hf_model
 class RecordingEngine:
     """Records what a weight sync hands over, and when."""
 
+    casts_on_update = False
+
     def __init__(self):
         self.weight_version = 0
         self.buckets, self.session = [], False

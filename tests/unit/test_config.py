@@ -2,9 +2,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from colocate.config import Config, load_config, save_yaml, validate
+from colocate.models import resolve_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +51,6 @@ def test_yaml_values_nested_by_section(tmp_path):
     assert cfg.algorithm.use_critic and not cfg.algorithm.needs_ref
     assert cfg.eval.datasets[0].reward == "math"
     assert cfg.output_dir == str(Path.home() / "runs" / "x")
-    assert cfg.checkpoint_dir == str(Path.home() / "runs" / "x" / "checkpoints")
 
 
 def test_cli_overrides_yaml(tmp_path):
@@ -165,11 +166,9 @@ def test_world_size_check():
 
 
 def test_dtype_resolution():
-    cfg = Config()
-    assert cfg.model.dtype_name("cuda") == "bfloat16"
-    assert cfg.model.dtype_name("cpu") == "float32"
-    cfg.model.dtype = "float16"
-    assert cfg.model.dtype_name("cpu") == "float16"
+    assert resolve_dtype(Config().model.dtype, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("float16", "cpu") == torch.float16
 
 
 def test_save_yaml_round_trip(tmp_path):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from colocate.colocation import ledger as memory
+from colocate.colocation import ledger as ledger_module
 from colocate.colocation.ledger import MemoryGrowthError, MemoryLedger
 
 GIB = 1 << 30
@@ -10,7 +10,7 @@ GIB = 1 << 30
 def _ledger(monkeypatch, used_by_step, **kw):
     """A ledger whose device reads follow used_by_step[(step, phase)] (bytes)."""
     current = {}
-    monkeypatch.setattr(memory, "read_memory", lambda device: (current["v"], current["v"], current["v"]))
+    monkeypatch.setattr(ledger_module, "read_memory", lambda device: (current["v"], current["v"], current["v"]))
     ledger = MemoryLedger(torch.device("cpu"), warmup_steps=1, **kw)
 
     def record(step, phase):
@@ -52,5 +52,5 @@ def test_strict_mode_raises(monkeypatch):
 
 
 def test_reads_real_process_memory_on_cpu():
-    allocated, reserved, used = memory.read_memory(torch.device("cpu"))
+    allocated, reserved, used = ledger_module.read_memory(torch.device("cpu"))
     assert allocated == reserved == used > 10 << 20  # a Python process with torch is > 10 MiB

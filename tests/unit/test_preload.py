@@ -3,7 +3,7 @@ release of the torch-hook mode's pools (which the library would otherwise end wi
 
 from types import SimpleNamespace
 
-from colocate import memory_saver as preload
+from colocate import memory_saver
 from colocate.memory_saver import _free_pools_at_exit, with_preload
 
 
@@ -38,10 +38,10 @@ def test_exit_hook_leaves_preload_mode_and_unused_savers_alone():
 
 
 def test_child_environment_preloads_the_hook_once(monkeypatch):
-    monkeypatch.setattr(preload, "preload_library", lambda: "/lib/hook.so")
+    monkeypatch.setattr(memory_saver, "preload_library", lambda: "/lib/hook.so")
     env = with_preload({"LD_PRELOAD": "/lib/other.so"})
     assert env["LD_PRELOAD"] == "/lib/hook.so:/lib/other.so"
     preloaded = {"LD_PRELOAD": "/x/torch_memory_saver_hook.so"}
     assert with_preload(preloaded) == preloaded
-    monkeypatch.setattr(preload, "preload_library", lambda: None)
+    monkeypatch.setattr(memory_saver, "preload_library", lambda: None)
     assert "LD_PRELOAD" not in with_preload({})

@@ -16,7 +16,7 @@ import importlib.util
 
 import torch
 
-from colocate.memory_saver import memory_saver as memory_saver_handle, preload_active
+from colocate.memory_saver import handle as memory_saver_handle, preload_active
 
 
 class DeviceMemory:

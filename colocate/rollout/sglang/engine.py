@@ -56,6 +56,9 @@ class SGLangEngine:
     returns those to their state from before construction.
     """
 
+    casts_on_update = False
+    """Buckets travel to SGLang's scheduler process as they are: the sync casts them first."""
+
     def __init__(
         self, *, model_path: str, dtype: str | torch.dtype, seed: int, rank: int, local_rank: int,
         mem_fraction_static: float, max_running_requests: int, cuda_graph_max_bs: int,
