@@ -309,6 +309,9 @@ class LoggingConfig:
 class Config:
     output_dir: str = "outputs/default"
     """Run directory: resolved config, metrics JSONL, checkpoints."""
+    overwrite: bool = False
+    """Start a fresh run in an output_dir that holds another run's metrics (they are replaced;
+    checkpoints are never touched)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy, reference and critic weights."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -91,6 +91,15 @@ def all_reduce_max(value: int, device: torch.device | None = None) -> int:
     return int(t.item())
 
 
+def broadcast_from_main(obj):
+    """Rank 0's `obj` (any picklable value) on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()

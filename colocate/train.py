@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from colocate import dist
-from colocate.config import Config, load_config, save_yaml
+from colocate.config import Config, load_config
 from colocate.timing import timed
 
 
@@ -161,6 +161,8 @@ class Loop:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from colocate.run_dir import RunDir
+
     try:
         cfg = load_config(argv)
     except ValueError as e:
@@ -168,23 +170,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     info = dist.init()
     torch.manual_seed(cfg.train.seed)
-    loop = None
+    loop = run_dir = None
     finished = False
     try:
-        if info.is_main:
-            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            save_yaml(cfg, Path(cfg.output_dir) / "config.yaml")
         try:
+            run_dir = RunDir.claim(cfg, info)  # one run per output_dir
             loop = Loop(cfg, info)  # data, rewards, hooks and the model config are checked here
         except (ValueError, FileNotFoundError) as e:
             print(f"error (rank {info.rank}): {e}", file=sys.stderr)
             return 2
         loop.build()
+        run_dir.save_config(cfg)  # once the inputs and the models have loaded
         loop.run()
         finished = True
     finally:
         if loop is not None:
             loop.close()
+        if run_dir is not None:
+            run_dir.release()
         dist.destroy(synchronize=finished)
     return 0
 
