@@ -237,6 +237,9 @@ class TrainConfig:
     """Seed of the trainer (initialisation of new heads, dropout-free otherwise)."""
     strict: bool = False
     """Make reward-function errors and memory-ledger growth fatal instead of logged."""
+    max_skipped_steps: int = _ranged(10, ">= 1")
+    """Stop with an error after this many optimizer steps in a row skipped for a non-finite loss or
+    gradient norm."""
 
 
 @dataclass
