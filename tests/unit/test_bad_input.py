@@ -1,12 +1,27 @@
 """Bad input that must end in one error naming what is wrong, with nothing on disk changed."""
 
+import json
+import shutil
 import sys
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from colocate.config import load_config
+from colocate.models import from_pretrained
 from colocate.rollout.rewards import RewardContractError, RewardInput, compute_rewards, load_reward_fn
 from tests.disk import snapshot
+from tests.helpers import write_hf_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_hf_model(tmp_path_factory.mktemp("model"), "qwen2")[0]
+
+
+@pytest.fixture
+def model_copy(model_dir, tmp_path):
+    return shutil.copytree(model_dir, tmp_path / "model")
 
 
 @pytest.mark.parametrize("flag, field", [("--rollout.n-samples-per-prompt", "rollout.n_samples_per_prompt"),
@@ -74,3 +89,42 @@ def test_a_reward_with_the_wrong_signature_fails_at_load_or_at_its_first_call(co
         "(two_args() takes 2 positional arguments but 4 were given)")
     # A TypeError raised inside the function is still the samples' failure, not the contract's.
     assert compute_rewards(my_contract.buggy, SAMPLES) == ([0.0, 0.0, 0.0], 3)
+
+
+def _first_weights_file(path):
+    return sorted(path.glob("*.safetensors"))[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_safetensors"])
+def test_an_unreadable_safetensors_file_is_named(model_copy, damage):
+    file = _first_weights_file(model_copy)
+    data = file.read_bytes()
+    file.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"version https://git-lfs\n")
+    before = snapshot(model_copy.parent)
+    with pytest.raises(ValueError) as info:
+        from_pretrained(model_copy)
+    assert str(info.value).startswith(f"{file}: not a readable safetensors file (Error while deserializing header")
+    assert snapshot(model_copy.parent) == before
+
+
+def test_an_index_naming_a_missing_shard_is_named(model_copy):
+    index = model_copy / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError) as info:
+        from_pretrained(model_copy)
+    assert str(info.value) == f"{index} names missing files ['{model_copy / 'model-00002-of-00002.safetensors'}']"
+
+
+@pytest.mark.parametrize("value, counts", [(float("nan"), "2 NaN, 0 inf"), (float("-inf"), "0 NaN, 2 inf")])
+def test_non_finite_weights_are_caught_at_load_naming_tensor_and_file(model_copy, value, counts):
+    file = _first_weights_file(model_copy)
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][3, :2] = value
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    before = snapshot(model_copy.parent)
+    with pytest.raises(ValueError) as info:
+        from_pretrained(model_copy)
+    assert str(info.value) == (f"{file}: tensor {name} holds non-finite values ({counts} of "
+                               f"{tensors[name].numel()})")
+    assert snapshot(model_copy.parent) == before
