@@ -7,6 +7,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
+from colocate import cli, export, parity, plot
 from colocate.config import load_config
 from colocate.models import from_pretrained
 from colocate.rollout.rewards import RewardContractError, RewardInput, compute_rewards, load_reward_fn
@@ -128,3 +129,44 @@ def test_non_finite_weights_are_caught_at_load_naming_tensor_and_file(model_copy
     assert str(info.value) == (f"{file}: tensor {name} holds non-finite values ({counts} of "
                                f"{tensors[name].numel()})")
     assert snapshot(model_copy.parent) == before
+
+
+def _boom(argv):
+    raise ValueError("the value is wrong")
+
+
+def test_entry_points_end_a_user_error_in_one_line_with_status_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    missing = tmp_path / "nope"
+    cases = [
+        (export.main, [str(missing), str(tmp_path / "out")], f"checkpoint path {missing} does not exist"),
+        (plot.main, [str(tmp_path)], f"no metrics file at {tmp_path / 'metrics.jsonl'}"),
+        (parity.main, ["--model", str(missing), "--device", "cpu"],
+         f"{missing}: no config.json (expected an HF model directory)"),
+    ]
+    before = snapshot(tmp_path)
+    for main, argv, message in cases:
+        assert main(argv) == 2, main.__module__
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert snapshot(tmp_path) == before
+
+
+def test_debug_flag_or_environment_adds_the_traceback(monkeypatch, capsys):
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    main = cli.entry_point(_boom)
+    assert main(["--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and err.endswith("error: the value is wrong\n")
+    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    assert main([]) == 2
+    assert "Traceback" in capsys.readouterr().err
+    monkeypatch.setenv(cli.DEBUG_ENV, "0")
+    assert main([]) == 2
+    assert capsys.readouterr().err == "error: the value is wrong\n"
+
+    def bug(argv):
+        raise KeyError("a bug keeps its traceback")
+
+    with pytest.raises(KeyError):
+        cli.entry_point(bug)([])
+    assert cli.entry_point(lambda argv: None)([]) == 0
