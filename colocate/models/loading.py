@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -16,6 +14,7 @@ from safetensors.torch import save_file
 from colocate.models.config import ModelConfig
 from colocate.models.layers import rope_inv_freq
 from colocate.models.transformer import CausalLM
+from colocate.output_dir import replacing_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # aminmax has no kernels for the float8 types; integer tensors cannot hold NaN.
@@ -137,18 +136,23 @@ def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device=
 def save_pretrained(
     model: CausalLM | None, out: str | Path, *, config: ModelConfig | None = None,
     state: Iterable[tuple[str, torch.Tensor]] | None = None, tokenizer_dir: str | Path | None = None,
-    max_shard_bytes: int = 4 << 30,
+    max_shard_bytes: int = 4 << 30, overwrite: bool = False,
 ) -> Path:
-    """Write an HF directory that transformers loads. Written to a temp dir, then renamed.
+    """Write an HF directory that transformers loads, under the rule of `colocate.output_dir`: an
+    existing non-empty `out` is replaced only if colocate wrote it or `overwrite` is set.
 
     Either a model, or a config plus an iterable of HF-named full tensors (e.g. from a checkpoint).
     Tokenizer files are copied from `tokenizer_dir` when given.
     """
     config = config or model.config
     named = state if state is not None else model.state_dict().items()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    with replacing_dir(out, "colocate save_pretrained", overwrite=overwrite) as tmp:
+        _write_hf_dir(tmp, config, named, tokenizer_dir, max_shard_bytes)
+    return Path(out)
+
+
+def _write_hf_dir(tmp: Path, config: ModelConfig, named: Iterable[tuple[str, torch.Tensor]],
+                  tokenizer_dir: str | Path | None, max_shard_bytes: int) -> None:
     shards, current, size = [], {}, 0
     for name, t in named:
         if config.tie_word_embeddings and name == "lm_head.weight":
@@ -178,7 +182,3 @@ def save_pretrained(
             if f.name.startswith(("tokenizer", "special_tokens", "added_tokens", "vocab", "merges", "generation_config",
                                   "chat_template")):
                 shutil.copy(f, tmp / f.name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out

@@ -1,4 +1,6 @@
-"""Bad input that must end in one error naming what is wrong, with nothing on disk changed."""
+"""Bad input that must end in one error naming what is wrong, with nothing on disk changed: config
+ranges, reward-function contracts, unreadable or non-finite weights, directories a writer must not
+replace, and the one-line errors of the command-line tools."""
 
 import json
 import shutil
@@ -7,9 +9,10 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from colocate import cli, export, parity, plot
+from colocate import cli, export, parity, plot, toy
 from colocate.config import load_config
-from colocate.models import from_pretrained
+from colocate.models import from_pretrained, save_pretrained
+from colocate.output_dir import MARKER
 from colocate.rollout.rewards import RewardContractError, RewardInput, compute_rewards, load_reward_fn
 from tests.disk import snapshot
 from tests.helpers import write_hf_model
@@ -129,6 +132,45 @@ def test_non_finite_weights_are_caught_at_load_naming_tensor_and_file(model_copy
     assert str(info.value) == (f"{file}: tensor {name} holds non-finite values ({counts} of "
                                f"{tensors[name].numel()})")
     assert snapshot(model_copy.parent) == before
+
+
+def _foreign_dir(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("not colocate's\n")
+    return out
+
+
+def test_save_pretrained_replaces_only_what_colocate_wrote(model_dir, tmp_path):
+    model = from_pretrained(model_dir, dtype="float32")
+    foreign = _foreign_dir(tmp_path)
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError) as info:
+        save_pretrained(model, foreign)
+    assert str(info.value) == (f"output {foreign} is not empty and was not written by colocate: choose a new "
+                               "directory, or replace it with --overwrite")
+    assert snapshot(tmp_path) == before  # no partial directory left beside it either
+    out = save_pretrained(model, tmp_path / "saved")
+    assert (out / MARKER).is_file()
+    save_pretrained(model, out)  # an earlier save is replaced
+    save_pretrained(model, foreign, overwrite=True)
+    assert not (foreign / "notes.txt").exists() and (foreign / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "saved"]
+
+
+def test_toy_writers_refuse_a_directory_colocate_did_not_write(tmp_path, monkeypatch, capsys):
+    foreign = _foreign_dir(tmp_path)
+    before = snapshot(tmp_path)
+    assert toy.main(["--out", str(foreign)]) == 2
+    assert capsys.readouterr().err == (f"error: output {foreign} is not empty and was not written by colocate: "
+                                       "choose a new directory, or replace it with --overwrite\n")
+    monkeypatch.setenv("COLOCATE_CACHE", str(tmp_path))
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "data.bin").write_bytes(b"\0")
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=f"output {tmp_path / 'toy'} is not empty and was not written by colocate"):
+        toy.ensure_toy()
+    assert snapshot(tmp_path) == before
 
 
 def _boom(argv):
