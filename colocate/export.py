@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from colocate.checkpoint import (
-    ACTOR_STATE, HF_DIR, MODEL_KEY, is_checkpoint, latest_checkpoint, quiet_single_process,
+    ACTOR_STATE, HF_DIR, MODEL_KEY, is_checkpoint, latest_checkpoint, quiet_single_process, verify_checkpoint,
 )
 from colocate.cli import DEBUG_HELP, entry_point
 from colocate.models import CausalLM, ModelConfig, resolve_dtype, save_pretrained
@@ -40,6 +40,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
     if is_checkpoint(path):
+        verify_checkpoint(path)
         return path
     latest = latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
