@@ -5,15 +5,22 @@ Layout of one checkpoint, ROOT/rollout_{id:06d}/:
   rng_rank{r}.pt                   each rank's python / numpy / torch CPU / torch CUDA generator states
   meta.json                        rollout id, world size and the caller's JSON-able `extra`
   hf/                              config.json and tokenizer files, so `colocate.export` needs nothing else
+  manifest.json                    every file above with its size, and a CRC-32 of the small ones
+                                   (meta.json, .metadata, rng files)
 
 A checkpoint is written into ROOT/.tmp-rollout_{id:06d}/ and renamed only after every rank has
-finished writing, so a run killed mid-save leaves the previous complete checkpoint as the newest one.
+finished writing, so a run killed mid-save leaves the previous complete checkpoint as the newest one;
+a save that fails (a full or read-only disk) removes its temporary directory and raises OSError.
+A checkpoint damaged later (a truncated or missing file) fails its manifest check
+(colocate.checkpoint_manifest): resuming skips it, with a warning, for the newest usable one, and
+pruning never counts it among those kept.
 DCP stores sharded tensors with their global shapes, so a checkpoint written by N ranks loads on M.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -21,12 +28,13 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
@@ -34,21 +42,22 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from colocate import dist as cdist
+from colocate.checkpoint_manifest import (
+    FORMAT, META_FILE, checkpoint_dir, checkpoint_dirs, checkpoint_problem, is_checkpoint, verify_checkpoint,
+    write_manifest, written_here,
+)
 
 try:
     import numpy as np
 except ImportError:  # numpy is optional; its generator is saved when it is installed
     np = None
 
-FORMAT = "colocate-checkpoint-v1"
-META_FILE = "meta.json"
 HF_DIR = "hf"
 ACTOR_STATE = "model"
 """The `states` key under which the training loop saves the actor; `colocate.export` reads it."""
 MODEL_KEY = "model"
 """Key of the model weights inside a `ModelOptimizerState` (so actor weights are `model.model.<HF name>`)."""
 
-_COMPLETE = re.compile(r"rollout_(\d{6})")
 _TMP = re.compile(r"\.tmp-rollout_\d{6}(\.replaced)?")
 # Weight files are the one thing of a model directory the checkpoint must not duplicate.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
@@ -89,16 +98,6 @@ class ModelOptimizerState(Stateful):
             self.scheduler.load_state_dict(state_dict["scheduler"])
 
 
-def checkpoint_dir(root: str | Path, rollout_id: int) -> Path:
-    return Path(root) / f"rollout_{rollout_id:06d}"
-
-
-def is_checkpoint(path: str | Path) -> bool:
-    """A complete checkpoint: our meta.json and DCP's .metadata are both present."""
-    path = Path(path)
-    return (path / META_FILE).is_file() and (path / ".metadata").is_file()
-
-
 def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -134,30 +133,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _complete_checkpoints(root: Path, warn: bool) -> list[tuple[int, Path]]:
-    """(rollout id, path) of the complete checkpoints under root, oldest first."""
-    found = []
-    if not root.is_dir():
-        return found
-    for path in root.iterdir():
-        match = _COMPLETE.fullmatch(path.name)
-        if match is None or not path.is_dir():
-            continue
-        if is_checkpoint(path):
-            found.append((int(match.group(1)), path))
-        elif warn:
-            warnings.warn(f"{path}: skipped, not a complete checkpoint (no {META_FILE} or .metadata)",
-                          stacklevel=3)
-    return sorted(found)
-
-
-def _ours(path: Path) -> bool:
-    try:
-        return json.loads((path / META_FILE).read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
-
-
 def _copy_model_files(model_dir: Path, dest: Path) -> None:
     dest.mkdir()
     for f in model_dir.iterdir():
@@ -167,21 +142,62 @@ def _copy_model_files(model_dir: Path, dest: Path) -> None:
 
 def _publish(tmp: Path, final: Path) -> None:
     """Rename the finished temporary directory into place (a re-save of one id replaces it)."""
-    if final.exists():
-        old = tmp.with_name(tmp.name + ".replaced")
-        os.replace(final, old)
+    if not final.exists():
         os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
+        return
+    old = tmp.with_name(tmp.name + ".replaced")
+    os.replace(final, old)
+    try:
         os.replace(tmp, final)
+    except OSError:
+        os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)  # a leftover is removed by the next save
 
 
 def _prune(root: Path, keep_last: int, newest: Path) -> None:
-    """Delete our complete checkpoints beyond the last `keep_last` by rollout id; never `newest`."""
-    complete = [p for _, p in _complete_checkpoints(root, warn=False)]
-    for path in complete[:-keep_last]:
-        if path != newest and _ours(path):
+    """Delete our checkpoints older (by rollout id) than the `keep_last` newest usable ones; never
+    `newest`. A damaged checkpoint does not count as kept, so it never costs a usable one its place."""
+    num_usable = 0
+    for _, path in reversed(checkpoint_dirs(root, warn=False)):
+        if num_usable >= keep_last and path != newest and written_here(path):
             shutil.rmtree(path)
+        elif checkpoint_problem(path) is None:
+            num_usable += 1
+
+
+def _rng_bytes() -> bytes:
+    # Serialised in memory: a full disk then fails in the plain file write, as an OSError.
+    buffer = io.BytesIO()
+    torch.save(_rng_state(), buffer)
+    return buffer.getvalue()
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind a failed write: the error itself, or one a rank hit inside DCP."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, CheckpointException):
+        for failure in error.failures.values():
+            failure = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(failure, OSError):
+                return failure
+    return None
+
+
+def _agreed(step: Callable[[], None]) -> OSError | None:
+    """Run one step of a save on this rank, then agree over ranks whether it hit an OSError
+    anywhere (so no rank waits at a collective for one that failed): that error, or None."""
+    error = None
+    try:
+        step()
+    except (OSError, CheckpointException) as e:
+        error = _os_error(e)
+        if error is None:
+            raise
+    if cdist.all_reduce_max(int(error is not None)) and error is None:
+        error = OSError("another rank failed to write its part")
+    return error
 
 
 def save_checkpoint(
@@ -192,7 +208,9 @@ def save_checkpoint(
 
     `extra` is JSON-able bookkeeping returned by `load_checkpoint` (data-source state, weight
     version, config). `model_dir` is the HF directory whose config.json and tokenizer files are
-    copied in. `keep_last` > 0 deletes older complete checkpoints beyond that many; 0 keeps all.
+    copied in. `keep_last` > 0 deletes older complete checkpoints beyond that many usable ones; 0
+    keeps all. A write that fails (a full or read-only disk) raises OSError naming the checkpoint
+    on every rank, after removing the temporary directory; earlier checkpoints are untouched.
     """
     if rollout_id < 0:
         raise ValueError(f"rollout_id must be >= 0, got {rollout_id}")
@@ -213,45 +231,71 @@ def save_checkpoint(
         raise ValueError(f"extra must be JSON-able: {e}") from e
     root = Path(root)
     tmp, final = root / f".tmp-rollout_{rollout_id:06d}", checkpoint_dir(root, rollout_id)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for path in root.iterdir():  # leftovers of a crashed save
-            if _TMP.fullmatch(path.name) and path.is_dir():
-                shutil.rmtree(path)
-        tmp.mkdir()
-    cdist.barrier()
-    with quiet_single_process():
-        dcp.save(states, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        if model_dir is not None:
-            _copy_model_files(Path(model_dir), tmp / HF_DIR)
-        (tmp / META_FILE).write_text(meta_text)
-    cdist.barrier()
-    if rank == 0:
-        _publish(tmp, final)
-        if keep_last:
-            _prune(root, keep_last, final)
+
+    def prepare():
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            for path in root.iterdir():  # leftovers of a crashed save
+                if _TMP.fullmatch(path.name) and path.is_dir():
+                    shutil.rmtree(path)
+            tmp.mkdir()
+
+    def write():
+        with quiet_single_process():
+            dcp.save(states, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        (tmp / f"rng_rank{rank}.pt").write_bytes(_rng_bytes())
+        if rank == 0:
+            if model_dir is not None:
+                _copy_model_files(Path(model_dir), tmp / HF_DIR)
+            (tmp / META_FILE).write_text(meta_text)
+
+    def publish():
+        if rank == 0:
+            write_manifest(tmp)
+            _publish(tmp, final)
+
+    for step in (prepare, write, publish):
+        error = _agreed(step)
+        if error is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OSError(f"cannot save checkpoint {final}: {error} (its temporary directory was removed; "
+                          "earlier checkpoints are intact)") from error
+    if rank == 0 and keep_last:
+        _prune(root, keep_last, final)
     cdist.barrier()
     return final
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint with the highest rollout id under root, or None (incomplete ones
-    are skipped with a warning; temporary directories of unfinished saves are ignored)."""
-    complete = _complete_checkpoints(Path(root), warn=True)
-    return complete[-1][1] if complete else None
+    """The newest checkpoint under root that can be resumed from, or None when there is none.
+
+    Temporary directories of unfinished saves are ignored; rollout_* directories holding no
+    checkpoint file are skipped with a warning. A damaged checkpoint (see checkpoint_problem) is
+    skipped with a warning naming the file and the next older one is tried; ValueError naming
+    every damaged one when none is usable."""
+    damaged = []
+    for _, path in reversed(checkpoint_dirs(Path(root), warn=True)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        warnings.warn(f"{path}: skipped, damaged: {problem}", stacklevel=2)
+        damaged.append(f"{path} ({problem})")
+    if damaged:
+        raise ValueError(f"no usable checkpoint under {root}: {'; '.join(damaged)}")
+    return None
 
 
 def read_meta(path: str | Path) -> dict:
-    """meta.json of a checkpoint directory, with clear errors for anything that is not one."""
+    """meta.json of a checkpoint directory, with clear errors for anything that is not one or is
+    damaged."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not is_checkpoint(path):
         hint = " (it holds checkpoints: pass one of them, or use latest_checkpoint)" if \
-            _complete_checkpoints(path, warn=False) else ""
+            checkpoint_dirs(path, warn=False) else ""
         raise ValueError(f"{path} is not a checkpoint: no {META_FILE} or .metadata{hint}")
+    verify_checkpoint(path)
     return json.loads((path / META_FILE).read_text())
 
 

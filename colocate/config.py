@@ -145,7 +145,7 @@ class AlgorithmConfig:
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     """Policy objective: token-level PPO clip, sequence-level GSPO, or CISPO."""
     eps_clip: float = _ranged(0.2, "> 0")
-    """Lower clip range of the importance ratio (1 - eps_clip)."""
+    """Lower clip range of the importance ratio (1 - eps_clip); 1 or more: no lower bound."""
     eps_clip_high: float | None = None
     """Upper clip range (1 + eps_clip_high); None = eps_clip, larger = clip-higher (DAPO)."""
     dual_clip_c: float | None = _ranged(None, "> 1")
@@ -234,6 +234,9 @@ class TrainConfig:
     """Seed of the trainer (initialisation of new heads, dropout-free otherwise)."""
     strict: bool = False
     """Make reward-function errors and memory-ledger growth fatal instead of logged."""
+    max_skipped_steps: int = _ranged(10, ">= 1")
+    """Stop with an error after this many optimizer steps in a row skipped for a non-finite loss or
+    gradient norm."""
 
 
 @dataclass

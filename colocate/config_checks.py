@@ -38,12 +38,22 @@ class Origin:
 
 
 def validate(cfg: Config, origin: Callable[[Config, str], str] | None = None) -> None:
-    """Range and combination checks; the first failure raises ValueError naming field and source."""
+    """Range and combination checks; the first failure raises ValueError naming field and source.
+
+    Every range is checked before any combination, as combinations may divide by a range-checked
+    value (rollout.n_samples_per_prompt, the batch sizes)."""
     origin = origin or (lambda _cfg, _name: "config")
+    for check in (_range_checks, _combination_checks):
+        for name, ok, why, value in check(cfg):
+            if not ok:
+                raise ValueError(f"{origin(cfg, name)}: {name} {why}, got {value!r}")
+
+
+def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
+    """(dotted name, ok, requirement, value) for each rule that ties fields together."""
     r, a, t, e = cfg.rollout, cfg.algorithm, cfg.train, cfg.eval
     n = r.n_samples_per_prompt
-    checks = list(_range_checks(cfg, ""))
-    checks += [
+    checks = [
         ("model.path", bool(cfg.model.path), "must name a model directory", cfg.model.path),
         ("rollout.prompt_data", bool(r.prompt_data), "must name a data file", r.prompt_data),
         ("rollout.input_key", bool(r.input_key), "must be non-empty", r.input_key),
@@ -98,12 +108,10 @@ def validate(cfg: Config, origin: Callable[[Config, str], str] | None = None) ->
             (f"eval.datasets.{i}.reward", ds.reward is None or _reward_name_ok(ds.reward),
              f"must be one of {list(BUILTIN_REWARDS)} or module:function", ds.reward),
         ]
-    for name, ok, why, value in checks:
-        if not ok:
-            raise ValueError(f"{origin(cfg, name)}: {name} {why}, got {value!r}")
+    return checks
 
 
-def _range_checks(obj: Any, prefix: str):
+def _range_checks(obj: Any, prefix: str = ""):
     """(dotted name, ok, requirement, value) for each field declared with `_ranged`, recursively."""
     for f in dataclasses.fields(obj):
         value, name = getattr(obj, f.name), f"{prefix}{f.name}"

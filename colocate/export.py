@@ -4,6 +4,10 @@ CKPT is one checkpoint directory or a checkpoint root (then its newest complete 
 weights are read straight from the DCP shards in one process, without a process group, a bucket of
 tensors at a time, so exporting needs about one bucket plus one safetensors shard of host memory
 and no GPU. The model config and tokenizer files come from the checkpoint's `hf/` directory.
+
+OUT is written beside itself and renamed into place. An existing OUT is replaced only when it is
+empty or holds an earlier export (colocate's marker file), or with --overwrite; never when it is,
+contains or lies inside the checkpoint being read.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from colocate.checkpoint import (
-    ACTOR_STATE, HF_DIR, MODEL_KEY, is_checkpoint, latest_checkpoint, quiet_single_process,
+    ACTOR_STATE, HF_DIR, MODEL_KEY, is_checkpoint, latest_checkpoint, quiet_single_process, verify_checkpoint,
 )
+from colocate.cli import DEBUG_HELP, entry_point
 from colocate.models import CausalLM, ModelConfig, resolve_dtype, save_pretrained
+from colocate.output_dir import check_output_dir
 
 # Keys of the actor weights inside a checkpoint: `model.model.<HF name>`; optimizer and scheduler
 # entries (`model.optimizer.*`, `model.scheduler.*`) and other states (a critic) are skipped.
@@ -34,6 +40,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
     if is_checkpoint(path):
+        verify_checkpoint(path)
         return path
     latest = latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
@@ -81,32 +88,35 @@ def iter_actor_weights(ckpt: Path, config: ModelConfig, dtype: torch.dtype,
             bucket, size = {}, 0
 
 
-def export(ckpt: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
-    """Write the checkpoint's actor as an HF directory (config, safetensors, tokenizer) at `out`."""
+def export(ckpt: str | Path, out: str | Path, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
+    """Write the checkpoint's actor as an HF directory (config, safetensors, tokenizer) at `out`;
+    an existing `out` is replaced only under the rule of `colocate.output_dir`."""
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
     ckpt = resolve_checkpoint(ckpt)
+    check_output_dir(out, overwrite=overwrite, reading=[ckpt])
     hf_dir = ckpt / HF_DIR
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"checkpoint {ckpt} has no {HF_DIR}/config.json "
                          "(it was saved without model_dir, so the model config is unknown)")
     config = ModelConfig.from_dir(hf_dir)
     state = iter_actor_weights(ckpt, config, resolve_dtype(dtype, "cpu"))
-    return save_pretrained(None, out, config=config, state=state, tokenizer_dir=hf_dir)
+    return save_pretrained(None, out, config=config, state=state, tokenizer_dir=hf_dir, overwrite=overwrite)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m colocate.export", description=__doc__.split("\n\n")[0])
+@entry_point
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m colocate.export", description=__doc__.split("\n\n")[0],
+                                epilog=DEBUG_HELP)
     p.add_argument("ckpt", help="a checkpoint directory, or a root holding rollout_* checkpoints (newest used)")
-    p.add_argument("out", help="output HF model directory (replaced if it exists)")
+    p.add_argument("out", help="output HF model directory; an existing one is replaced only if it holds "
+                               "an earlier export")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT even if it holds files colocate did not write")
     args = p.parse_args(argv)
-    try:
-        ckpt = resolve_checkpoint(args.ckpt)
-        out = export(ckpt, args.out, args.dtype)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    ckpt = resolve_checkpoint(args.ckpt)
+    out = export(ckpt, args.out, args.dtype, args.overwrite)
     print(f"exported {ckpt} -> {out}")
     return 0
 

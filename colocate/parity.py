@@ -4,7 +4,8 @@
 
 Prompts come from a JSONL file (`prompt` text or `input_ids`) or are random token ids. The engine
 samples the continuations; all three columns then score the same tokens (temperature-scaled log-probs,
-the protocol's definition). Exits 1 when a column differs from transformers by more than --tol.
+the protocol's definition). Exits 1 when a column differs from transformers by more than --tol,
+2 on a user error (a missing model or prompts file, a malformed prompt line).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from colocate.cli import DEBUG_HELP, entry_point
 
 
 def _prompts(args, vocab_size: int) -> list[list[int]]:
@@ -28,14 +31,25 @@ def _prompts(args, vocab_size: int) -> list[list[int]]:
     for n, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{args.prompts}:{n}: not a JSON line ({e})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{args.prompts}:{n}: expected a JSON object, got {type(row).__name__}")
         if "input_ids" in row:
-            out.append(list(row["input_ids"]))
+            ids = row["input_ids"]
+            if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)):
+                raise ValueError(f"{args.prompts}:{n}: input_ids must be a non-empty list of token ids in "
+                                 f"[0, {vocab_size})")
+            out.append(ids)
         elif "prompt" in row:
             tok = tok or AutoTokenizer.from_pretrained(args.model)
             out.append(tok(row["prompt"])["input_ids"])
         else:
             raise ValueError(f"{args.prompts}:{n}: needs 'prompt' or 'input_ids'")
+    if not out:
+        raise ValueError(f"{args.prompts}: no prompts")
     return out
 
 
@@ -46,8 +60,10 @@ def sequence_logprobs(logits: torch.Tensor, tokens: list[int], start: int, tempe
     return torch.log_softmax(scaled, -1).gather(-1, target[:, None])[:, 0]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m colocate.parity", description=__doc__.split("\n\n")[0])
+@entry_point
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m colocate.parity", description=__doc__.split("\n\n")[0],
+                                epilog=DEBUG_HELP)
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'input_ids' per line")
     p.add_argument("--num-prompts", type=int, default=4)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from colocate.cli import DEBUG_HELP, entry_point
 from colocate.metrics import METRICS_FILE, read_metrics
 
 _NUM_PANEL_COLUMNS = 3
@@ -115,19 +116,16 @@ def plot(
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colocate.plot", description=__doc__.splitlines()[0])
+@entry_point
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m colocate.plot", description=__doc__.splitlines()[0],
+                                     epilog=DEBUG_HELP)
     parser.add_argument("output_dir", help="a run's output directory (holds metrics.jsonl)")
     parser.add_argument("--out", default=None, help="where to write the PNGs (default OUTPUT_DIR/plots)")
     parser.add_argument("--keys", default=None, help="comma-separated names or globs, e.g. 'train/*,eval/*'")
     args = parser.parse_args(argv)
     keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else None
-    try:
-        paths = plot(args.output_dir, args.out, keys)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    for path in paths:
+    for path in plot(args.output_dir, args.out, keys):
         print(path)
     return 0
 

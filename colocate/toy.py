@@ -21,11 +21,12 @@ import argparse
 import json
 import os
 import random
-import shutil
-import tempfile
+import sys
 from pathlib import Path
 
+from colocate.cli import DEBUG_HELP, entry_point
 from colocate.config import cache_root
+from colocate.output_dir import replacing_dir
 
 TOY_VERSION = "1"
 """Bumped whenever the model or the task changes, so that `ensure_toy` replaces older caches."""
@@ -131,47 +132,41 @@ def _build_model(vocab_size: int, eos_id: int):
     return Qwen3ForCausalLM(config).to(torch.float32)
 
 
-def write_toy(out: Path) -> Path:
-    """Write `out/model`, `out/{train,eval}.jsonl` and the `out/VERSION` stamp; deterministic."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_toy_tokenizer()
-    model = _build_model(len(tokenizer), tokenizer.eos_token_id)
-    model.save_pretrained(out / "model", safe_serialization=True)
-    tokenizer.save_pretrained(out / "model")
-    rng = random.Random(TOY_SEED)
-    seen: set[str] = set()
-    _write_jsonl(out / "train.jsonl", _task_rows(rng, TOY_NUM_TRAIN, seen))
-    _write_jsonl(out / "eval.jsonl", _task_rows(rng, TOY_NUM_EVAL, seen))
-    (out / "VERSION").write_text(TOY_VERSION + "\n")
-    return out
+def write_toy(out: str | Path, overwrite: bool = False) -> Path:
+    """Write `out/model`, `out/{train,eval}.jsonl` and the `out/VERSION` stamp; deterministic.
+
+    Written into a temporary sibling and renamed into place (see `colocate.output_dir`), so a
+    reader never sees a half-written directory; an existing non-empty `out` is replaced only if
+    colocate wrote it or `overwrite` is set."""
+    with replacing_dir(out, "colocate.toy", overwrite=overwrite) as tmp:
+        tokenizer = build_toy_tokenizer()
+        model = _build_model(len(tokenizer), tokenizer.eos_token_id)
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        rng = random.Random(TOY_SEED)
+        seen: set[str] = set()
+        _write_jsonl(tmp / "train.jsonl", _task_rows(rng, TOY_NUM_TRAIN, seen))
+        _write_jsonl(tmp / "eval.jsonl", _task_rows(rng, TOY_NUM_EVAL, seen))
+        (tmp / "VERSION").write_text(TOY_VERSION + "\n")
+    return Path(out)
 
 
 def ensure_toy(cache_dir: str | Path | None = None) -> Path:
     """Create the toy directory on first use (or when it is from an older toy) and return it.
 
-    Written into a temporary sibling and renamed into place, so a reader never sees a half-written
-    directory. Call it from one process per machine while the others wait: concurrent callers
-    write identical (seeded) copies, but replacing a stale copy briefly leaves no directory.
+    Call it from one process per machine while the others wait: concurrent callers write
+    identical (seeded) copies, but replacing a stale copy briefly leaves no directory. A directory
+    at that place that is not a toy is never replaced (ValueError naming it).
     """
     target = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if _is_current(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        write_toy(tmp)
-        if target.exists():
-            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale.", dir=target.parent))
-            os.rename(target, stale / "old")
-            shutil.rmtree(stale)
-        os.rename(tmp, target)
+        # A toy from before the output marker existed is recognised by its VERSION stamp.
+        write_toy(target, overwrite=(target / "VERSION").is_file())
     except OSError:
-        if not _is_current(target):
+        if not _is_current(target):  # another process won the race to write it
             raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return target
 
 
@@ -180,14 +175,20 @@ def _is_current(path: Path) -> bool:
     return stamp.is_file() and stamp.read_text().strip() == TOY_VERSION
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@entry_point
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m colocate.toy", description=__doc__.splitlines()[0],
+                                     epilog=DEBUG_HELP)
     parser.add_argument("--out", type=Path, default=None,
-                        help="output directory (default: the toy cache)")
+                        help="output directory (default: the toy cache); an existing one is replaced "
+                             "only if colocate wrote it")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out even if it holds files colocate did not write")
     args = parser.parse_args(argv)
-    path = write_toy(args.out) if args.out is not None else ensure_toy()
+    path = write_toy(args.out, args.overwrite) if args.out is not None else ensure_toy()
     print(path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -77,7 +77,8 @@ def policy_loss(
     tis_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss per token, with [lo, hi] = [1 - eps_clip, 1 + eps_clip_high]
-    (eps_clip_high defaults to eps_clip; a larger one is DAPO's clip-higher).
+    (eps_clip_high defaults to eps_clip; a larger one is DAPO's clip-higher). eps_clip >= 1 leaves
+    no lower bound (lo = 0 < every ratio), e.g. the wide CISPO setting eps_clip 1, eps_clip_high 4.
 
     ppo:   r_t = exp(lp_t - old_t);  l_t = max(-A_t r_t, -A_t clip(r_t, lo, hi)).
            dual_clip_c = c > 1: for A_t < 0, l_t = min(l_t, -c A_t), so a huge ratio on a
@@ -95,8 +96,8 @@ def policy_loss(
     if kind not in POLICY_LOSS_KINDS:
         raise ValueError(f"kind={kind!r} must be one of {POLICY_LOSS_KINDS}")
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    if not 0 <= eps_clip < 1:
-        raise ValueError(f"eps_clip={eps_clip} must be in [0, 1)")
+    if eps_clip < 0:
+        raise ValueError(f"eps_clip={eps_clip} must be >= 0 (1 or more: no lower bound)")
     if eps_high < 0:
         raise ValueError(f"eps_clip_high={eps_clip_high} must be >= 0")
     if dual_clip_c is not None:
@@ -106,7 +107,7 @@ def policy_loss(
             raise ValueError(f"dual_clip_c={dual_clip_c} must be > 1")
     _check_flat(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
                 seq_index=seq_index, tis_weights=tis_weights)
-    lo, hi = 1.0 - eps_clip, 1.0 + eps_high
+    lo, hi = max(1.0 - eps_clip, 0.0), 1.0 + eps_high
     m = mask.to(logprobs.dtype)
     keep = m > 0
     log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0)  # (T,)

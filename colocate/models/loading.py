@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from colocate.models.config import ModelConfig
 from colocate.models.layers import rope_inv_freq
 from colocate.models.transformer import CausalLM
+from colocate.output_dir import replacing_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# aminmax has no kernels for the float8 types; integer tensors cannot hold NaN.
+_CHECKED_DTYPES = (torch.float64, *DTYPES.values())
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -35,20 +36,49 @@ def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / f for f in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): "
+                             f"{type(e).__name__}: {e}") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names missing files {missing[:3]}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     return files
 
 
+def _check_finite(name: str, tensor: torch.Tensor, source: str | Path) -> None:
+    """Raise ValueError naming the tensor and its file when it holds a NaN or an infinity."""
+    if tensor.dtype not in _CHECKED_DTYPES or tensor.numel() == 0:
+        return
+    # Min and max are finite only if every value is, and cost a tenth of isfinite on CPU.
+    low, high = torch.aminmax(tensor)
+    if bool(torch.isfinite(low) & torch.isfinite(high)):
+        return
+    num_nan, num_inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+    raise ValueError(f"{source}: tensor {name} holds non-finite values ({num_nan} NaN, {num_inf} inf "
+                     f"of {tensor.numel()})")
+
+
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, CPU tensor) for every tensor of a model directory, one file at a time."""
+    """Yield (HF name, CPU tensor) for every tensor of a model directory, one file at a time.
+
+    A file that safetensors cannot read (truncated, not safetensors) and a tensor holding NaN or
+    inf raise ValueError naming the file (and the tensor)."""
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    _check_finite(name, tensor, file)
+                    yield name, tensor
+        except SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def load_weights(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]], source: str = "weights"):
@@ -106,18 +136,23 @@ def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device=
 def save_pretrained(
     model: CausalLM | None, out: str | Path, *, config: ModelConfig | None = None,
     state: Iterable[tuple[str, torch.Tensor]] | None = None, tokenizer_dir: str | Path | None = None,
-    max_shard_bytes: int = 4 << 30,
+    max_shard_bytes: int = 4 << 30, overwrite: bool = False,
 ) -> Path:
-    """Write an HF directory that transformers loads. Written to a temp dir, then renamed.
+    """Write an HF directory that transformers loads, under the rule of `colocate.output_dir`: an
+    existing non-empty `out` is replaced only if colocate wrote it or `overwrite` is set.
 
     Either a model, or a config plus an iterable of HF-named full tensors (e.g. from a checkpoint).
     Tokenizer files are copied from `tokenizer_dir` when given.
     """
     config = config or model.config
     named = state if state is not None else model.state_dict().items()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    with replacing_dir(out, "colocate save_pretrained", overwrite=overwrite) as tmp:
+        _write_hf_dir(tmp, config, named, tokenizer_dir, max_shard_bytes)
+    return Path(out)
+
+
+def _write_hf_dir(tmp: Path, config: ModelConfig, named: Iterable[tuple[str, torch.Tensor]],
+                  tokenizer_dir: str | Path | None, max_shard_bytes: int) -> None:
     shards, current, size = [], {}, 0
     for name, t in named:
         if config.tie_word_embeddings and name == "lm_head.weight":
@@ -147,7 +182,3 @@ def save_pretrained(
             if f.name.startswith(("tokenizer", "special_tokens", "added_tokens", "vocab", "merges", "generation_config",
                                   "chat_template")):
                 shutil.copy(f, tmp / f.name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out

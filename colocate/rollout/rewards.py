@@ -5,13 +5,16 @@ Every reward function has one signature, so built-ins and user code are intercha
     fn(prompts: list[str], responses: list[str], labels: list, metadata: list[dict]) -> list[float]
 
 They run on the CPU of each rank, after generation and before training. `load_reward_fn` resolves
-a name at start-up (an import error surfaces before any GPU work); `compute_rewards` calls the
-function on a batch and turns a failure into reward 0.0 for the failing samples, counted and
-logged once, or fatal in strict mode.
+a name at start-up (an import error, or a signature that cannot take those four arguments, surfaces
+before any GPU work); `compute_rewards` calls the function on a batch and turns a failure into
+reward 0.0 for the failing samples, counted and logged once, or fatal in strict mode. Breaking the
+contract itself (a call that cannot bind, a result that is not one number per sample) is a
+`RewardContractError`, always fatal: it would fail every sample the same way.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import re
@@ -85,19 +88,33 @@ BUILTIN_REWARD_FNS: dict[str, RewardFn] = {
 }
 
 
+class RewardContractError(ValueError):
+    """A reward function broke its contract (e.g. wrong number of rewards): a bug, always fatal."""
+
+
 def load_reward_fn(name: str, what: str = "rollout.reward") -> RewardFn:
-    """A built-in by name, or `module:function` imported now so a typo fails at start-up; errors
-    name `what` (the config field)."""
+    """A built-in by name, or `module:function` imported now so a typo or a wrong signature fails
+    at start-up; errors name `what` (the config field)."""
     if name in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[name]
     if not is_function_spec(name):
         raise ValueError(f"{what}: {name!r} is not a built-in reward (one of "
                          f"{sorted(BUILTIN_REWARD_FNS)}) nor 'module:function'")
-    return load_function(name, what)
+    fn = load_function(name, what)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no inspectable signature: its first call is checked instead
+        return fn
+    try:
+        signature.bind([], [], [], [])
+    except TypeError as e:
+        raise RewardContractError(f"{what}: {_signature_error(name, e)}") from None
+    return fn
 
 
-class RewardContractError(ValueError):
-    """A reward function broke its contract (e.g. wrong number of rewards): a bug, always fatal."""
+def _signature_error(name: str, error: TypeError) -> str:
+    return (f"reward function {name} cannot be called as fn(prompts, responses, labels, metadata) "
+            f"({error})")
 
 
 def compute_rewards(
@@ -137,12 +154,22 @@ def _score_one(fn: RewardFn, sample: RewardInput, name: str) -> float | Exceptio
 
 
 def _call(fn: RewardFn, samples: Sequence[RewardInput], name: str) -> list[float]:
-    out = list(fn(
-        [s.prompt for s in samples],
-        [s.response for s in samples],
-        [s.label for s in samples],
-        [s.metadata if s.metadata is not None else {} for s in samples],
-    ))
+    try:
+        out = fn(
+            [s.prompt for s in samples],
+            [s.response for s in samples],
+            [s.label for s in samples],
+            [s.metadata if s.metadata is not None else {} for s in samples],
+        )
+    except TypeError as e:
+        # Raised by the call itself, not from inside fn: the arguments could not bind.
+        if e.__traceback__ is not None and e.__traceback__.tb_next is None:
+            raise RewardContractError(_signature_error(name, e)) from None
+        raise
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
+        raise RewardContractError(f"reward function {name} returned a {type(out).__name__}, not a list "
+                                  f"of {len(samples)} rewards")
+    out = list(out)
     if len(out) != len(samples):
         raise RewardContractError(
             f"reward function {name} returned {len(out)} rewards for {len(samples)} samples"

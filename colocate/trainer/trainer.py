@@ -125,7 +125,8 @@ class Trainer:
         t = self.cfg.train
         schedule = LRSchedule(t.lr_schedule, t.lr_warmup_steps, total_steps, t.min_lr_ratio)
         opt = OptimizerStep(model, lr=lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                            weight_decay=t.weight_decay, grad_clip=t.grad_clip, schedule=schedule)
+                            weight_decay=t.weight_decay, grad_clip=t.grad_clip, schedule=schedule,
+                            max_skipped_steps=t.max_skipped_steps)
         with self.memory.region(tag):
             init_optimizer_state(opt.optimizer)
         return opt, self.memory.add_optimizer(tag, opt, model)

@@ -160,13 +160,34 @@ def test_cispo_keeps_gradient_of_clipped_tokens():
     torch.testing.assert_close(metrics["pg_clipfrac"], _t([1, 0, 1]))
 
 
+def test_eps_clip_of_one_or_more_leaves_no_lower_bound():
+    ratios = [0.01, 0.5, 3.0, 6.0]
+    # cispo, eps_clip 1 and eps_clip_high 4: weights clip(r, 0, 5) = 0.01, 0.5, 3, 5; loss -w A lp
+    # with lp = log r here, and gradient -w A.
+    loss, grad, metrics = _ppo_case(ratios, [1.0, -1.0, 2.0, 1.0], kind="cispo", eps_clip=1.0, eps_clip_high=4.0)
+    w, adv = _t([0.01, 0.5, 3.0, 5.0]), _t([1.0, -1.0, 2.0, 1.0])
+    torch.testing.assert_close(loss, -w * adv * torch.log(_t(ratios)))
+    torch.testing.assert_close(grad, _t([-0.01, 0.5, -6.0, -5.0]))
+    torch.testing.assert_close(metrics["pg_clipfrac"], _t([0, 0, 0, 1]))
+    # ppo, eps_clip 1.5: with A < 0 a small ratio is no longer raised to a lower bound, so its
+    # gradient stays; r = 6 > 5 with A > 0 is still clipped.
+    loss, grad, metrics = _ppo_case(ratios, [-1.0, -1.0, 2.0, 1.0], eps_clip=1.5, eps_clip_high=4.0)
+    torch.testing.assert_close(loss, _t([0.01, 0.5, -6.0, -5.0]))
+    torch.testing.assert_close(grad, _t([0.01, 0.5, -6.0, 0.0]))
+    torch.testing.assert_close(metrics["pg_clipfrac"], _t([0, 0, 0, 1]))
+    # With the default eps_clip 0.2, the first two are clipped to 0.8 and lose their gradient.
+    loss, grad, _ = _ppo_case(ratios, [-1.0, -1.0, 2.0, 1.0], eps_clip_high=4.0)
+    torch.testing.assert_close(loss[:2], _t([0.8, 0.8]))
+    torch.testing.assert_close(grad[:2], _t([0.0, 0.0]))
+
+
 def test_policy_loss_bad_input():
     x = torch.zeros(3, dtype=F64)
     idx = torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match="kind"):
         policy_loss(x, x, x, x, idx, kind="trpo")
-    with pytest.raises(ValueError, match="eps_clip"):
-        policy_loss(x, x, x, x, idx, eps_clip=1.5)
+    with pytest.raises(ValueError, match=r"eps_clip=-0.1 must be >= 0 \(1 or more: no lower bound\)"):
+        policy_loss(x, x, x, x, idx, eps_clip=-0.1)
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(x, x, torch.zeros(4, dtype=F64), x, idx)
     with pytest.raises(ValueError, match="kind"):

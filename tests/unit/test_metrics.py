@@ -279,7 +279,7 @@ def test_plot_writes_one_png_per_group(tmp_path, capsys):
 def test_plot_errors_on_missing_or_empty_file(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot(tmp_path)
-    assert plot_main([str(tmp_path)]) == 1
+    assert plot_main([str(tmp_path)]) == 2
     assert "no metrics file" in capsys.readouterr().err
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no records"):

@@ -43,7 +43,8 @@ def _loss(model):
 def test_optimizer_step_follows_the_schedule_and_frees_grads():
     model = _model()
     sched = LRSchedule("linear", warmup_steps=2, total_steps=6, min_lr_ratio=0.0)
-    opt = OptimizerStep(model, lr=0.5, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_clip=None, schedule=sched)
+    opt = OptimizerStep(model, lr=0.5, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_clip=None, schedule=sched,
+                        max_skipped_steps=10)
     lrs = []
     for _ in range(6):
         loss = _loss(model)
@@ -75,7 +76,8 @@ def test_clip_grad_norm_returns_the_global_norm_and_clips():
 def test_non_finite_loss_or_grad_skips_the_step():
     model = _model()
     sched = LRSchedule()
-    opt = OptimizerStep(model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0, schedule=sched)
+    opt = OptimizerStep(model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0, schedule=sched,
+                        max_skipped_steps=10)
     before = [p.detach().clone() for p in model.parameters()]
     loss = _loss(model)
     loss.backward()
@@ -89,6 +91,29 @@ def test_non_finite_loss_or_grad_skips_the_step():
     out = opt.step(torch.tensor(1.0))
     assert out["skipped"] == 1.0 and not math.isfinite(out["grad_norm"])
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_consecutive_skipped_steps_stop_training_at_the_limit():
+    model = _model()
+    opt = OptimizerStep(model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0,
+                        schedule=LRSchedule(), max_skipped_steps=3)
+
+    def step(loss_scale: float) -> dict:
+        loss = _loss(model) * loss_scale
+        loss.backward()
+        return opt.step(loss.detach())
+
+    # Two skips, a good step (the count starts over), two more skips: still under the limit.
+    assert [step(s)["skipped"] for s in (float("nan"), float("nan"), 1.0, float("inf"), float("nan"))] == [
+        1.0, 1.0, 0.0, 1.0, 1.0]
+    with pytest.raises(RuntimeError) as info:
+        step(float("nan"))
+    assert str(info.value) == ("3 optimizer steps in a row were skipped for a non-finite loss (nan) or grad "
+                               "norm (nan): stopping (train.max_skipped_steps=3)")
+    assert opt.num_skipped == 5
+    with pytest.raises(ValueError, match="max_skipped_steps=0 must be >= 1"):
+        OptimizerStep(model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0,
+                      schedule=LRSchedule(), max_skipped_steps=0)
 
 
 def test_eager_state_init_moves_nothing_and_matches_a_fresh_first_step():
@@ -106,7 +131,7 @@ def test_eager_state_init_moves_nothing_and_matches_a_fresh_first_step():
 def test_scheduler_state_round_trip_keeps_the_step_and_the_configured_schedule():
     def make(kind):
         return OptimizerStep(_model(), lr=1.0, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=None,
-                             schedule=LRSchedule(kind, 1, 10, 0.2))
+                             schedule=LRSchedule(kind, 1, 10, 0.2), max_skipped_steps=10)
 
     opt = make("cosine")
     for _ in range(3):
