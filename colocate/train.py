@@ -8,7 +8,6 @@ and when, is colocate/colocation/handoff.py's to decide; this file only says whe
 
 from __future__ import annotations
 
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from colocate import dist
+from colocate.cli import entry_point
 from colocate.config import Config, load_config
 from colocate.timing import timed
 
@@ -160,25 +160,20 @@ class Loop:
         self.log.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+@entry_point
+def main(argv: list[str]) -> int:
+    """User errors (bad config, data, rewards, checkpoints, an unwritable disk) end as one line,
+    `error: ...`, and exit status 2 (with the traceback under --debug)."""
     from colocate.run_dir import RunDir
 
-    try:
-        cfg = load_config(argv)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(argv)
     info = dist.init()
     torch.manual_seed(cfg.train.seed)
     loop = run_dir = None
     finished = False
     try:
-        try:
-            run_dir = RunDir.claim(cfg, info)  # one run per output_dir
-            loop = Loop(cfg, info)  # data, rewards, hooks and the model config are checked here
-        except (ValueError, FileNotFoundError) as e:
-            print(f"error (rank {info.rank}): {e}", file=sys.stderr)
-            return 2
+        run_dir = RunDir.claim(cfg, info)  # one run per output_dir
+        loop = Loop(cfg, info)  # data, rewards, hooks and the model config are checked here
         loop.build()
         run_dir.save_config(cfg)  # once the inputs and the models have loaded
         loop.run()

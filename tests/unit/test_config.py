@@ -200,3 +200,10 @@ def test_eval_only_run_is_valid(tmp_path):
                                  "eval": {"interval": 1, "datasets": datasets}})
     cfg = load_config(["--config", path])
     assert cfg.train.num_rollout == 0 and cfg.eval.datasets[0].reward is None
+
+
+def test_clip_high_may_be_below_a_lower_clip_that_is_off():
+    cfg = load_config(["--algorithm.eps-clip", "1.0", "--algorithm.eps-clip-high", "0.28"])
+    assert cfg.algorithm.eps_clip == 1.0 and cfg.algorithm.eps_clip_high == 0.28
+    with pytest.raises(ValueError, match=r"algorithm.eps_clip_high must be >= algorithm.eps_clip \(0.3\)"):
+        load_config(["--algorithm.eps-clip", "0.3", "--algorithm.eps-clip-high", "0.28"])
