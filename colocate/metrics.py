@@ -291,3 +291,24 @@ def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
                 break
             raise ValueError(f"{path}:{number}: not a JSON object ({err})") from err
     return records
+
+
+def run_summary(output_dir: str | os.PathLike, seconds: float) -> str:
+    """What a finished run did, in a few lines: steps and time, the rollout reward's first fifth
+    against its last fifth, each eval set's first and last score, and where the outputs are."""
+    steps: dict[int, dict[str, Any]] = {}
+    for record in read_metrics(output_dir):
+        steps.setdefault(record["step"], {}).update(record)
+    rows = [steps[s] for s in sorted(steps)]
+    lines = [f"{len(rows)} steps in {seconds:.1f} s"]
+    rewards = [r["rollout/raw_reward"] for r in rows if r.get("rollout/raw_reward") is not None]
+    if rewards:
+        fifth = max(1, len(rewards) // 5)
+        first, last = sum(rewards[:fifth]) / fifth, sum(rewards[-fifth:]) / fifth
+        lines.append(f"reward {first:.3f} (first fifth of the steps) -> {last:.3f} (last fifth)")
+    for key in sorted({k for r in rows for k in r if k.startswith("eval/") and "/avg@" in k}):
+        scores = [r[key] for r in rows if r.get(key) is not None]
+        if scores:
+            lines.append(f"{key} {scores[0]:.3f} -> {scores[-1]:.3f}")
+    lines.append(f"outputs in {output_dir} ({METRICS_FILE}; `python -m colocate.plot {output_dir}` draws them)")
+    return "\n".join(lines)

@@ -5,7 +5,8 @@
 A group is a key's first path component (rollout, train, eval, perf, memory, ...). Within a group
 each metric gets its own panel, except the per-phase families, which share one so that phases
 compare at a glance: `perf/*_time` in one "seconds" panel, `memory/<phase>/<kind>` in one panel per
-kind with a line per phase. Works on a run that is still going (the file is append-only).
+kind with a line per phase. Metrics that never change are left out unless --keys names them.
+Works on a run that is still going (the file is append-only).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def collect_series(
 ) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
     """{group: {key: (steps, values)}} for every metric with at least one finite value.
 
-    `patterns` are fnmatch globs on the full key (an exact key is its own glob); None keeps all.
+    `patterns` are fnmatch globs on the full key (an exact key is its own glob); None keeps every
+    metric whose value changes at some step (a flat line says nothing a legend could not).
     """
     series: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
     keys = sorted({k for m in steps.values() for k in m if k not in ("step", "time")})
@@ -58,7 +60,8 @@ def collect_series(
         xs = [step for step, m in steps.items() if key in m]
         # null is how the file stores NaN/inf; NaN breaks the line there instead of bridging it.
         ys = [math.nan if steps[step][key] is None else float(steps[step][key]) for step in xs]
-        if not any(math.isfinite(y) for y in ys):
+        finite = [y for y in ys if math.isfinite(y)]
+        if not finite or (patterns is None and len(finite) > 1 and len(set(finite)) == 1):
             continue
         group = key.split("/")[0] if "/" in key else "misc"
         series.setdefault(group, {})[key] = (xs, ys)

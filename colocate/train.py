@@ -164,8 +164,10 @@ class Loop:
 def main(argv: list[str]) -> int:
     """User errors (bad config, data, rewards, checkpoints, an unwritable disk) end as one line,
     `error: ...`, and exit status 2 (with the traceback under --debug)."""
+    from colocate.metrics import run_summary
     from colocate.run_dir import RunDir
 
+    start = time.perf_counter()
     cfg = load_config(argv)
     info = dist.init()
     torch.manual_seed(cfg.train.seed)
@@ -177,6 +179,8 @@ def main(argv: list[str]) -> int:
         loop.build()
         run_dir.save_config(cfg)  # once the inputs and the models have loaded
         loop.run()
+        if info.is_main:
+            loop.log.info(run_summary(cfg.output_dir, time.perf_counter() - start))
         finished = True
     finally:
         if loop is not None:

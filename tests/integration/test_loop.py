@@ -157,3 +157,5 @@ def test_default_run_learns(tmp_path):
     assert last - first >= 0.3, rewards
     evals = [rows[s]["eval/toy/avg@1"] for s in sorted(rows) if "eval/toy/avg@1" in rows[s]]
     assert len(evals) >= 2 and evals[-1] - evals[0] >= 0.3, evals
+    summary = f"reward {first:.3f} (first fifth of the steps) -> {last:.3f} (last fifth)"
+    assert "40 steps in" in done.stdout and summary in done.stdout, done.stdout[-2000:]

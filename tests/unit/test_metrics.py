@@ -14,9 +14,9 @@ import torch
 from rich.console import Console
 
 from colocate import metrics as metrics_mod
-from colocate.metrics import MetricsLogger, read_metrics
+from colocate.metrics import MetricsLogger, read_metrics, run_summary
 from colocate.plot import main as plot_main
-from colocate.plot import merge_by_step, plot
+from colocate.plot import collect_series, merge_by_step, plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -261,13 +261,17 @@ def test_plot_writes_one_png_per_group(tmp_path, capsys):
     logger = _logger(tmp_path)
     for step in range(4):
         logger.log(step, {
-            "rollout/raw_reward": 0.1 * step, "train/ppo_kl": 0.01, "train/entropy_loss": float("nan"),
-            "perf/generate_time": 1.0, "perf/train_time": 2.0, "memory/after_train/allocated_gib": 3.0,
-            "memory/after_generate/allocated_gib": 4.0,
-            **({"eval/raw_reward": 0.5} if step % 2 == 0 else {}),
+            "rollout/raw_reward": 0.1 * step, "train/ppo_kl": 0.01 * step, "train/entropy_loss": float("nan"),
+            "perf/generate_time": 1.0 + step, "perf/train_time": 2.0, "memory/after_train/allocated_gib": 3.0,
+            "memory/after_generate/allocated_gib": 4.0, "rollout/epoch": 0,
+            **({"eval/raw_reward": 0.5 + step} if step % 2 == 0 else {}),
         })
     assert plot_main([str(tmp_path)]) == 0
-    names = {"rollout", "train", "eval", "perf", "memory"}
+    names = {"rollout", "train", "eval", "perf"}  # memory and rollout/epoch never change: left out
+    series = collect_series(merge_by_step(read_metrics(tmp_path)))
+    assert set(series["rollout"]) == {"rollout/raw_reward"} and set(series["perf"]) == {"perf/generate_time"}
+    assert set(collect_series(merge_by_step(read_metrics(tmp_path)), ["rollout/*"])["rollout"]) == {
+        "rollout/raw_reward", "rollout/epoch"}  # asked for by name: drawn even when flat
     expected = [str(tmp_path / "plots" / f"{n}.png") for n in sorted(names)]
     assert capsys.readouterr().out.split() == expected
     for name in names:
@@ -285,3 +289,14 @@ def test_plot_errors_on_missing_or_empty_file(tmp_path, capsys):
     with pytest.raises(ValueError, match="no records"):
         plot(tmp_path)
     assert not (tmp_path / "plots").exists()
+
+
+def test_run_summary_reads_the_runs_metrics(tmp_path):
+    logger = _logger(tmp_path)
+    for step in range(10):
+        logger.log(step, {"rollout/raw_reward": step / 10, **({"eval/toy/avg@1": step / 20} if step % 3 == 0 else {})})
+    assert run_summary(tmp_path, 12.34).splitlines() == [
+        "10 steps in 12.3 s",
+        "reward 0.050 (first fifth of the steps) -> 0.850 (last fifth)",
+        "eval/toy/avg@1 0.000 -> 0.450",
+        f"outputs in {tmp_path} (metrics.jsonl; `python -m colocate.plot {tmp_path}` draws them)"]
