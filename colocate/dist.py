@@ -85,10 +85,15 @@ def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device | No
 
 def all_reduce_max(value: int, device: torch.device | None = None) -> int:
     device = device or get_info().device
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    return int(all_reduce_max_values(torch.tensor([value], dtype=torch.int64, device=device))[0])
+
+
+def all_reduce_max_values(values: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of a small tensor over all ranks (a reduced copy)."""
+    t = values.clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return t
 
 
 def broadcast_from_main(obj):

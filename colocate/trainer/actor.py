@@ -8,6 +8,7 @@ kernels.token_logprobs on the packed hidden states without ever holding the full
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -58,6 +59,7 @@ class Actor:
         results, num_tokens = [], 0
         for plan in plans:
             metrics, tokens = gradient_step(self.opt, self.arrival, batch, plan, loss_fn, self.gathered)
+            metrics["train/mismatch/ppl_ratio"] = math.exp(metrics.pop("train/mismatch/log_ppl_ratio"))
             results.append(metrics)
             num_tokens += tokens
         return results, num_tokens
@@ -98,5 +100,25 @@ class Actor:
         shares["train/entropy_loss"] = ent.detach()
         for name in ("pg_clipfrac", "ppo_kl"):
             shares[f"train/{name}"] = agg(pg_metrics[name], mask, mode="token_mean")
-        shares["train/train_rollout_logprob_abs_diff"] = agg((old - rollout).abs(), mask, mode="token_mean")
+        shares.update(_mismatch(old, rollout, mask, agg))
         return loss, shares
+
+
+def _mismatch(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, agg) -> dict[str, torch.Tensor]:
+    """How far the trainer's log-probs of the sampled tokens (before any update) are from the
+    engine's, as shares of the step's token means (and a maximum):
+        train_rollout_logprob_abs_diff, mismatch/abs_diff_max   mean and max |train - rollout|
+        mismatch/kl_k3              k3 estimate of KL(rollout || train) (the tokens are rollout samples)
+        mismatch/log_ppl_ratio      log(ppl_train / ppl_rollout) = mean(rollout - train); the actor
+                                    reports its exp, mismatch/ppl_ratio
+        mismatch/nonzero_frac       share of tokens whose two log-probs differ at all
+    """
+    delta = train - rollout  # (T_mb,)
+    on = mask > 0
+    return {
+        "train/train_rollout_logprob_abs_diff": agg(delta.abs(), mask, mode="token_mean"),
+        "train/mismatch/abs_diff_max": torch.where(on, delta.abs(), 0.0).max() if on.numel() else delta.new_zeros(()),
+        "train/mismatch/kl_k3": agg(kl_estimate(rollout, train, "k3"), mask, mode="token_mean"),
+        "train/mismatch/log_ppl_ratio": agg(-delta, mask, mode="token_mean"),
+        "train/mismatch/nonzero_frac": agg((delta != 0).to(mask.dtype), mask, mode="token_mean"),
+    }

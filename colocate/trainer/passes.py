@@ -86,7 +86,8 @@ def gradient_step(
 
     `loss_fn(mb, plan)` returns the micro-batch's loss share and metric shares (0-dim tensors,
     the same names on every micro-batch and rank). Returns the global metrics (shares summed over
-    micro-batches and ranks, plus grad_norm, lr, skipped) and the rank's real token count.
+    micro-batches and ranks, those named *_max maximised instead; plus grad_norm, lr, skipped) and
+    the rank's real token count.
     With `gathered` (the FSDP root, built with reshard_after_forward=False), its parameters stay
     gathered and its gradients accumulate unreduced, in the reduce dtype, until the step's last
     micro-batch, whose backward reduces and reshards once.
@@ -97,6 +98,7 @@ def gradient_step(
     device = batch.mask.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     sums: dict[str, torch.Tensor] = {}
+    maxima: dict[str, torch.Tensor] = {}
     num_tokens = 0
     for i, part in enumerate(plan.parts):
         last = i == len(plan.parts) - 1
@@ -113,11 +115,18 @@ def gradient_step(
             (loss * world).backward()
         loss_sum += loss.detach().double()
         for name, value in shares.items():
-            sums[name] = sums.get(name, 0.0) + value.detach().double()
+            value = value.detach().double()
+            if name.endswith("_max"):
+                maxima[name] = torch.maximum(maxima[name], value) if name in maxima else value
+            else:
+                sums[name] = sums.get(name, 0.0) + value
         num_tokens += mb.num_tokens
     with record_function("optimizer.step"):
         names = sorted(sums)
         totals = dist.all_reduce_sum(torch.stack([loss_sum] + [sums[n] for n in names]), device)
         out = opt.step(totals[0], before_update=arrival.wait)
         out.update({n: float(v) for n, v in zip(names, totals[1:].tolist())})
+        if maxima:
+            names = sorted(maxima)
+            out.update(zip(names, dist.all_reduce_max_values(torch.stack([maxima[n] for n in names])).tolist()))
     return out, num_tokens

@@ -33,13 +33,15 @@ from colocate.timing import timed
 
 
 def _summarize(steps: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    """Per-step metrics -> one dict: shares averaged over steps, grad_norm averaged, the last lr,
-    the number of skipped steps."""
+    """Per-step metrics -> one dict: shares averaged over steps (maxima maximised), grad_norm
+    averaged, the last lr, the number of skipped steps."""
     out = {f"{prefix}grad_norm": sum(s["grad_norm"] for s in steps) / len(steps),
            f"{prefix}lr": steps[-1]["lr"],
            f"{prefix}skipped_steps": sum(s["skipped"] for s in steps)}
     for name in steps[0]:
-        if name not in ("grad_norm", "lr", "skipped"):
+        if name.endswith("_max"):
+            out[name] = max(s[name] for s in steps)
+        elif name not in ("grad_norm", "lr", "skipped"):
             out[name] = sum(s[name] for s in steps) / len(steps)
     return out
 
