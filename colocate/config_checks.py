@@ -42,7 +42,7 @@ def validate(cfg: Config, origin: Callable[[Config, str], str] | None = None) ->
     origin = origin or (lambda _cfg, _name: "config")
     r, a, t, e = cfg.rollout, cfg.algorithm, cfg.train, cfg.eval
     n = r.n_samples_per_prompt
-    checks = list(_range_checks(cfg, ""))
+    checks = list(_range_checks(cfg, "")) + [top_k_check(r.top_k, "rollout.top_k")]
     checks += [
         ("model.path", bool(cfg.model.path), "must name a model directory", cfg.model.path),
         ("rollout.prompt_data", bool(r.prompt_data), "must name a data file", r.prompt_data),
@@ -54,7 +54,10 @@ def validate(cfg: Config, origin: Callable[[Config, str], str] | None = None) ->
         ("rollout.dynamic_sampling", not (r.dynamic_sampling and n == 1),
          "needs rollout.n_samples_per_prompt >= 2 (a group of one always agrees)",
          r.dynamic_sampling),
-        ("rollout.top_k", r.top_k == -1 or r.top_k >= 1, "must be -1 (all) or >= 1", r.top_k),
+        ("rollout.system_prompt", r.system_prompt is None or r.apply_chat_template,
+         "needs rollout.apply_chat_template", r.system_prompt),
+        ("rollout.chat_template_kwargs", not r.chat_template_kwargs or r.apply_chat_template,
+         "needs rollout.apply_chat_template", r.chat_template_kwargs),
         ("rollout.reward", _reward_name_ok(r.reward),
          f"must be one of {list(BUILTIN_REWARDS)} or module:function", r.reward),
         ("rollout.custom_generate",
@@ -101,6 +104,20 @@ def validate(cfg: Config, origin: Callable[[Config, str], str] | None = None) ->
     for name, ok, why, value in checks:
         if not ok:
             raise ValueError(f"{origin(cfg, name)}: {name} {why}, got {value!r}")
+
+
+def top_k_check(top_k: int, name: str) -> tuple[str, bool, str, int]:
+    """The top-k rule of training, which offline generation applies to its --top-k too."""
+    return name, top_k == -1 or top_k >= 1, "must be -1 (all) or >= 1", top_k
+
+
+def sampling_checks(rollout: Any, names: dict[str, str]) -> list[tuple[str, bool, str, Any]]:
+    """The checks of a RolloutConfig's sampling fields, each under the name `names` gives it
+    (e.g. {"top_k": "--top-k"}): the ranges declared on the fields and the top-k rule."""
+    checks = [(names[n], ok, why, value) for n, ok, why, value in _range_checks(rollout, "") if n in names]
+    if "top_k" in names:
+        checks.append(top_k_check(rollout.top_k, names["top_k"]))
+    return checks
 
 
 def _range_checks(obj: Any, prefix: str):
