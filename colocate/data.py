@@ -82,12 +82,15 @@ class PublicSet:
     split: str
     """The split `prepare` converts unless --split says otherwise."""
     convert: Callable[[dict, str], dict]
+    deduplicate: bool = False
+    """Keep only the first of rows that convert identically (DAPO-Math-17k's ~17k prompts are
+    stored about 100 times over)."""
 
 
 PUBLIC_SETS = {
     "gsm8k": PublicSet("openai/gsm8k", "main", "train", gsm8k_row),
     "math500": PublicSet("HuggingFaceH4/MATH-500", None, "test", math500_row),
-    "dapo-math-17k": PublicSet("BytedTsinghua-SIA/DAPO-Math-17k", None, "train", dapo_row),
+    "dapo-math-17k": PublicSet("BytedTsinghua-SIA/DAPO-Math-17k", None, "train", dapo_row, deduplicate=True),
     "aime24": PublicSet("HuggingFaceH4/aime_2024", None, "train", aime_row),
 }
 
@@ -97,9 +100,19 @@ def read_rows(spec: str) -> Iterator[tuple[str, Any]]:
     public sets are converted. Locations are 'file:line' (JSONL) or 'source:row N'."""
     rows = raw_rows(spec)
     known = _public_set(spec)
-    if known is None:
-        return rows
-    return ((where, known.convert(row, where)) for where, row in rows)
+    return rows if known is None else _converted(known, rows)
+
+
+def _converted(known: PublicSet, rows: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, dict]]:
+    seen: set[str] = set()
+    for where, row in rows:
+        out = known.convert(row, where)
+        if known.deduplicate:
+            key = json.dumps(out, sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+        yield where, out
 
 
 def raw_rows(spec: str) -> Iterator[tuple[str, Any]]:
@@ -194,7 +207,7 @@ def prepare(name: str, out: str | Path, split: str | None = None, source: str | 
     known = PUBLIC_SETS[name]
     if source is None:
         source = f"{known.repo_id}:{known.config or ''}:{split or known.split}"
-    rows = [known.convert(row, where) for where, row in raw_rows(source)]
+    rows = [row for _, row in _converted(known, raw_rows(source))]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

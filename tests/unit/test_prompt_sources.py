@@ -64,15 +64,15 @@ def datasets_cache(tmp_path, monkeypatch):
     ("gsm8k", GSM8K, [{"prompt": GSM8K[0]["question"] + "\n" + BOXED, "label": "72"},
                       {"prompt": GSM8K[1]["question"] + "\n" + BOXED, "label": "2400"}]),
     ("math500", MATH500, [{"prompt": MATH500[0]["problem"] + "\n" + BOXED, "label": "\\frac{3}{4}"}]),
-    ("dapo-math-17k", DAPO, [{"prompt": [{"role": "user", "content": DAPO[0]["prompt"][0]["content"]}],
-                              "label": "7"}]),
+    ("dapo-math-17k", DAPO * 3, [{"prompt": [{"role": "user", "content": DAPO[0]["prompt"][0]["content"]}],
+                                  "label": "7"}]),  # stored many times over, converted once
     ("aime24", AIME24, [{"prompt": AIME24[0]["problem"] + "\n" + BOXED, "label": "10"}]),
 ])
 def test_prepare_converts_each_public_set(tmp_path, datasets_cache, name, rows, expected):
     source = tmp_path / "source.parquet"
     pq.write_table(pa.Table.from_pylist(rows), source)
     out = tmp_path / "out" / f"{name}.jsonl"
-    assert prepare(name, out, source=str(source)) == len(rows)
+    assert prepare(name, out, source=str(source)) == len(expected)
     assert [json.loads(line) for line in out.read_text().splitlines()] == expected
 
 
