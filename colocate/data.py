@@ -128,19 +128,14 @@ def raw_rows(spec: str) -> Iterator[tuple[str, Any]]:
     config, split = (rest + [None, None])[:2]
     if Path(location).is_dir():
         return _dataset_rows(spec, location, config or None, split)
-    repo = _hub_repo(spec)
+    repo = hub_repo(spec)
     if repo is None:
         raise ValueError(f"{spec}: prompt data not found (not a file, a directory, or a Hub data set id "
                          "owner/name[:config[:split]])")
     return _dataset_rows(spec, snapshot(*repo, "dataset", spec), config or None, split)
 
 
-def hub_data_sets(specs: list[str]) -> list[tuple[str, str | None, str]]:
-    """(repo id, revision, source) of each prompt source that names a Hub data set."""
-    return [(*repo, spec) for spec in specs if (repo := _hub_repo(spec)) is not None]
-
-
-def _hub_repo(spec: str) -> tuple[str, str | None] | None:
+def hub_repo(spec: str) -> tuple[str, str | None] | None:
     """The (repo id, revision) a prompt source names on the Hub; None for a local source."""
     location = spec.split(":")[0]
     if Path(spec).exists() or Path(location).exists() or location.endswith(FILE_SUFFIXES):
@@ -149,7 +144,7 @@ def _hub_repo(spec: str) -> tuple[str, str | None] | None:
 
 
 def _public_set(spec: str) -> PublicSet | None:
-    repo = _hub_repo(spec)
+    repo = hub_repo(spec)
     return next((s for s in PUBLIC_SETS.values() if repo is not None and s.repo_id == repo[0]), None)
 
 

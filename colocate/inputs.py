@@ -27,17 +27,20 @@ def _prepare_toy(cfg: Config, info: DistInfo):
 def _resolve_hub_ids(cfg: Config, info: DistInfo) -> None:
     """Replace Hub ids among the model paths by their cached snapshot directories, and fetch the
     Hub data sets that the prompt sources name; one process per node downloads."""
-    from colocate.data import hub_data_sets
+    from colocate.data import hub_repo
     from colocate.hub import fetch_once_per_node, resolve_model, snapshot
 
     m = cfg.model
     models = [(name, getattr(m, name)) for name in ("path", "ref_path", "critic_path") if getattr(m, name)]
-    sets = hub_data_sets([cfg.rollout.prompt_data] + [d.path for d in cfg.eval.datasets])
+    sources = [("rollout.prompt_data", cfg.rollout.prompt_data)]
+    sources += [(f"eval.datasets.{i}.path", d.path) for i, d in enumerate(cfg.eval.datasets)]
+    sets = [(field, repo) for field, spec in sources if (repo := hub_repo(spec)) is not None]
 
     def fetch(local_only: bool) -> list[str]:
-        for repo_id, revision, spec in sets:
-            snapshot(repo_id, revision, "dataset", spec, local_only=local_only)
-        return [resolve_model(path, f"model.{name}", local_only=local_only) for name, path in models]
+        local = [resolve_model(path, f"model.{name}", local_only=local_only) for name, path in models]
+        for field, (repo_id, revision) in sets:
+            snapshot(repo_id, revision, "dataset", field, local_only=local_only)
+        return local
 
     for (name, _), local in zip(models, fetch_once_per_node(fetch, info.local_rank)):
         setattr(m, name, local)

@@ -105,6 +105,12 @@ def test_hub_ids_become_snapshot_directories_before_any_model_work(tmp_path, mon
     cfg = load_config(run_config(tmp_path, "Qwen/Qwen2.5-7B-Instruct", "openai/gsm8k:main:train"))
     with pytest.raises(ValueError, match=r"^model.path: the Hub model Qwen/Qwen2.5-7B-Instruct is not in the cache"):
         RunInputs.load(cfg, info)
+    cfg = load_config(run_config(tmp_path, str(snap), "openai/gsm8k:main:train")
+                      + ["--rollout.prompt-data", "openai/gsm8k@v2:main:train"])
+    with pytest.raises(ValueError) as e:
+        RunInputs.load(cfg, info)
+    assert str(e.value) == (f"rollout.prompt_data: the Hub data set openai/gsm8k@v2 is not in the cache {cache}, "
+                            "and HF_HUB_OFFLINE is set")
 
 
 def test_generate_as_the_readme_shows_it(tmp_path, capsys):
