@@ -8,8 +8,8 @@
 # the CPU build, from PyTorch's CPU wheel index ($TORCH_CPU_INDEX; empty skips it) when that answers;
 # with one, it is the CUDA build plus torch_memory_saver. It runs again when pyproject.toml changes.
 # Environment: NPROC (processes, default: number of GPUs, or 1 on CPU), NNODES, NODE_RANK,
-# MASTER_ADDR, MASTER_PORT (multi-node rendezvous), PYTHON (an interpreter to install into and run
-# instead of .venv), TORCH_CPU_INDEX.
+# MASTER_ADDR, MASTER_PORT (multi-node rendezvous), PYTHON (an interpreter to run instead of .venv;
+# torch, if missing, and this checkout are installed into it), TORCH_CPU_INDEX.
 set -euo pipefail
 cd "$(dirname "$0")"
 TORCH_VERSION=2.13.0  # the torch the project is tested with
@@ -36,9 +36,9 @@ wanted() {
   fi
 }
 
-install() {
-  local torch build extras index=()
-  read -r torch build extras _ <<< "$1"
+install_torch() {
+  local torch build index=()
+  read -r torch build _ <<< "$1"
   if [[ "$build" == cpu && "$(uname -s)" == Linux && -n "$TORCH_CPU_INDEX" ]]; then
     # PyPI's Linux torch is the multi-GB CUDA build. A short probe first: pip retries an index
     # that does not answer for tens of seconds.
@@ -51,15 +51,20 @@ install() {
   fi
   echo "[launch] installing $torch ($build build) into $py"
   pip_install ${index[@]+"${index[@]}"} "$torch"
+}
+
+install_project() {
+  local extras
+  read -r _ _ extras _ <<< "$1"
   echo "[launch] installing colocate $extras and its dependencies"
   pip_install -e "$extras"
 }
 
 if [[ -n "${PYTHON:-}" ]]; then
+  # The user's interpreter: a torch it has stays as it is.
   py=$PYTHON use_uv=
-  if ! "$py" -c "import torch, colocate, datasets, pytest" 2>/dev/null; then
-    install "$(wanted)"
-  fi
+  "$py" -c "import torch" 2>/dev/null || install_torch "$(wanted)"
+  "$py" -m pip show -q colocate >/dev/null 2>&1 || install_project "$(wanted)"
 else
   py=.venv/bin/python use_uv=
   if [[ ! -x "$py" ]]; then
@@ -76,7 +81,8 @@ else
   stamp=.venv/colocate-setup
   want=$(wanted)
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-    install "$want"
+    install_torch "$want"
+    install_project "$want"
     echo "$want" > "$stamp"
   fi
 fi
