@@ -6,8 +6,9 @@ A prompt source (`rollout.prompt_data`, `eval.datasets[].path`) is one of:
 - a directory written by `datasets`' `save_to_disk`, optionally `DIR:SPLIT` for a DatasetDict
   (default split: train);
 - a Hugging Face Hub data set `owner/name[@revision][:CONFIG[:SPLIT]]` (CONFIG may be empty for
-  the set's default; default split: train), e.g. `openai/gsm8k:main:train`, fetched into the Hub cache (see colocate/hub.py) and read with
-  the `datasets` library; a local directory laid out like such a repository reads the same way.
+  the set's default; default split: train), e.g. `openai/gsm8k:main:train`, fetched into the Hub
+  cache (see colocate/hub.py) and read with the `datasets` library; a local directory laid out
+  like such a repository reads the same way.
 
 Rows are mappings. Hub ids of the public sets below are converted on reading, exactly as
 `python -m colocate.data prepare NAME OUT.jsonl [--split SPLIT]` converts them to our JSONL: a
@@ -33,6 +34,7 @@ BOXED = "Please reason step by step, and put your final answer within \\boxed{}.
 the last boxed answer."""
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""A missing path with one of these suffixes is a missing file, never taken for a Hub id."""
 
 
 def _columns(row: dict, where: str, set_name: str, *names: str) -> list[Any]:
