@@ -3,27 +3,93 @@
 #   ./launch.sh                         set up (first run) and train on configs/default.yaml
 #   ./launch.sh CONFIG.yaml [FLAGS...]  train with a config; FLAGS override it (--train.lr 1e-6)
 #   ./launch.sh test [PYTEST ARGS...]   set up (first run) and run the tests
+# Set-up: a virtual environment in .venv (made with uv when it is installed, else python3 -m venv)
+# with torch $TORCH_VERSION and this checkout (editable) installed. Without an NVIDIA GPU, torch is
+# the CPU build, from PyTorch's CPU wheel index ($TORCH_CPU_INDEX; empty skips it) when that answers;
+# with one, it is the CUDA build plus torch_memory_saver. It runs again when pyproject.toml changes.
 # Environment: NPROC (processes, default: number of GPUs, or 1 on CPU), NNODES, NODE_RANK,
-# MASTER_ADDR, MASTER_PORT (multi-node rendezvous), PYTHON (interpreter, default python3).
+# MASTER_ADDR, MASTER_PORT (multi-node rendezvous), PYTHON (an interpreter to run instead of .venv;
+# torch, if missing, and this checkout are installed into it), TORCH_CPU_INDEX.
 set -euo pipefail
 cd "$(dirname "$0")"
-PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.13.0  # the torch the project is tested with
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
 
-setup() {
-  if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    echo "[launch] installing torch"
-    "$PYTHON" -m pip install -q "torch>=2.9"
-  fi
-  if ! "$PYTHON" -c "import colocate, tyro, pytest" 2>/dev/null; then
-    echo "[launch] installing colocate and its dependencies"
-    "$PYTHON" -m pip install -q -e ".[dev]"
+has_nvidia_gpu() {
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'
+}
+
+pip_install() {
+  if [[ -n "$use_uv" ]]; then
+    uv pip install -q --python "$py" "$@"
+  else
+    "$py" -m pip install -q "$@"
   fi
 }
 
-setup
+# The torch build and project extras this machine needs, as one line (the set-up stamp).
+wanted() {
+  if has_nvidia_gpu; then
+    echo "torch==$TORCH_VERSION cuda .[gpu,dev] $(cksum < pyproject.toml)"
+  else
+    echo "torch==$TORCH_VERSION cpu .[dev] $(cksum < pyproject.toml)"
+  fi
+}
+
+install_torch() {
+  local torch build index=()
+  read -r torch build _ <<< "$1"
+  if [[ "$build" == cpu && "$(uname -s)" == Linux && -n "$TORCH_CPU_INDEX" ]]; then
+    # PyPI's Linux torch is the multi-GB CUDA build. A short probe first: pip retries an index
+    # that does not answer for tens of seconds.
+    if "$py" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" \
+        "$TORCH_CPU_INDEX/torch/" 2>/dev/null; then
+      index=(--extra-index-url "$TORCH_CPU_INDEX")
+    else
+      echo "[launch] $TORCH_CPU_INDEX does not answer: torch comes from the default index"
+    fi
+  fi
+  echo "[launch] installing $torch ($build build) into $py"
+  pip_install ${index[@]+"${index[@]}"} "$torch"
+}
+
+install_project() {
+  local extras
+  read -r _ _ extras _ <<< "$1"
+  echo "[launch] installing colocate $extras and its dependencies"
+  pip_install -e "$extras"
+}
+
+if [[ -n "${PYTHON:-}" ]]; then
+  # The user's interpreter: a torch it has stays as it is.
+  py=$PYTHON use_uv=
+  "$py" -c "import torch" 2>/dev/null || install_torch "$(wanted)"
+  "$py" -m pip show -q colocate >/dev/null 2>&1 || install_project "$(wanted)"
+else
+  py=.venv/bin/python use_uv=
+  if [[ ! -x "$py" ]]; then
+    echo "[launch] creating the virtual environment .venv"
+    if command -v uv >/dev/null 2>&1; then
+      uv venv -q .venv
+    else
+      python3 -m venv .venv
+    fi
+  fi
+  if ! "$py" -m pip --version >/dev/null 2>&1; then
+    use_uv=1  # uv makes environments without pip
+  fi
+  stamp=.venv/colocate-setup
+  want=$(wanted)
+  if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    install_torch "$want"
+    install_project "$want"
+    echo "$want" > "$stamp"
+  fi
+fi
+
 if [[ "${1:-}" == "test" ]]; then
   shift
-  exec "$PYTHON" -m pytest -q tests "$@"
+  exec "$py" -m pytest -q tests "$@"
 fi
 
 config=configs/default.yaml
@@ -31,20 +97,24 @@ if [[ $# -gt 0 && "$1" != -* ]]; then
   config=$1
   shift
 fi
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
 nproc=${NPROC:-$(( gpus > 0 ? gpus : 1 ))}
 nnodes=${NNODES:-1}
+if [[ "$gpus" -gt 0 ]]; then
+  # The native engine's pausable CUDA graphs need torch_memory_saver's hook preloaded (the SGLang
+  # backend preloads it into its own scheduler process instead and refuses a second copy).
+  preload=$("$py" -m colocate.memory_saver "$config" "$@" 2>/dev/null || true)
+  [[ -n "$preload" ]] && export LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}"
+fi
+if [[ "$nproc" -eq 1 && "$nnodes" -eq 1 ]]; then
+  # One process needs no torchrun: a user error is then the last line printed.
+  exec "$py" -m colocate.train --config "$config" "$@"
+fi
 if [[ "$nnodes" -gt 1 ]]; then
   rdzv=(--nnodes "$nnodes" --node-rank "${NODE_RANK:?set NODE_RANK}" --rdzv-backend c10d
         --rdzv-endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}")
 else
   rdzv=(--standalone)
 fi
-if [[ "$gpus" -gt 0 ]]; then
-  # The native engine's pausable CUDA graphs need torch_memory_saver's hook preloaded (the SGLang
-  # backend preloads it into its own scheduler process instead and refuses a second copy).
-  preload=$("$PYTHON" -m colocate.memory_saver "$config" "$@" 2>/dev/null || true)
-  [[ -n "$preload" ]] && export LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}"
-fi
-exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" \
+exec "$py" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" \
   -m colocate.train --config "$config" "$@"

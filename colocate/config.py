@@ -45,13 +45,14 @@ def _ranged(default: Any, spec: str) -> Any:
 @dataclass
 class ModelConfig:
     path: str = field(default_factory=lambda: _toy_path("model"))
-    """HF model directory of the policy (default: the toy model, created on first use)."""
+    """HF model directory of the policy, or a Hub id owner/name[@revision] fetched into the Hub
+    cache (default: the toy model, created on first use)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Dtype of the engine's weights and the trainer's compute; auto = bf16 on CUDA, fp32 on CPU."""
     critic_path: str | None = None
-    """HF model directory the critic starts from (None = model.path); used by gae only."""
+    """HF model directory or Hub id the critic starts from (None = model.path); used by gae only."""
     ref_path: str | None = None
-    """HF model directory of the frozen reference policy (None = model.path)."""
+    """HF model directory or Hub id of the frozen reference policy (None = model.path)."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in backward to trade compute for memory (the same as
     recompute_fraction 1.0)."""
@@ -74,7 +75,8 @@ class RolloutConfig:
     engine: Literal["native", "sglang"] = "native"
     """Rollout backend: the embedded native engine or SGLang's offline Engine."""
     prompt_data: str = field(default_factory=lambda: _toy_path("train.jsonl"))
-    """Training prompts, JSONL or Parquet (default: the toy task)."""
+    """Training prompts: JSONL, Parquet, a datasets save_to_disk directory, or a Hub data set
+    owner/name[:config[:split]] (default: the toy task)."""
     input_key: str = "prompt"
     """Column holding the prompt: a string or a list of chat messages."""
     label_key: str = "label"
@@ -83,6 +85,11 @@ class RolloutConfig:
     """Column holding a per-prompt mapping passed through to the reward function (optional)."""
     apply_chat_template: bool = False
     """Format prompts with the tokenizer's chat template (with the generation prompt)."""
+    system_prompt: str | None = None
+    """System message before each prompt with apply_chat_template (None: the template's own
+    default); a prompt whose messages begin with a system message keeps its own."""
+    chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3."""
     max_prompt_len: int = _ranged(1024, ">= 1")
     """Prompts longer than this many tokens are dropped (and counted) when the data is loaded."""
     rollout_batch_size: int = _ranged(16, ">= 1")
@@ -257,7 +264,7 @@ class EvalDataset:
     name: str = "eval"
     """Name used in the metric keys (eval/<name>/...)."""
     path: str = ""
-    """Prompts, JSONL or Parquet."""
+    """Prompts, in any form rollout.prompt_data takes."""
     input_key: str = "prompt"
     """Column holding the prompt."""
     label_key: str = "label"
@@ -443,6 +450,13 @@ def _coerce(value: Any, tp: Any, name: str, source: str) -> Any:
         if value not in targs:
             raise ValueError(f"{source}: {name} must be one of {list(targs)}, got {value!r}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"{source}: {name} must be a mapping with string keys, got {value!r}")
+        for key, v in value.items():
+            if not isinstance(v, (bool, int, float, str)):
+                raise ValueError(f"{source}: {name}.{key} must be a bool, number or string, got {v!r}")
+        return dict(value)
     if origin is list:
         if not isinstance(value, list):
             raise ValueError(f"{source}: {name} must be a list, got {value!r}")

@@ -53,7 +53,8 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
     """(dotted name, ok, requirement, value) for each rule that ties fields together."""
     r, a, t, e = cfg.rollout, cfg.algorithm, cfg.train, cfg.eval
     n = r.n_samples_per_prompt
-    checks = [
+    checks = [top_k_check(r.top_k, "rollout.top_k")]
+    checks += [
         ("model.path", bool(cfg.model.path), "must name a model directory", cfg.model.path),
         ("rollout.prompt_data", bool(r.prompt_data), "must name a data file", r.prompt_data),
         ("rollout.input_key", bool(r.input_key), "must be non-empty", r.input_key),
@@ -64,7 +65,10 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
         ("rollout.dynamic_sampling", not (r.dynamic_sampling and n == 1),
          "needs rollout.n_samples_per_prompt >= 2 (a group of one always agrees)",
          r.dynamic_sampling),
-        ("rollout.top_k", r.top_k == -1 or r.top_k >= 1, "must be -1 (all) or >= 1", r.top_k),
+        ("rollout.system_prompt", r.system_prompt is None or r.apply_chat_template,
+         "needs rollout.apply_chat_template", r.system_prompt),
+        ("rollout.chat_template_kwargs", not r.chat_template_kwargs or r.apply_chat_template,
+         "needs rollout.apply_chat_template", r.chat_template_kwargs),
         ("rollout.reward", _reward_name_ok(r.reward),
          f"must be one of {list(BUILTIN_REWARDS)} or module:function", r.reward),
         ("rollout.custom_generate",
@@ -108,6 +112,20 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
             (f"eval.datasets.{i}.reward", ds.reward is None or _reward_name_ok(ds.reward),
              f"must be one of {list(BUILTIN_REWARDS)} or module:function", ds.reward),
         ]
+    return checks
+
+
+def top_k_check(top_k: int, name: str) -> tuple[str, bool, str, int]:
+    """The top-k rule of training, which offline generation applies to its --top-k too."""
+    return name, top_k == -1 or top_k >= 1, "must be -1 (all) or >= 1", top_k
+
+
+def sampling_checks(rollout: Any, names: dict[str, str]) -> list[tuple[str, bool, str, Any]]:
+    """The checks of a RolloutConfig's sampling fields, each under the name `names` gives it
+    (e.g. {"top_k": "--top-k"}): the ranges declared on the fields and the top-k rule."""
+    checks = [(names[n], ok, why, value) for n, ok, why, value in _range_checks(rollout, "") if n in names]
+    if "top_k" in names:
+        checks.append(top_k_check(rollout.top_k, names["top_k"]))
     return checks
 
 

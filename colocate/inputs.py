@@ -24,6 +24,28 @@ def _prepare_toy(cfg: Config, info: DistInfo):
         dist.barrier()
 
 
+def _resolve_hub_ids(cfg: Config, info: DistInfo) -> None:
+    """Replace Hub ids among the model paths by their cached snapshot directories, and fetch the
+    Hub data sets that the prompt sources name; one process per node downloads."""
+    from colocate.data import hub_repo
+    from colocate.hub import fetch_once_per_node, resolve_model, snapshot
+
+    m = cfg.model
+    models = [(name, getattr(m, name)) for name in ("path", "ref_path", "critic_path") if getattr(m, name)]
+    sources = [("rollout.prompt_data", cfg.rollout.prompt_data)]
+    sources += [(f"eval.datasets.{i}.path", d.path) for i, d in enumerate(cfg.eval.datasets)]
+    sets = [(field, repo) for field, spec in sources if (repo := hub_repo(spec)) is not None]
+
+    def fetch(local_only: bool) -> list[str]:
+        local = [resolve_model(path, f"model.{name}", local_only=local_only) for name, path in models]
+        for field, (repo_id, revision) in sets:
+            snapshot(repo_id, revision, "dataset", field, local_only=local_only)
+        return local
+
+    for (name, _), local in zip(models, fetch_once_per_node(fetch, info.local_rank)):
+        setattr(m, name, local)
+
+
 @dataclass
 class RunInputs:
     tokenizer: object
@@ -31,6 +53,7 @@ class RunInputs:
     reward_fn: RewardFn
     eval_sets: list
     eos_token_ids: list[int]
+    """The model directory's stop ids (colocate.models.config.stop_token_ids)."""
     overlong: tuple[int, float] | None
     custom_generate: Callable | None
     num_dropped_prompts: int = 0
@@ -41,22 +64,25 @@ class RunInputs:
         from transformers import AutoTokenizer
 
         from colocate.models import ModelConfig
+        from colocate.models.config import stop_token_ids
         from colocate.rollout.data import PromptDataset, PromptSampler
         from colocate.rollout.rewards import load_reward_fn
         from colocate.user_code import load_function
 
         cfg.check_world_size(info.world_size)
         _prepare_toy(cfg, info)
+        _resolve_hub_ids(cfg, info)
         r = cfg.rollout
-        model_cfg = ModelConfig.from_dir(cfg.model.path)  # unsupported architectures fail here
+        ModelConfig.from_dir(cfg.model.path)  # unsupported architectures fail here
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        eos = sorted(set(model_cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None}))
+        eos = stop_token_ids(cfg.model.path, tokenizer)
         reward_fn = load_reward_fn(r.reward)
 
         def dataset(path, input_key, label_key, metadata_key):
             return PromptDataset(path, tokenizer, input_key=input_key, label_key=label_key,
                                  metadata_key=metadata_key, max_prompt_len=r.max_prompt_len,
-                                 apply_chat_template=r.apply_chat_template)
+                                 apply_chat_template=r.apply_chat_template, system_prompt=r.system_prompt,
+                                 chat_template_kwargs=r.chat_template_kwargs)
 
         train_set = dataset(r.prompt_data, r.input_key, r.label_key, r.metadata_key)
         data = PromptSampler(train_set, rank=info.rank, world_size=info.world_size, seed=r.seed,

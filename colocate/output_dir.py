@@ -1,4 +1,5 @@
-"""The one rule every writer of a whole directory follows (export, save_pretrained, the toy).
+"""The one rule every writer follows (export, save_pretrained, the toy; for files, generate --out
+and data prepare).
 
 The directory is filled under a temporary sibling and renamed into place, so a reader never sees
 half of it and a failed write leaves what was there before. An existing OUT is replaced only when
@@ -79,3 +80,32 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         old.rmdir()
         raise
     shutil.rmtree(old)
+
+
+def check_output_file(out: str | Path, *, overwrite: bool = False, reading: Iterable[str | Path] = ()) -> None:
+    """Raise ValueError, naming `out`, unless writing the file `out` is safe."""
+    out = Path(out)
+    for source in reading:
+        if out.resolve() == Path(source).resolve():
+            raise ValueError(f"output {out} is also an input: choose another path")
+    if out.is_dir():
+        raise ValueError(f"output {out} is a directory: name a file")
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise ValueError(f"output {out} exists: choose another path, or replace it with --overwrite")
+
+
+@contextmanager
+def replacing_file(out: str | Path, *, overwrite: bool = False, reading: Iterable[str | Path] = ()
+                   ) -> Iterator[Path]:
+    """The file version of `replacing_dir`: yield a temporary sibling of `out` to write; on success
+    it becomes `out`. An existing `out` is replaced only with `overwrite`, and never when it is a
+    file being read."""
+    out = Path(out)
+    check_output_file(out, overwrite=overwrite, reading=reading)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from colocate.cli import DEBUG_HELP, entry_point
+from colocate.hub import resolve_model
 
 
 def _prompts(args, vocab_size: int) -> list[list[int]]:
@@ -64,7 +65,7 @@ def sequence_logprobs(logits: torch.Tensor, tokens: list[int], start: int, tempe
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m colocate.parity", description=__doc__.split("\n\n")[0],
                                 epilog=DEBUG_HELP)
-    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--model", required=True, help="HF model directory or Hub id owner/name[@revision]")
     p.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'input_ids' per line")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-engine", action="store_true", help="skip the engine column (random continuations)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.model = resolve_model(args.model, "--model")
     tol = args.tol if args.tol is not None else (1e-4 if args.dtype == "float32" else 0.1)
 
     from rich.console import Console

@@ -111,3 +111,33 @@ class ModelConfig:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta, "rope_type": "llama3"}
         out.update(d, architectures=[arch], rope_parameters=rope, hidden_act="silu")
         return out
+
+
+def stop_token_ids(model_dir: str | Path, tokenizer=None) -> list[int]:
+    """The token ids that end a completion of this model directory's model, sorted.
+
+    The union of config.json's eos_token_id, generation_config.json's eos_token_id (where chat
+    models list their end-of-turn token, e.g. Qwen2.5's <|im_end|> or Llama 3's <|eot_id|>,
+    beside the base model's end of text) and the tokenizer's eos token when a tokenizer is given.
+    Training rollouts, evaluation and offline generation all stop by this one rule.
+    """
+    ids = set(ModelConfig.from_dir(model_dir).eos_token_ids)
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.is_file():
+        try:
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{generation}: not valid JSON ({e.msg})") from None
+        ids |= set(_as_ids(eos, generation))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def _as_ids(eos, source: Path) -> list[int]:
+    """An eos_token_id entry (None, an id or a list of ids) as a list."""
+    values = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
+        raise ValueError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+    return values
+

@@ -1,4 +1,7 @@
-"""Prompt data: a tokenised prompt dataset (JSONL or Parquet) and a resumable, sharded sampler.
+"""Prompt data: a tokenised prompt dataset and a resumable, sharded sampler.
+
+The rows come from any prompt source of colocate/data.py (JSONL, Parquet, a `datasets`
+directory or a Hub data set id).
 
 Every rank loads the whole (small) prompt file and draws the same global order; each rank then
 takes its own contiguous share of each global batch, so ranks never need to talk about data and
@@ -7,12 +10,13 @@ a resumed run continues with exactly the batches it would have seen.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from colocate.data import read_rows
 
 
 @dataclass
@@ -28,12 +32,28 @@ class PromptSample:
     metadata: dict = field(default_factory=dict)
 
 
+def render_chat(tokenizer: Any, prompt: str | list[dict], system_prompt: str | None = None,
+                template_kwargs: dict | None = None) -> str:
+    """The text of one prompt formatted by the tokenizer's chat template, ending with the
+    assistant's generation prompt.
+
+    A string is one user message. `system_prompt` goes first unless the messages begin with a
+    system message of their own; `template_kwargs` reach the template (Qwen3's enable_thinking).
+    """
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **(template_kwargs or {}))
+
+
 class PromptDataset:
-    """Prompts read from JSONL or Parquet and tokenised once, up front.
+    """Prompts of one prompt source, tokenised once, up front.
 
     A prompt is a string or a list of chat messages ({"role", "content"}); messages need the
-    chat template. Rows must hold `input_key` and `label_key`; `metadata_key` is optional and
-    must be a mapping. A malformed row raises ValueError naming file and line (row for Parquet).
+    chat template, which `system_prompt` and `chat_template_kwargs` shape (see `render_chat`).
+    Rows must hold `input_key` and `label_key`; `metadata_key` is optional and must be a mapping.
+    A malformed row raises ValueError naming file and line (row for Parquet and data sets).
     Prompts longer than `max_prompt_len` tokens are dropped and counted in `num_dropped`.
     """
 
@@ -46,6 +66,8 @@ class PromptDataset:
         metadata_key: str = "metadata",
         apply_chat_template: bool = False,
         max_prompt_len: int | None = None,
+        system_prompt: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ):
         self.path = str(path)
         self.input_key, self.label_key, self.metadata_key = input_key, label_key, metadata_key
@@ -53,14 +75,10 @@ class PromptDataset:
             raise ValueError(f"{self.path}: apply_chat_template is set but the tokenizer has no "
                              "chat template")
         texts, labels, metadata = [], [], []
-        for where, row in _read_rows(self.path):
+        for where, row in read_rows(self.path):
             prompt, label, meta = self._check_row(row, where, apply_chat_template)
             if apply_chat_template:
-                if isinstance(prompt, str):
-                    prompt = [{"role": "user", "content": prompt}]
-                prompt = tokenizer.apply_chat_template(
-                    prompt, add_generation_prompt=True, tokenize=False
-                )
+                prompt = render_chat(tokenizer, prompt, system_prompt, chat_template_kwargs)
             texts.append(prompt)
             labels.append(label)
             metadata.append(meta)
@@ -111,27 +129,6 @@ class PromptDataset:
             raise ValueError(f"{where}: {self.metadata_key!r} must be a mapping, got "
                              f"{type(meta).__name__}")
         return prompt, row[self.label_key], meta
-
-
-def _read_rows(path: str):
-    """Yield (location, row) with location 'file:line' (JSONL) or 'file:row N' (Parquet)."""
-    if not Path(path).is_file():
-        raise ValueError(f"{path}: prompt data file not found")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}:row {i}", row
-        return
-    with open(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-            yield f"{path}:{lineno}", row
 
 
 class PromptSampler:

@@ -285,7 +285,7 @@ def test_bad_requests_name_the_prompt(models):
     assert not engine.has_unfinished_requests()
 
 
-def test_generate_cli_writes_completions_in_input_order(tmp_path):
+def test_generate_cli_writes_completions_in_input_order(tmp_path, capsys):
     import json
 
     from colocate.generate import main
@@ -295,8 +295,8 @@ def test_generate_cli_writes_completions_in_input_order(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b c say d :"}) + "\n\n" + json.dumps({"input_ids": [5, 6, 7]}) + "\n")
     out = tmp_path / "out.jsonl"
-    main(["--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--n", "2",
-          "--temperature", "0", "--max-new-tokens", "5", "--ignore-eos", "--max-kv-tokens", "256"])
+    assert main(["--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--n", "2",
+                 "--temperature", "0", "--max-new-tokens", "5", "--ignore-eos", "--max-kv-tokens", "256"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     from transformers import AutoTokenizer
@@ -307,8 +307,13 @@ def test_generate_cli_writes_completions_in_input_order(tmp_path):
     assert [r["output_ids"] for r in rows] == [c.output_ids for c in ref]
     assert all(len(r["logprobs"]) == 5 and r["finish_reason"] == "length" and "text" in r for r in rows)
     prompts.write_text(json.dumps({"input_ids": [1]}) + "\n" + json.dumps({"text": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"prompts.jsonl:2: needs a 'prompt' or an 'input_ids'"):
-        main(["--model", str(model_dir), "--prompts", str(prompts), "--out", str(out)])
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert main(["--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--overwrite"]) == 2
+    assert "prompts.jsonl:2: needs a 'prompt' or an 'input_ids'" in capsys.readouterr().err
+    assert main(["--model", str(model_dir), "--prompts", str(prompts), "--out", str(out)]) == 2
+    assert f"output {out} exists: choose another path, or replace it with --overwrite" in capsys.readouterr().err
+    assert out.read_bytes() == before  # neither failure touched the earlier output
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from colocate import cli, export, parity, plot, toy
+from colocate import cli, data, export, generate, parity, plot, toy
 from colocate.config import load_config
 from colocate.models import from_pretrained, save_pretrained
 from colocate.output_dir import MARKER
@@ -183,8 +183,12 @@ def test_entry_points_end_a_user_error_in_one_line_with_status_2(tmp_path, monke
     cases = [
         (export.main, [str(missing), str(tmp_path / "out")], f"checkpoint path {missing} does not exist"),
         (plot.main, [str(tmp_path)], f"no metrics file at {tmp_path / 'metrics.jsonl'}"),
-        (parity.main, ["--model", str(missing), "--device", "cpu"],
-         f"{missing}: no config.json (expected an HF model directory)"),
+        (parity.main, ["--model", str(missing), "--device", "cpu"], f"--model: model directory {missing} does not exist"),
+        (generate.main, ["--model", str(missing), "--prompts", str(missing / "p.jsonl"), "--out", str(tmp_path / "o")],
+         f"--model: model directory {missing} does not exist"),
+        (data.main, ["prepare", "gsm8k", str(tmp_path / "o.jsonl"), "--source", str(missing)],
+         f"{missing}: prompt data not found (not a file, a directory, or a Hub data set id "
+         "owner/name[:config[:split]])"),
     ]
     before = snapshot(tmp_path)
     for main, argv, message in cases:
