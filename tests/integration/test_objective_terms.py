@@ -24,7 +24,6 @@ from torch import nn
 from colocate.config import Config
 from colocate.models import from_pretrained
 from colocate.rollout.sample import Sample
-from tests.distributed import run_ranks
 from tests.helpers import write_hf_model
 
 GROUP, NUM_GROUPS, TEMPERATURE, MAX_RESPONSE_LEN = 4, 3, 0.7, 16
@@ -143,27 +142,35 @@ def _recorder(trainer, part: str) -> list[dict]:
     return steps
 
 
-def _train_cases(rank, world_size, paths, samples, out_file):
-    from colocate import dist
-    from colocate.trainer import Trainer
-
-    torch.set_num_threads(1)  # tiny models: extra intra-op threads only fight over the cores
-    results = {}
-    for name, overrides in CASES.items():
-        trainer = Trainer(_config(paths, overrides), dist.get_info())
-        actor = _recorder(trainer, "actor")
-        critic = _recorder(trainer, "critic") if trainer.critic is not None else None
-        trainer.train(samples, rollout_id=0)
-        results[name] = {"actor": actor, "critic": critic}
-    torch.save(results, out_file)
+@pytest.fixture(scope="module")
+def samples(paths):
+    return _samples(paths["policy"])
 
 
 @pytest.fixture(scope="module")
-def trained(paths, tmp_path_factory):
-    samples = _samples(paths["policy"])
-    out = tmp_path_factory.mktemp("objective") / "results.pt"
-    run_ranks(_train_cases, 1, paths, samples, out)
-    return samples, torch.load(out)
+def one_rank():
+    """A gloo group of one rank in this process (a spawned rank would spend longer importing
+    than training), with one intra-op thread: for tiny models a second one only waits."""
+    import torch.distributed as tdist
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    yield
+    tdist.destroy_process_group()
+    torch.set_num_threads(threads)
+
+
+def _train(cfg, samples) -> tuple[list[dict], list[dict] | None]:
+    """The recorded optimizer steps of the actor and (with gae) the critic over one rollout."""
+    from colocate import dist
+    from colocate.trainer import Trainer
+
+    trainer = Trainer(cfg, dist.get_info())
+    actor = _recorder(trainer, "actor")
+    critic = _recorder(trainer, "critic") if trainer.critic is not None else None
+    trainer.train(samples, rollout_id=0)
+    return actor, critic
 
 
 # ---------------------------------------------------------------- the objective in plain torch
@@ -364,22 +371,12 @@ def _check_steps(steps: list[dict], module: nn.Module, loss_fn, terms, adam: _Ad
     assert all(e > EFFECT for e in effects.values()), effects
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models: a second intra-op thread only waits on the first (and on other processes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", list(CASES))
-def test_trainer_follows_the_documented_objective(case, paths, trained, one_thread):
-    samples, results = trained
+def test_trainer_follows_the_documented_objective(case, paths, samples, one_rank):
     cfg = _config(paths, CASES[case])
+    actor, critic_steps = _train(cfg, samples)
     load = functools.partial(from_pretrained, dtype="float32")
     policy = load(paths["policy"])
-    actor, critic_steps = results[case]["actor"], results[case]["critic"]
     assert _max_diff(actor[0]["before"], {n: p.detach() for n, p in policy.named_parameters()}) == 0.0
     critic = None
     if cfg.algorithm.use_critic:  # it starts from critic_path, value head included

@@ -28,8 +28,8 @@ NUM_ROLLOUT, STOP_AFTER = 5, 1
 
 def noisy_toy_reward(prompts, responses, labels, metadata):
     """The toy reward plus a small random term: the rewards depend on the restored RNG state."""
-    return [r + 0.1 * random.random() + 0.1 * float(torch.rand(())) for r in toy_reward(prompts, responses, labels,
-                                                                                       metadata)]
+    rewards = toy_reward(prompts, responses, labels, metadata)
+    return [r + 0.1 * random.random() + 0.1 * float(torch.rand(())) for r in rewards]
 
 
 def _config(toy, out) -> Config:
