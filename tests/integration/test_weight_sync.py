@@ -7,6 +7,26 @@ from tests.distributed import run_ranks
 from tests.helpers import write_hf_model
 
 
+def _shard(model):
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _masters(model) -> dict:
+    """The trainer's full fp32 tensors by HF name (a tied lm_head once, under the embeddings' name)."""
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
+
+
+def _assert_covers(received: dict, masters: dict, dtype: torch.dtype) -> None:
+    """Every parameter arrived, each equal to its master cast to the engine dtype `dtype`."""
+    assert set(received) == set(masters), f"not synced: {sorted(set(masters) - set(received))}"
+    for name, t in received.items():
+        assert t.shape == masters[name].shape, name
+        assert torch.equal(t.to(dtype), masters[name].to(dtype)), name
+
+
 class RecordingEngine:
     """Records what a weight sync hands over, and when."""
 
@@ -29,10 +49,7 @@ class RecordingEngine:
 
 
 def _sync_on_ranks(rank, world_size, path, out_file):
-    model = from_pretrained(path, dtype="float32")
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = _shard(from_pretrained(path, dtype="float32"))
     engine = RecordingEngine()
     stats = sync_weights(model, engine, version=3, dtype=torch.bfloat16, bucket_bytes=4096)
     received = {n: t for b in engine.buckets for n, t in b}
@@ -41,6 +58,7 @@ def _sync_on_ranks(rank, world_size, path, out_file):
     assert engine.weight_version == 3 and stats.num_buckets == len(engine.buckets)
     # Parameters are sharded again afterwards: no full copy stays alive in the trainer.
     assert all(hasattr(p, "full_tensor") for p in model.parameters())
+    _assert_covers(received, _masters(model), torch.bfloat16)
     if rank == 0:
         torch.save(received, out_file)
 
@@ -66,10 +84,7 @@ def test_units_cover_each_parameter_once_blocks_first(tmp_path):
 
 
 def _units_sharded(rank, world_size, path):
-    model = from_pretrained(path, dtype="float32")
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = _shard(from_pretrained(path, dtype="float32"))
     units = fsdp_units(model)
     names = [full for _, names in units for full, _ in names]
     assert len(names) == len(set(names)) == len(list(model.parameters()))
@@ -78,19 +93,21 @@ def _units_sharded(rank, world_size, path):
 
 
 def _sync_one_rank_into_a_casting_engine(rank, world_size, path):
-    model = from_pretrained(path, dtype="float32")
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = _shard(from_pretrained(path, dtype="float32"))
     engine = RecordingEngine()
     engine.casts_on_update = True
     stats = sync_weights(model, engine, version=1, dtype=torch.bfloat16, bucket_bytes=1 << 20)
     received = {n: t for b in engine.buckets for n, t in b}
     # One rank holds whole tensors: nothing is gathered, the fp32 masters go to the engine to cast.
     assert all(t.dtype == torch.float32 and type(t) is torch.Tensor for t in received.values())
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    assert all(torch.equal(received[n], full[n]) for n in received)
+    _assert_covers(received, _masters(model), torch.float32)
     assert stats.num_bytes == sum(t.numel() * 2 for t in received.values())  # counted in bf16
+    # An engine that does not cast gets every tensor cast to its dtype by the sync.
+    plain = RecordingEngine()
+    sync_weights(model, plain, version=2, dtype=torch.bfloat16, bucket_bytes=1 << 20)
+    received = {n: t for b in plain.buckets for n, t in b}
+    assert all(t.dtype == torch.bfloat16 for t in received.values())
+    _assert_covers(received, _masters(model), torch.bfloat16)
 
 
 def test_one_rank_hands_over_masters_to_a_casting_engine(tmp_path):
@@ -103,9 +120,7 @@ def _sync_after_optimizer_steps(rank, world_size, path):
 
     model = from_pretrained(path, dtype="float32")
     engine = NativeEngine(model, max_kv_tokens=256)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    _shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.arange(12)[None] % model.config.vocab_size
     for version in (1, 2):  # the unit plan is cached at the first sync: the second must see new values
@@ -114,11 +129,36 @@ def _sync_after_optimizer_steps(rank, world_size, path):
         opt.step()
         opt.zero_grad()
         sync_weights(model, engine, version=version, dtype=torch.float32)
-        full = {n: p.full_tensor() for n, p in model.named_parameters()}
-        got = dict(engine.model.named_parameters())
-        assert all(torch.equal(got[n], full[n]) for n in full), f"stale engine weights after sync {version}"
+        _assert_covers({n: p.detach() for n, p in engine.model.named_parameters()}, _masters(model), torch.float32)
 
 
 def test_cached_plan_syncs_updated_weights(tmp_path):
     path, _ = write_hf_model(tmp_path, "qwen2")
     run_ranks(_sync_after_optimizer_steps, 1, path)
+
+
+def _sync_into_native_engines(rank, world_size, path, dtype):
+    """A native engine in a half dtype, loaded from disk, takes weights the trainer has since changed:
+    afterwards every engine parameter must hold the cast of the new master."""
+    from colocate.rollout.native import NativeEngine
+
+    model = from_pretrained(path, dtype="float32")
+    g = torch.Generator().manual_seed(5)  # the same change on every rank
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    engine = NativeEngine(str(path), dtype=dtype, max_kv_tokens=256)
+    stale = {n: p.clone() for n, p in engine.model.named_parameters()}
+    _shard(model)
+    sync_weights(model, engine, version=1, dtype=dtype, bucket_bytes=8192)
+    got = {n: p.detach() for n, p in engine.model.named_parameters()}
+    assert all(t.dtype == dtype for t in got.values())
+    _assert_covers(got, _masters(model), dtype)
+    assert all(not torch.equal(got[n], stale[n]) for n in got)  # each one was written by the sync
+
+
+def test_every_native_engine_parameter_holds_the_cast_master(tmp_path):
+    """One rank (whole tensors, cast by the engine) into bf16; two ranks (gathered units) into fp16."""
+    path, _ = write_hf_model(tmp_path, "qwen2")
+    run_ranks(_sync_into_native_engines, 1, path, torch.bfloat16)
+    run_ranks(_sync_into_native_engines, 2, path, torch.float16)

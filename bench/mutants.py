@@ -1,0 +1,209 @@
+"""Mutation check of the tests that guard the objective, resume, the weight sync, the model and the sampler.
+
+Each mutant is a one-line change: (file, an exact fragment of one line, its replacement). For each,
+the package and the tests are copied into a temporary directory, the mutant is applied there, and
+the test files meant to catch it run against the copy: pytest runs inside the copy with PYTHONPATH
+pointing at it, so `import colocate` (in spawned ranks too) loads the mutated code. A mutant is
+killed when those tests fail. A fragment that is not found exactly once is an error, so the list
+has to follow the code. The unmutated copy runs every test file once first: a failure there would
+make every kill meaningless.
+
+Prints killed/survived per mutant and a summary line; writes bench/results/mutants.json; exits 1
+if a mutant survived. About 15 minutes on 2 CPU cores; run by hand:
+    python bench/mutants.py [--only NAME ...] [--no-baseline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "mutants.json"
+COPIED = ("colocate", "tests", "pyproject.toml")
+TIMEOUT_S = 600
+
+OBJECTIVE = ("tests/integration/test_objective_terms.py",)
+RESUME = ("tests/integration/test_resume_state.py",)
+SYNC = tuple(f"tests/integration/test_weight_sync.py::{name}" for name in (
+    "test_fsdp_sync_hands_over_every_full_tensor_in_engine_dtype", "test_one_rank_hands_over_masters_to_a_casting_engine",
+    "test_every_native_engine_parameter_holds_the_cast_master"))
+LOGITS = ("tests/parity/test_models.py::test_logits_match_transformers",)
+SAMPLER = ("tests/parity/test_engine_parity.py::test_sampler_truncation_keeps_the_expected_tokens",
+           "tests/parity/test_engine_parity.py::test_truncation_to_one_token_equals_greedy")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]
+
+
+ACTOR, LOSSES, CKPT = "colocate/trainer/actor.py", "colocate/algo/losses.py", "colocate/checkpoint.py"
+TRAINER, SYNC_FILE = "colocate/trainer/trainer.py", "colocate/colocation/weight_sync.py"
+PG_LOSS = "loss = agg(pg_tok, mask,"
+ACTOR_STATE = "ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler)"
+CRITIC_STATE = "ModelOptimizerState(self.critic.model, c.optimizer, c.scheduler)"
+
+MUTANTS = [
+    Mutant("pg_loss_zeroed", ACTOR, PG_LOSS, "loss = 0.0 * agg(pg_tok, mask,", OBJECTIVE),
+    Mutant("pg_loss_sign", ACTOR, PG_LOSS, "loss = -agg(pg_tok, mask,", OBJECTIVE),
+    Mutant("kl_loss_zeroed", ACTOR, "loss = loss + a.kl_loss_coef * kl", "loss = loss + 0.0 * a.kl_loss_coef * kl",
+           OBJECTIVE),
+    Mutant("kl_loss_sign", ACTOR, "loss = loss + a.kl_loss_coef * kl", "loss = loss - a.kl_loss_coef * kl", OBJECTIVE),
+    Mutant("kl_in_reward_zeroed", "colocate/trainer/global_advantages.py",
+           "coef = algo.kl_reward_coef if kl is not None else 0.0", "coef = 0.0", OBJECTIVE),
+    Mutant("entropy_zeroed", ACTOR, "loss = loss - a.entropy_coef * ent", "loss = loss - 0.0 * a.entropy_coef * ent",
+           OBJECTIVE),
+    Mutant("entropy_sign", ACTOR, "loss = loss - a.entropy_coef * ent", "loss = loss + a.entropy_coef * ent",
+           OBJECTIVE),
+    Mutant("tis_weights_not_applied", ACTOR, "tis_weights=tis)", "tis_weights=None)", OBJECTIVE),
+    Mutant("tis_weights_inverted", LOSSES, "old_logprobs - rollout_logprobs, 0.0))",
+           "rollout_logprobs - old_logprobs, 0.0))", OBJECTIVE),
+    Mutant("tis_truncation_off", LOSSES, "weights = ratio.clamp(max=clip) * m", "weights = ratio * m", OBJECTIVE),
+    Mutant("mis_mask_off", LOSSES, "return kept * m, {", "return m, {", OBJECTIVE),
+    Mutant("mis_mask_not_applied", ACTOR, 'batch["advantages"][idx], loss_mask,', 'batch["advantages"][idx], mask,',
+           OBJECTIVE),
+    Mutant("ppo_clip_off", LOSSES, "loss = torch.maximum(unclipped, clipped_obj)", "loss = unclipped", OBJECTIVE),
+    Mutant("clip_higher_off", LOSSES, "eps_high = eps_clip if eps_clip_high is None else eps_clip_high",
+           "eps_high = eps_clip", OBJECTIVE),
+    Mutant("dual_clip_off", LOSSES, "loss = torch.where(capped, cap, loss)", "loss = loss", OBJECTIVE),
+    Mutant("dual_clip_sign", LOSSES, "cap = -dual_clip_c * advantages", "cap = dual_clip_c * advantages", OBJECTIVE),
+    Mutant("value_clip_off", LOSSES, "loss = 0.5 * torch.maximum(unclipped, clipped)", "loss = 0.5 * unclipped",
+           OBJECTIVE),
+    Mutant("value_clip_optimistic", LOSSES, "loss = 0.5 * torch.maximum(unclipped, clipped)",
+           "loss = 0.5 * torch.minimum(unclipped, clipped)", OBJECTIVE),
+    Mutant("checkpoint_drops_actor_optimizer", TRAINER, ACTOR_STATE, "ModelOptimizerState(self.actor.model)", RESUME),
+    Mutant("checkpoint_drops_actor_scheduler", TRAINER, ACTOR_STATE,
+           "ModelOptimizerState(self.actor.model, opt.optimizer)", RESUME),
+    Mutant("checkpoint_drops_critic_optimizer", TRAINER, CRITIC_STATE, "ModelOptimizerState(self.critic.model)",
+           RESUME),
+    Mutant("checkpoint_drops_critic_scheduler", TRAINER, CRITIC_STATE,
+           "ModelOptimizerState(self.critic.model, c.optimizer)", RESUME),
+    Mutant("resume_drops_data_sampler", "colocate/train.py", 'self.inputs.data.load_state_dict(extra["data"])',
+           "self.inputs.data.state_dict()", RESUME),
+    Mutant("resume_drops_rng", CKPT, "_set_rng_state(torch.load(rng_file, weights_only=True))",
+           "torch.load(rng_file, weights_only=True)", RESUME),
+    Mutant("sync_skips_a_root_parameter", SYNC_FILE, "([(model, root)] if root else [])",
+           "([(model, root[:-1])] if root else [])", SYNC),
+    Mutant("sync_skips_a_whole_unit_parameter", SYNC_FILE, "zip(unit.names, unit.params)",
+           "zip(unit.names[1:], unit.params[1:])", SYNC),
+    Mutant("sync_skips_a_gathered_parameter", SYNC_FILE, "for full, local in names:", "for full, local in names[1:]:",
+           SYNC),
+    Mutant("rope_theta_doubled", "colocate/models/layers.py", "inv = 1.0 / (theta **", "inv = 1.0 / ((2 * theta) **",
+           LOGITS),
+    Mutant("rope_llama3_wavelength", "colocate/models/layers.py", "wavelen = 2 * math.pi / inv",
+           "wavelen = math.pi / inv", LOGITS),
+    Mutant("top_p_cut_off", "colocate/rollout/native/sampler.py", "& (top_p < 1)[:, None])",
+           "& (top_p < 0)[:, None])", SAMPLER),
+    Mutant("top_p_never_truncates", "colocate/rollout/native/sampler.py", "truncate=any(p.top_p < 1 or ",
+           "truncate=any(", SAMPLER),
+]
+
+
+def check_fragments(mutants: list[Mutant]) -> None:
+    """Every fragment occurs exactly once in its file of the working tree (else the list is stale)."""
+    problems = []
+    for m in mutants:
+        count = (ROOT / m.file).read_text().count(m.original)
+        if count != 1:
+            problems.append(f"{m.name}: {m.original!r} found {count} times in {m.file}")
+    names = [m.name for m in mutants]
+    problems += [f"{n}: listed twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    if problems:
+        raise SystemExit("error: the mutant list does not match the code:\n  " + "\n  ".join(problems))
+
+
+def copy_tree(dest: pathlib.Path) -> None:
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy(src, dest / name)
+
+
+def run_tests(tree: pathlib.Path, tests: tuple[str, ...]) -> tuple[int, float, str]:
+    """(pytest exit code, seconds, the first failing test or the last output line)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return -1, time.perf_counter() - start, f"timed out after {TIMEOUT_S} s"
+    seconds = time.perf_counter() - start
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    failed = [line for line in lines if re.match(r"(FAILED|ERROR) ", line)]
+    return done.returncode, seconds, (failed or lines or [""])[0 if failed else -1]
+
+
+def run_mutant(m: Mutant) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
+        tree = pathlib.Path(tmp)
+        copy_tree(tree)
+        path = tree / m.file
+        path.write_text(path.read_text().replace(m.original, m.replacement))
+        code, seconds, detail = run_tests(tree, m.tests)
+    # Exit code 5 (no tests collected) or 4 (usage) would be a broken list, not a kill.
+    status = "killed" if code in (1, 2, -1) else "survived" if code == 0 else "error"
+    return {**asdict(m), "status": status, "exit_code": code, "seconds": round(seconds, 1), "detail": detail}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run of the unmutated copy")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args()
+    check_fragments(MUTANTS)
+    mutants = MUTANTS
+    if args.only:
+        unknown = sorted(set(args.only) - {m.name for m in MUTANTS})
+        if unknown:
+            parser.error(f"unknown mutants {unknown}; known: {[m.name for m in MUTANTS]}")
+        mutants = [m for m in MUTANTS if m.name in args.only]
+    start = time.perf_counter()
+    baseline = None
+    if not args.no_baseline:
+        tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+        with tempfile.TemporaryDirectory(prefix="mutant-baseline-") as tmp:
+            copy_tree(pathlib.Path(tmp))
+            code, seconds, detail = run_tests(pathlib.Path(tmp), tests)
+        baseline = {"tests": tests, "exit_code": code, "seconds": round(seconds, 1)}
+        print(f"baseline  {len(tests)} test files/ids, unmutated: exit {code} in {seconds:.0f} s")
+        if code != 0:
+            print(f"error: the tests fail without a mutant: {detail}", file=sys.stderr)
+            return 2
+    results = []
+    for m in mutants:
+        r = run_mutant(m)
+        results.append(r)
+        print(f"{r['status']:<9} {m.name:<36} {r['seconds']:6.1f} s  {r['detail']}", flush=True)
+    killed = [r["name"] for r in results if r["status"] == "killed"]
+    survived = [r["name"] for r in results if r["status"] == "survived"]
+    errors = [r["name"] for r in results if r["status"] == "error"]
+    seconds = time.perf_counter() - start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"total": len(results), "killed": len(killed), "survived": survived,
+                                    "errors": errors, "seconds": round(seconds, 1), "baseline": baseline,
+                                    "mutants": results}, indent=2) + "\n")
+    print(f"mutants: {len(killed)}/{len(results)} killed, {len(survived)} survived {survived}, "
+          f"{len(errors)} errors, in {seconds:.0f} s")
+    return 0 if len(killed) == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
