@@ -20,6 +20,18 @@ from colocate.config import Config, load_config
 from colocate.timing import timed
 
 
+def seed_everything(seed: int) -> None:
+    """torch's, Python's and numpy's generators: user code (rewards, custom generation) may draw
+    from any of them, and a fresh run must repeat. A resumed run restores them from the checkpoint."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 class Phases:
     """Per-phase wall seconds (perf/<phase>_time) and a ledger row at every phase's end."""
 
@@ -170,7 +182,7 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     cfg = load_config(argv)
     info = dist.init()
-    torch.manual_seed(cfg.train.seed)
+    seed_everything(cfg.train.seed)
     loop = run_dir = None
     finished = False
     try:

@@ -70,10 +70,9 @@ def _run(cfg, stop: bool):
     """Loop as `colocate.train.main` drives it; with `stop`, the run ends after its first save.
     Each run starts from the same generator states, as two processes seeded alike would."""
     from colocate import dist
-    from colocate.train import Loop
+    from colocate.train import Loop, seed_everything
 
-    torch.manual_seed(cfg.train.seed)
-    random.seed(cfg.train.seed)
+    seed_everything(cfg.train.seed)
     loop = Loop(cfg, dist.get_info())
     try:
         loop.build()
