@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+datasets = pytest.importorskip("datasets")  # a dependency of colocate, missing on some GPU images
 
 from colocate.data import BOXED, main, prepare, raw_rows, read_rows
 from colocate.rollout.data import PromptDataset
