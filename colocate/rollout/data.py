@@ -10,7 +10,6 @@ a resumed run continues with exactly the batches it would have seen.
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,10 +153,6 @@ class PromptSampler:
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
-
-    def num_batches_per_epoch(self, batch_size: int) -> int:
-        """Global batches of `batch_size` prompts needed to see every prompt once."""
-        return math.ceil(len(self.dataset) / batch_size)
 
     def next_batch(self, num_prompts: int) -> list[PromptSample]:
         """This rank's share of the next `num_prompts` prompts (global count, across ranks)."""

@@ -123,7 +123,6 @@ def test_shuffle_is_seeded_and_covers_each_epoch(tmp_path, tokenizer):
 def test_epochs_wrap_around(tmp_path, tokenizer):
     ds = make_dataset(tmp_path, tokenizer, 10)
     sampler = PromptSampler(ds, shuffle=False)
-    assert sampler.num_batches_per_epoch(4) == 3
     batches, done = [], []
     for _ in range(5):
         batches.append(labels(sampler.next_batch(4)))
