@@ -193,6 +193,9 @@ class AlgorithmConfig:
     """Clip range of the critic's value update around its old value."""
     num_critic_only_steps: int = _ranged(0, ">= 0")
     """Rollout steps at the start that train the critic only (gae)."""
+    true_on_policy: bool = False
+    """Batch-invariant numerics in the engine and the trainer, so that every sampled token's
+    rollout log-prob equals the trainer's bit for bit (CPU fp32 for now; slower)."""
 
     @property
     def use_critic(self) -> bool:

@@ -75,6 +75,10 @@ class Loop:
         from colocate.trainer import Trainer
 
         cfg = self.cfg
+        if cfg.algorithm.true_on_policy:  # before any model runs: engine and trainer alike
+            from colocate.kernels import batch_invariant
+
+            batch_invariant.enable(self.info.device)
         self.trainer = Trainer(cfg, self.info)
         self._maybe_resume()
         self.colocation = Colocation(self.trainer, cfg.offload, dtype=resolve_dtype(cfg.model.dtype, self.info.device),

@@ -25,7 +25,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from colocate.kernels import batch_invariant
+from colocate.kernels.sampling import sampled_logprobs, scale_logits
 
 MAX_CHUNK_ELEMENTS = 1 << 26
 """Elements of one (token chunk x vocab chunk) fp32 logits tile: 256 MiB, which with the tile's
@@ -75,6 +79,8 @@ def token_logprobs(
     from the device.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
+    if batch_invariant.enabled():
+        return _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy)
     vocab_chunk = min(chunk_size, weight.shape[0])
     token_chunk = max(1, MAX_CHUNK_ELEMENTS // vocab_chunk)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
@@ -82,6 +88,19 @@ def token_logprobs(
         hidden, weight, targets.contiguous(), inv_temp, with_entropy, vocab_chunk, token_chunk
     )
     return logprobs, (entropy if with_entropy else None)
+
+
+def _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy):
+    """The engine's computation of the same quantity, op for op (colocate/kernels/batch_invariant.py):
+    full fp32 logits from the lm_head's matrix product, scaled and read by the sampler's function.
+    Autograd keeps the (T, V) logits; the mode is for the CPU, where that is affordable."""
+    logits = F.linear(hidden, weight).float()  # (T, V)
+    scaled = scale_logits(logits, torch.full((hidden.shape[0],), float(temperature), device=hidden.device))
+    entropy = None
+    if with_entropy:
+        logp = torch.log_softmax(scaled, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+    return sampled_logprobs(scaled, targets), entropy
 
 
 def _check_inputs(hidden, weight, targets, temperature, chunk_size) -> None:

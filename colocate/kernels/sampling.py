@@ -57,14 +57,24 @@ def reference_gumbel_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled ids (B,) int64 and their log-probs (B,) fp32, with (B, V) intermediates."""
     greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]  # (B, V)
-    lse = torch.logsumexp(scaled, dim=-1)  # (B,)
+    scaled = scale_logits(logits, temperature)  # (B, V)
     masked = suppress(scaled, suppress_ids, suppress_left)
     if exclude is not None:
         masked = masked.masked_fill(exclude, float("-inf"))
     noise = gumbel_noise(seed, counter, logits.shape[-1]) * (~greedy)[:, None]  # (B, V)
     ids = (masked + noise).argmax(dim=-1)  # (B,)
-    return ids, scaled.gather(1, ids[:, None]).squeeze(1) - lse
+    return ids, sampled_logprobs(scaled, ids)
+
+
+def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) / temperature (B,), with the raw logits where the temperature is 0 (greedy)."""
+    return logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
+
+
+def sampled_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(scaled)[id] per row: the protocol's log-prob, as the sampler computes it (and
+    the trainer too, in batch-invariant mode)."""
+    return scaled.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
 
 
 def suppress(scores: torch.Tensor, suppress_ids: torch.Tensor | None, suppress_left: torch.Tensor | None

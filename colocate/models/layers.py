@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colocate.kernels import flash
+from colocate.kernels import batch_invariant, flash
 
 
 class RMSNorm(nn.Module):
@@ -61,9 +61,12 @@ def packed_causal_attention(
 
     CUDA uses FlashAttention-4 where `flash.usable` (Hopper, Blackwell), else torch's varlen flash
     attention (GQA native; head_dim zero-padded to a multiple of 8); elsewhere one causal SDPA per
-    sequence.
+    sequence; in batch-invariant mode, the engine's fixed-chunk attention per sequence.
     """
     scale = q.shape[-1] ** -0.5
+    if batch_invariant.enabled():
+        return _per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: batch_invariant.attention(
+            qs, ks, vs, torch.arange(qs.shape[0], device=qs.device), scale))
     if flash.usable(q):
         return flash.attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
@@ -77,12 +80,13 @@ def packed_causal_attention(
         out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0))
         return out[..., :head_dim] if pad else out
     # CPU: one causal SDPA per sequence (a packed block-diagonal mask would be quadratic in N).
+    return _per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: F.scaled_dot_product_attention(
+        qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, scale=scale,
+        enable_gqa=True).transpose(0, 1))
+
+
+def _per_sequence(q, k, v, cu_seqlens: torch.Tensor, attend) -> torch.Tensor:
+    """`attend(q, k, v)` on each packed sequence's rows, the outputs concatenated."""
     bounds = cu_seqlens.tolist()
-    outs = [
-        F.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True,
-            scale=scale, enable_gqa=True,
-        ).transpose(0, 1)
-        for a, b in zip(bounds[:-1], bounds[1:])
-    ]
+    outs = [attend(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outs) if outs else q.new_empty(q.shape)

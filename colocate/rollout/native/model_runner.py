@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from colocate.kernels import batch_invariant
 from colocate.kernels.paged_attention import paged_decode_attention, store_kv
 from colocate.models import CausalLM
 from colocate.rollout.native.cuda_graphs import DecodeGraphs
@@ -41,6 +42,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torc
     attend over it. An opaque op to torch.compile, which fuses everything around it."""
     k_cache, v_cache = kv[0, layer], kv[1, layer]
     store_kv(k, v, k_cache, v_cache, slot_mapping)
+    if batch_invariant.enabled():
+        return _batch_invariant_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -250,13 +253,33 @@ def _cumsum(lengths: list[int], device) -> torch.Tensor:
 
 def _attention_per_sequence(q, k, v, q_lens: list[int], k_lens: list[int], scale: float) -> torch.Tensor:
     """Causal attention of each sequence's queries (its last q_len positions) over its keys, one
-    SDPA call per sequence: cost sum(q_len * k_len), where one packed mask would cost N * M."""
+    SDPA call per sequence: cost sum(q_len * k_len), where one packed mask would cost N * M. In
+    batch-invariant mode, the fixed-chunk attention the trainer computes too."""
     out = torch.empty_like(q)  # (N, Hq, D)
     q0 = k0 = 0
     for nq, nk in zip(q_lens, k_lens):
-        qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk]))
-        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
-        out[q0:q0 + nq] = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+        if batch_invariant.enabled():
+            positions = torch.arange(nk - nq, nk, device=q.device)
+            out[q0:q0 + nq] = batch_invariant.attention(q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk], positions, scale)
+        else:
+            qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk]))
+            mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
+            out[q0:q0 + nq] = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
         q0, k0 = q0 + nq, k0 + nk
+    return out
+
+
+def _batch_invariant_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """One decode query per sequence over its cached keys, in the fixed chunk order of
+    `batch_invariant.attention` (rows with no context stay zero)."""
+    out = torch.zeros_like(q)  # (B, Hq, D)
+    block_size = k_cache.shape[1]
+    for row, ctx in enumerate(context_lens.tolist()):
+        if ctx == 0:
+            continue
+        blocks = block_tables[row, : -(-ctx // block_size)].long()
+        keys, values = (c[blocks].flatten(0, 1)[:ctx] for c in (k_cache, v_cache))  # (ctx, Hk, D)
+        out[row] = batch_invariant.attention(q[row:row + 1], keys, values,
+                                             torch.tensor([ctx - 1], device=q.device), scale)[0]
     return out

@@ -1,0 +1,122 @@
+"""Batch-invariant numerics: every token's result independent of the batch it is computed in.
+
+With `algorithm.true_on_policy`, the log-prob the engine returns for a sampled token must equal,
+bit for bit, the one the trainer computes for it. The engine computes a token in a prefill chunk
+or a decode step beside whatever else is running; the trainer computes it inside a packed
+sequence. Their results agree only if every operation gives a row the same result whatever the
+other rows are, in the same order of floating-point operations:
+
+- matrix products: BLAS picks its kernel by shape, and a product of 1-7 rows takes another path
+  than one of many (the results differ in the last bits). `enable` replaces the CPU kernels of
+  aten::mm and aten::addmm with one fixed-shape path: rows padded to a multiple of 16 (at least
+  16) through one batched GEMM, whose result for a row depends on that row alone;
+- attention: `attention` walks each query's keys in fixed chunks of CHUNK positions from position
+  0, with an online softmax, whatever the query count or where the keys come from (a packed
+  sequence, a prefill chunk, the paged cache). Chunks past a query's position are fully masked and
+  change nothing (their update is an exact no-op: a factor of 1 and a sum of zeros);
+- the log-prob itself: `kernels.sampling.sampled_logprobs`, one function for the sampler and
+  the trainer;
+- SiLU: the CPU's vectorised sigmoid rounds a vector's tail elements otherwise than the others;
+  `enable` computes it from exp (which rounds alike everywhere) instead;
+- row-wise reductions of a fixed length (RMSNorm's mean, logsumexp) and the other elementwise work
+  (exp, cos, sin, rsqrt, products) already give each element the same result in any batch.
+
+CPU (fp32) only for now: CUDA needs batch-invariant GEMM, norm and attention kernels, which are
+not written yet; `enable` refuses it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+CHUNK = 16
+"""Keys per attention chunk, counted from position 0 of the sequence."""
+ROWS = 16
+"""Row multiple of every matrix product in the mode."""
+
+_library: torch.library.Library | None = None
+
+
+def enabled() -> bool:
+    return _library is not None
+
+
+def enable(device: torch.device) -> None:
+    """Switch this process to batch-invariant numerics (idempotent)."""
+    global _library
+    if device.type != "cpu":
+        raise ValueError("algorithm.true_on_policy: bitwise-equal log-probs are implemented for the CPU "
+                         "(fp32) path only; CUDA needs batch-invariant GEMM, norm and attention kernels")
+    if _library is not None:
+        return
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        library.impl("mm", _mm, "CPU")
+        library.impl("addmm", _addmm, "CPU")
+        library.impl("silu", _silu, "CPU")
+    _library = library
+
+
+def disable() -> None:
+    global _library
+    if _library is not None:
+        _library._destroy()
+        _library = None
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    rows = a.shape[0]
+    pad = max(ROWS, -(-rows // ROWS) * ROWS) - rows
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    return torch.bmm(a.unsqueeze(0), b.unsqueeze(0))[0, :rows]
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    out = _mm(a, b)
+    if alpha != 1:
+        out = out * alpha
+    return out + (bias if beta == 1 else bias * beta)
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) from exp and a division: the CPU's vectorised sigmoid rounds the elements of a
+    vector's tail otherwise than the rest, so a token's result would depend on its place in the batch."""
+    return x / (1 + torch.exp(-x))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's queries over its keys, in the fixed chunk order.
+
+    q (Nq, Hq, D) at sequence positions `positions` (Nq,); k, v (Nk, Hk, D) for positions
+    0..Nk-1 (Nk > every query position) -> (Nq, Hq, D)."""
+    num_q, heads, dim = q.shape
+    group = heads // k.shape[1]
+    if group > 1:  # one key head per query head (an exact copy)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    last = int(positions.max()) + 1 if num_q else 0
+    f32 = dict(dtype=torch.float32, device=q.device)
+    run_max = torch.full((num_q, heads), float("-inf"), **f32)
+    run_sum = torch.zeros((num_q, heads), **f32)
+    acc = torch.zeros((num_q, heads, dim), **f32)
+    qf = q.float()[:, :, None, :]  # (Nq, H, 1, D)
+    for start in range(0, last, CHUNK):
+        keys = torch.zeros((CHUNK, heads, dim), **f32)
+        values = torch.zeros((CHUNK, heads, dim), **f32)
+        stop = min(start + CHUNK, k.shape[0])
+        keys[: stop - start], values[: stop - start] = k[start:stop].float(), v[start:stop].float()
+        scores = (qf * keys.transpose(0, 1)[None]).sum(-1) * scale  # (Nq, H, CHUNK)
+        key_pos = torch.arange(start, start + CHUNK, device=q.device)
+        scores = scores.masked_fill(key_pos[None, None, :] > positions[:, None, None], float("-inf"))
+        new_max = torch.maximum(run_max, scores.amax(-1))  # (Nq, H)
+        alpha = torch.exp(run_max - new_max)
+        p = torch.exp(scores - new_max[..., None])  # (Nq, H, CHUNK)
+        run_sum = run_sum * alpha + p.sum(-1)
+        weighted = (p[..., None, :] * values.permute(1, 2, 0)[None]).sum(-1)  # (Nq, H, D)
+        acc = acc * alpha[..., None] + weighted
+        run_max = new_max
+    return (acc / run_sum[..., None]).to(q.dtype)

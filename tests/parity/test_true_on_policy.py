@@ -1,0 +1,122 @@
+"""True on-policy mode (CPU fp32): the engine's log-prob of every sampled token equals, bit for bit,
+the trainer's, whatever the batch, the packing, prefix sharing or preemption."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from colocate.kernels import batch_invariant
+from colocate.models import from_pretrained
+from colocate.rollout.native import NativeEngine
+from colocate.rollout.protocol import SamplingParams
+from colocate.rollout.sample import Sample
+from colocate.trainer.actor import response_logprobs
+from colocate.trainer.batch import RolloutBatch, build_micro_batch
+from colocate.trainer.packing import pack_micro_batches
+from tests.helpers import write_hf_model
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 60)), [3, 4], [90, 12, 33, 71, 2]]
+"""Prompt lengths on both sides of the attention chunk (16): 7, 40, 2 and 5 tokens."""
+
+
+@pytest.fixture
+def invariant():
+    batch_invariant.enable(torch.device("cpu"))
+    yield
+    batch_invariant.disable()
+
+
+def _samples(outs, prompts) -> list[Sample]:
+    return [Sample(prompts[c.prompt_index], c.output_ids, c.logprobs, [1] * len(c.output_ids), c.prompt_index,
+                   c.sample_index) for c in outs]
+
+
+def _trainer_logprobs(model, samples: list[Sample], temperature: float, max_tokens: int) -> torch.Tensor:
+    """The actor's log-probs of every response token, micro-batches packed under `max_tokens`."""
+    batch = RolloutBatch.from_samples(samples, torch.device("cpu"))
+    out = torch.zeros_like(batch.mask)
+    for part in pack_micro_batches(batch.lengths, max_tokens):
+        mb = build_micro_batch(batch, part, torch.device("cpu"))
+        with torch.no_grad():
+            out[mb.token_index] = response_logprobs(model, mb, temperature)[0]
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, family, invariant):
+    path, _ = write_hf_model(tmp_path, family)
+    model = from_pretrained(path, dtype="float32", device="cpu").eval()
+    sampling = SamplingParams(n=3, temperature=0.7, top_p=0.9, max_new_tokens=24, ignore_eos=True, seed=1)
+    engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096, seed=3)
+    together = engine.generate(PROMPTS, sampling)  # one batch, each prompt's prefix shared by its 3 samples
+    alone = {i: engine.generate([PROMPTS[i]], sampling) for i in (2, 0, 3, 1)}  # one prompt at a time
+    tight = NativeEngine(path, dtype=torch.float32, device="cpu", block_size=4, max_kv_tokens=72, seed=3)
+    preempted = tight.generate(PROMPTS, sampling)
+    assert tight.scheduler.num_preemptions > 0
+    rollout = torch.tensor([lp for c in together for lp in c.logprobs])
+    assert len(rollout) == 4 * 3 * 24
+    assert torch.equal(torch.tensor([lp for i in range(4) for c in alone[i] for lp in c.logprobs]), rollout)
+    assert torch.equal(torch.tensor([lp for c in preempted for lp in c.logprobs]), rollout)
+    samples = _samples(together, PROMPTS)
+    for max_tokens in (64, 160, 4096):  # one sequence per micro-batch, a few, all of them
+        assert torch.equal(_trainer_logprobs(model, samples, 0.7, max_tokens), rollout), max_tokens
+
+
+def test_greedy_logprobs_are_bitwise_equal_too(tmp_path, invariant):
+    path, _ = write_hf_model(tmp_path, "qwen3")
+    model = from_pretrained(path, dtype="float32", device="cpu").eval()
+    engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096)
+    outs = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=20, ignore_eos=True))
+    rollout = torch.tensor([lp for c in outs for lp in c.logprobs])
+    assert torch.equal(_trainer_logprobs(model, _samples(outs, PROMPTS), 0.0, 4096), rollout)
+
+
+def test_the_mode_is_refused_on_cuda_and_can_be_left():
+    with pytest.raises(ValueError, match="algorithm.true_on_policy: .* CPU \\(fp32\\) path only"):
+        batch_invariant.enable(torch.device("cuda"))
+    batch_invariant.enable(torch.device("cpu"))
+    batch_invariant.enable(torch.device("cpu"))  # idempotent
+    a, b = torch.randn(3, 56), torch.randn(56, 72)
+    assert batch_invariant.enabled() and torch.equal(a @ b, torch.cat([a[i:i + 1] @ b for i in range(3)]))
+    batch_invariant.disable()
+    assert not batch_invariant.enabled()
+
+
+def test_attention_matches_sdpa_and_ignores_chunks_past_the_query():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(37, 6, 20), torch.randn(37, 2, 20), torch.randn(37, 2, 20)
+    got = batch_invariant.attention(q, k, v, torch.arange(37), 20 ** -0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # The last query alone, with its own keys only, gives the same bits as inside the whole sequence.
+    last = batch_invariant.attention(q[-1:], k, v, torch.tensor([36]), 20 ** -0.5)
+    assert torch.equal(last, got[-1:])
+    first = batch_invariant.attention(q[:1], k[:1], v[:1], torch.tensor([0]), 20 ** -0.5)
+    assert torch.equal(first, got[:1])
+
+
+@pytest.mark.slow
+def test_a_toy_run_in_the_mode_logs_no_mismatch_at_all(tmp_path):
+    """5 GRPO steps of the toy task: the rollout and the trainer's first forward agree exactly."""
+    out = tmp_path / "run"
+    env = {"COLOCATE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "colocate.train", "--config", "configs/default.yaml",
+                           "--output-dir", str(out), "--train.num-rollout", "5", "--algorithm.true-on-policy", "True",
+                           "--logging.console", "False"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/ppo_kl" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for r in rows:
+        assert r["train/train_rollout_logprob_abs_diff"] == 0.0 and r["train/ppo_kl"] == 0.0, r["step"]
+        assert r["train/mismatch/abs_diff_max"] == 0.0 and r["train/mismatch/nonzero_frac"] == 0.0
+        assert r["train/mismatch/kl_k3"] == 0.0 and r["train/mismatch/ppl_ratio"] == 1.0
