@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train kernels units
+#                                          (and multigpu, on a machine of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
@@ -30,6 +31,8 @@ for step in $steps; do
     train) run train 480 python bench/train.py ;;
     kernels) run kernels 60 python bench/kernels.py ;;
     units) run units 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
+    multigpu) run multigpu 560 python -m pytest -q -s -rA -m multigpu -p no:cacheprovider tests/integration/test_multigpu.py \
+                tests/integration/test_checkpoint.py ;;
     *) echo "unknown step $step" >&2 ;;
   esac
 done

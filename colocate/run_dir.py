@@ -99,7 +99,8 @@ def _check_owner(path: Path, cfg: Config) -> None:
                          "resume that run, or choose another output_dir or checkpoint.dir")
     metrics = path / METRICS_FILE
     if has_checkpoint:
-        drop_torn_line(metrics)  # this run continues the one that wrote it
+        for name in (metrics, *path.glob("memory_rank*.jsonl")):
+            drop_torn_line(name)  # this run continues the one that wrote it
         return
     earlier = metrics.is_file() and metrics.stat().st_size > 0
     if earlier and not cfg.overwrite:
@@ -109,3 +110,5 @@ def _check_owner(path: Path, cfg: Config) -> None:
     if earlier:
         for name in (METRICS_FILE, LOG_FILE, WANDB_ID_FILE):
             (path / name).unlink(missing_ok=True)
+        for ledger in path.glob("memory_rank*.jsonl"):
+            ledger.unlink()

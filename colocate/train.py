@@ -163,6 +163,7 @@ class Loop:
             metrics.update(to_rollout.metrics())
             metrics.update(self.phase.take())
             metrics.update(self.ledger.step_metrics(rollout_id))
+            self.ledger.append_to(self.out / f"memory_rank{self.info.rank}.jsonl", rollout_id)
             metrics["perf/step_time"] = time.perf_counter() - step_start
             metrics["rollout/weight_version"] = self.weight_version
             metrics["rollout/dropped_long_prompts"] = self.inputs.num_dropped_prompts

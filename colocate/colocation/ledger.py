@@ -7,9 +7,12 @@ CPU the process's resident set size stands in for the device.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -93,6 +96,15 @@ class MemoryLedger:
                 for key in ("allocated", "reserved", "device_used"):
                     out[f"memory/{r.phase}/{key}_gib"] = getattr(r, key) / GIB
         return out
+
+    def append_to(self, path: Path, step: int) -> None:
+        """Append this step's rows to a JSONL file (one per rank: only rank 0 logs metrics, and a
+        leak or a missed release on another rank must be visible too)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            for r in self.rows:
+                if r.step == step:
+                    f.write(json.dumps(dataclasses.asdict(r)) + "\n")
 
     def phase(self, step: int, phase: str) -> MemoryRow | None:
         """The last row recorded for (step, phase)."""

@@ -287,6 +287,7 @@ def test_gpu_resume_world1_nccl_is_exact(model_dir, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 def test_gpu_two_ranks_nccl_resume_exact(model_dir, tmp_path):
     import torch.multiprocessing as mp
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -84,6 +85,11 @@ def test_two_ranks_train_save_kill_and_resume_like_uninterrupted(tmp_path):
     assert rows[5]["rollout/weight_version"] == 7  # the initial sync, then one per step
     ckpts = sorted(p.name for p in (full / "checkpoints").iterdir())
     assert ckpts == ["rollout_000003", "rollout_000005"]  # keep_last 2
+    for rank in (0, 1):  # each rank's own ledger, every phase of every step
+        ledger = [json.loads(line) for line in (full / f"memory_rank{rank}.jsonl").read_text().splitlines()]
+        phases = {(r["step"], r["phase"]) for r in ledger}
+        assert phases >= {(s, p) for s in range(6) for p in ("generate", "to_train", "train", "to_rollout")}
+        assert all(r["device_used"] > 0 for r in ledger)
 
     killed = tmp_path / "killed"
     proc = torchrun(config, killed, wait=False)
