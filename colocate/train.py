@@ -49,6 +49,17 @@ class Phases:
         return out
 
 
+def _startup_line(startup: dict[str, float]) -> str:
+    """'start-up 4.4 s: inputs 3.8, trainer 0.5, ..., engine 0.1 (weights 0.0, ...), first sync 0.0'."""
+    parts = {k[len("perf/startup/"):-len("_s")]: v for k, v in startup.items()}
+    engine = ", ".join(f"{k[len('engine_'):].replace('_', ' ')} {v:.1f}" for k, v in parts.items()
+                       if k.startswith("engine_"))
+    top = [(k, v) for k, v in parts.items() if not k.startswith("engine_")]
+    text = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" + (f" ({engine})" if k == "engine" and engine else "")
+                     for k, v in top)
+    return f"start-up {sum(v for _, v in top):.1f} s: {text}"
+
+
 class Loop:
     def __init__(self, cfg: Config, info: dist.DistInfo):
         from colocate.colocation.ledger import MemoryLedger
@@ -57,8 +68,11 @@ class Loop:
 
         self.cfg, self.info = cfg, info
         self.out = Path(cfg.output_dir)
+        self.startup: dict[str, float] = {}
+        """perf/startup/<part>_s: where the time before step 0 went, logged with the first step."""
         # Everything that can be wrong with the user's input is checked before any model is built.
-        self.inputs = RunInputs.load(cfg, info)
+        with timed(self.startup, "perf/startup/inputs_s", info.device):
+            self.inputs = RunInputs.load(cfg, info)
         self.log = MetricsLogger(self.out, enabled=info.is_main, use_wandb=cfg.logging.wandb,
                                  wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
                                  config=cfg.to_dict(), console=cfg.logging.console)
@@ -70,29 +84,38 @@ class Loop:
     def build(self):
         from colocate.colocation.handoff import Colocation
         from colocate.models import resolve_dtype
-        from colocate.rollout.factory import build_engine
+        from colocate.rollout.factory import build_engine, reachable_batch_size
         from colocate.rollout.orchestrator import RolloutManager
         from colocate.trainer import Trainer
 
-        cfg = self.cfg
+        cfg, info, startup = self.cfg, self.info, self.startup
         if cfg.algorithm.true_on_policy:  # before any model runs: engine and trainer alike
             from colocate.kernels import batch_invariant
 
-            batch_invariant.enable(self.info.device)
-        self.trainer = Trainer(cfg, self.info)
-        self._maybe_resume()
-        self.colocation = Colocation(self.trainer, cfg.offload, dtype=resolve_dtype(cfg.model.dtype, self.info.device),
+            batch_invariant.enable(info.device)
+        with timed(startup, "perf/startup/trainer_s", info.device):  # load, shard, reserve pinned buffers
+            self.trainer = Trainer(cfg, info)
+        with timed(startup, "perf/startup/resume_s", info.device):
+            self._maybe_resume()
+        self.colocation = Colocation(self.trainer, cfg.offload, dtype=resolve_dtype(cfg.model.dtype, info.device),
                                      bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         self.colocation.make_room()
-        self.engine = build_engine(cfg, self.info, self.inputs.eos_token_ids)
+        eval_prompts = max((len(prompts) for _, prompts, _ in self.inputs.eval_sets), default=0)
+        with timed(startup, "perf/startup/engine_s", info.device):
+            self.engine = build_engine(cfg, info, self.inputs.eos_token_ids,
+                                       reachable_batch_size(cfg, info.world_size, eval_prompts))
+        for part, seconds in getattr(self.engine, "startup_seconds", {}).items():
+            startup[f"perf/startup/engine_{part}_s"] = seconds
         self.rollout = RolloutManager(
             self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,
             strict=cfg.train.strict, overlong=self.inputs.overlong,
             custom_generate=self.inputs.custom_generate, seed=cfg.rollout.seed)
         # The engine always starts from the trainer's weights (they differ from disk after resume).
         self.weight_version += 1
-        self.colocation.start(self.engine, self.weight_version)
+        with timed(startup, "perf/startup/first_sync_s", info.device):
+            self.colocation.start(self.engine, self.weight_version)
         self.ledger.record(self.start_rollout_id, "start")
+        self.log.info(_startup_line(startup))
 
     def _maybe_resume(self):
         from colocate.checkpoint import latest_checkpoint, load_checkpoint
@@ -162,6 +185,8 @@ class Loop:
             metrics.update(to_train.metrics())
             metrics.update(to_rollout.metrics())
             metrics.update(self.phase.take())
+            metrics.update(self.startup)  # the first step's record only
+            self.startup = {}
             metrics.update(self.ledger.step_metrics(rollout_id))
             self.ledger.append_to(self.out / f"memory_rank{self.info.rank}.jsonl", rollout_id)
             metrics["perf/step_time"] = time.perf_counter() - step_start
