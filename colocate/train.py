@@ -8,6 +8,7 @@ and when, is colocate/colocation/handoff.py's to decide; this file only says whe
 
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -211,6 +212,7 @@ def main(argv: list[str]) -> int:
 
     start = time.perf_counter()
     cfg = load_config(argv)
+    given = copy.deepcopy(cfg)  # as the user gave it: loading resolves Hub ids to local snapshots
     info = dist.init()
     seed_everything(cfg.train.seed)
     loop = run_dir = None
@@ -219,7 +221,7 @@ def main(argv: list[str]) -> int:
         run_dir = RunDir.claim(cfg, info)  # one run per output_dir
         loop = Loop(cfg, info)  # data, rewards, hooks and the model config are checked here
         loop.build()
-        run_dir.save_config(cfg)  # once the inputs and the models have loaded
+        run_dir.save_config(given)  # once the inputs and the models have loaded
         loop.run()
         if info.is_main:
             loop.log.info(run_summary(cfg.output_dir, time.perf_counter() - start))
