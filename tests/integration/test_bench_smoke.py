@@ -1,5 +1,6 @@
 """The benchmark scripts that have a CPU mode run end to end on CPU, so they cannot rot between
-GPU sessions: the GRPO-step bench writes per-phase timings for every variant it was asked for."""
+GPU sessions: the GRPO-step bench writes per-phase timings for every variant it was asked for, and
+the rollout bench's long-tail case its lengths, utilization and decode roofline probes."""
 
 from __future__ import annotations
 
@@ -29,3 +30,23 @@ def test_e2e_bench_cpu_smoke_writes_every_variant(tmp_path):
         # On CPU the trainer moves nothing; with offload on, the engine's moves are timed.
         moves = ["engine_release", "engine_resume_cache", "engine_resume_weights"] if "_on_" in name else []
         assert sorted(run["handoff_median_s"]) == moves, name
+
+
+@pytest.mark.slow
+def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(tmp_path):
+    out = tmp_path / "tail.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout.py"), "--cases", "tail", "--cpu-smoke",
+                           "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    r = json.loads(out.read_text())
+    # 16 lognormal lengths (median 24, capped at 96), fixed by their seeds: one reaches the cap.
+    assert r["lengths"] == {"mean": 26.5, "median": 21.5, "max": 96, "at_cap": 1, "total": 424}
+    assert r["tail"]["output_tokens"] == 424 and r["tail"]["decode_steps"] == 95  # the longest sample's
+    assert r["full_batch"]["output_tokens"] == 16 * 26 and r["full_batch"]["decode_steps"] == 25
+    assert r["decode_batch_occupancy"] == pytest.approx((424 - 16) / 95 / 16)  # one token each from prefill
+    assert r["utilization"] > 0 and r["engine"]["preemptions"] == 0
+    assert set(r["roofline"]) == {"b16_ctx64", "b2_ctx256"}
+    for probe in r["roofline"].values():
+        assert probe["ms_per_decode_step"] > 0 and probe["roofline_fraction"] == pytest.approx(
+            probe["roofline_ms"] / probe["ms_per_decode_step"])
+    assert done.stdout.startswith("rollout tail (tiny shape, 16 samples, lengths median 22 mean 26, 1 at 96)")
