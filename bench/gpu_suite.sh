@@ -26,6 +26,7 @@ for step in $steps; do
                --output-dir "$out/default_run" --logging.console False ;;
     engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
     e2e) run e2e 330 python bench/e2e.py --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
+    e2e_tail) run e2e_tail 3000 python bench/e2e.py --tail --steps 2 --warmup 1 ;;
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;

@@ -78,7 +78,7 @@ TAIL_RUNS = {
     # points: (batch, context) of the decode-step roofline probes, each decoding probe_tokens
     "4b": dict(samples=256, prompt_tokens=256, median_tokens=1536, sigma=0.75, max_tokens=8192,
                points=((256, 2048), (8, 8192)), probe_tokens=32),
-    "tiny": dict(samples=16, prompt_tokens=16, median_tokens=24, sigma=0.75, max_tokens=96,
+    "tiny": dict(samples=16, prompt_tokens=16, median_tokens=16, sigma=0.75, max_tokens=64,
                  points=((16, 64), (2, 256)), probe_tokens=8),
 }
 
