@@ -109,6 +109,8 @@ class Loop:
         self.weight_version = extra["weight_version"]
         if self.cfg.rollout.partial_rollout:
             self.resumed_rollouts = extra.get("partial_rollout")
+        elif any(extra.get("partial_rollout") or []):
+            self.log.info("rollout.partial_rollout is off: the checkpoint's groups in flight are dropped")
         self.log.info(f"resumed from {path} at rollout {self.start_rollout_id}")
 
     @property

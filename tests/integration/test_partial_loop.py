@@ -18,7 +18,7 @@ import torch
 from colocate.config import Config
 from colocate.metrics import read_metrics
 from tests.distributed import run_ranks
-from tests.integration.test_resume_state import _Stopped, _assert_equal, _compared
+from tests.integration.test_resume_state import _assert_equal, _compared, run_loop
 
 BEFORE = [
     {"rollout/raw_reward": 0.0796875, "rollout/response_len/mean": 7.75, "rollout/truncated_ratio": 0.8125,
@@ -52,36 +52,15 @@ def _config(toy, out, partial: bool, **rollout) -> Config:
 
 
 def _run(cfg, stop: bool = False, record: dict | None = None):
-    """The loop as colocate.train.main drives it. `stop` ends it right after its first save;
-    `record` collects the prompts drawn and the groups trained (dataset indices) on this rank."""
-    from colocate import dist
-    from colocate.train import Loop, seed_everything
-
-    seed_everything(cfg.train.seed)
-    loop = Loop(cfg, dist.get_info())
-    try:
-        loop.build()
-        if stop:
-            save = loop.save
-
-            def save_and_stop(rollout_id):
-                save(rollout_id)
-                raise _Stopped
-
-            loop.save = save_and_stop
-        if record is not None:
-            _record(loop, record)
-        try:
-            loop.run()
-        except _Stopped:
-            pass
+    """The loop (see run_loop); `record` collects the prompts drawn and the groups trained
+    (dataset indices) on this rank. Returns where it started, its groups in flight and weights."""
+    prepare = None if record is None else (lambda loop: _record(loop, record))
+    with run_loop(cfg, stop, prepare) as loop:
         in_flight = [(g.prompt.index, [(s.response_ids, s.rollout_logprobs, s.versions, s.finish_reason)
                                        for s in g.samples]) for g in loop.rollout.in_flight]
         weights = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
                    for k, v in loop.trainer.actor_module.state_dict().items()}
         return loop.start_rollout_id, in_flight, weights
-    finally:
-        loop.close()
 
 
 def _record(loop, record: dict) -> None:
@@ -109,6 +88,7 @@ def _compare_runs(rank, world_size, toy, root):
     _run(_config(toy, root / "on", partial=True))
 
 
+@pytest.mark.slow
 def test_partial_off_logs_what_it_logged_before_and_on_without_carry_the_same(tmp_path):
     from colocate.toy import ensure_toy
 
