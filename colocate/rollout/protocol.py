@@ -8,8 +8,9 @@ Abort and continue (partial rollout): an engine that implements `PartialRolloutE
 generation early, when its caller says enough has finished, and hands back every unfinished sample
 with finish reason 'abort' and the tokens and log-probs it had so far. Such a sample continues later
 as a `Request` carrying those tokens: the engine computes the prompt and the kept tokens, then
-samples on from there with the sample's own seed and positions, so under unchanged weights the
-continuation is the completion the uninterrupted sample would have had.
+samples on from there with the sample's own seed and positions, so under unchanged weights it draws
+the tokens the uninterrupted sample would have drawn (the kept tokens' K/V now come from a prefill
+instead of decode steps, which may round differently in the last bits).
 """
 
 from __future__ import annotations
