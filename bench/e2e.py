@@ -28,9 +28,12 @@ needs torch_memory_saver's preload hook set before the process starts, as launch
 Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
                          [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trace-dir DIR]
      python bench/e2e.py --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
-Writes bench/results/e2e.json (--cpu-smoke: a file in its temporary directory unless --out) and
-prints one summary line. On a cold H200 both of our variants and TRL take 5-6 minutes in all
-(each of our processes compiles and captures the engine's graphs before its first step).
+     python bench/e2e.py --tail [--partial both] [--cpu-smoke]   (bench/e2e_tail.py: long-tailed
+                         lengths on a Qwen3-4B shape, partial rollout off and on; no TRL)
+Writes bench/results/e2e.json (--tail: e2e_tail.json; --cpu-smoke: a file in its temporary
+directory unless --out) and prints one summary line. On a cold H200 both of our variants and TRL
+take 5-6 minutes in all (each of our processes compiles and captures the engine's graphs before
+its first step).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import e2e_tail
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "e2e.json"
 HOOKS = Path(__file__).stem  # module name of this file for the config's module:function hooks
@@ -59,10 +64,12 @@ SHAPES = {
                  num_attention_heads=14, num_key_value_heads=2, head_dim=64),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    **e2e_tail.SHAPES,
 }
 BATCHES = {
     "0.5b": dict(prompts=16, samples_per_prompt=8, prompt_tokens=128, response_tokens=256),
     "tiny": dict(prompts=4, samples_per_prompt=4, prompt_tokens=16, response_tokens=16),
+    **e2e_tail.BATCHES,
 }
 TRL_MICRO_BATCH = 32
 OURS_TIMEOUT_S, TRL_TIMEOUT_S = 200.0, 300.0
@@ -121,8 +128,8 @@ def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Pat
 
     s = SHAPES[shape]
     eos = s["vocab_size"] - 1
-    mcfg = ModelConfig(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-                       attention_bias=True, bos_token_id=eos, eos_token_id=eos, **s)
+    qwen2 = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, attention_bias=True)
+    mcfg = ModelConfig(**{**qwen2, **s}, bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(0)
     model_dir = save_pretrained(from_config(mcfg, torch.bfloat16, "cpu", init=True), workdir / "model")
     tokenizer = byte_level_tokenizer(s["vocab_size"])
@@ -186,9 +193,10 @@ def _profile_last_step(loop, num_steps: int, trace: Path):
     return prof
 
 
-def run_ours(config_path: Path, warmup: int, trace: Path | None = None) -> dict:
+def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: str | None = None) -> dict:
     """Run the loop in this process; per-phase and per-step seconds of the steps after warm-up.
-    With `trace`, the last step is profiled into it and left out of the timings."""
+    With `trace`, the last step is profiled into it and left out of the timings; with `tail`
+    (a shape of e2e_tail), samples get the tail's lengths and lost groups are looked for."""
     import contextlib
 
     import torch
@@ -206,10 +214,12 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None) -> dict:
         start = time.perf_counter()
         loop.build()
         build_s = time.perf_counter() - start
+        record = e2e_tail.install(loop, tail) if tail else None
         start = time.time()  # metric records carry time.time() stamps
         profiler = _profile_last_step(loop, cfg.train.num_rollout, trace) if trace else contextlib.nullcontext()
         with profiler:
             loop.run()
+        groups = e2e_tail.groups_report(record, loop) if tail else None
     finally:
         loop.close()
         dist.destroy()
@@ -236,6 +246,8 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None) -> dict:
                              if k.startswith("handoff/") and k.endswith("_s")},
         "response_len_mean": med("rollout/response_len/mean"),
         "truncated_ratio": med("rollout/truncated_ratio"),
+        "decode_utilization": med("rollout/decode_utilization"),
+        "groups": groups,
         "rollout_tokens_per_s": med("perf/rollout_tokens_per_s"),
         "grad_norm": med("train/grad_norm"),
         "peak_allocated_gib": max((v for r in timed for k, v in r.items()
@@ -370,7 +382,7 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     import transformers
     import yaml
 
-    shape = "tiny" if args.cpu_smoke else "0.5b"
+    shape = ("tiny_tail" if args.cpu_smoke else "4b") if args.tail else ("tiny" if args.cpu_smoke else "0.5b")
     steps = args.steps or (1 if args.cpu_smoke else 5)
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu_smoke else 2)
     start = time.perf_counter()
@@ -383,27 +395,35 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
         "weights": "random init, bf16 safetensors on disk; both trainers keep fp32 master weights; "
                    "compute and our engine's weights are bf16 on GPU, fp32 on CPU",
         "warmup_steps": warmup, "timed_steps": steps, "workdir": str(workdir),
-        "ours": {}, "trl": {"skipped": True} if args.skip_trl else {}, "ratio_trl_over_ours": {},
+        "ours": {}, "trl": {"skipped": True} if args.skip_trl or args.tail else {}, "ratio_trl_over_ours": {},
     }
     env = _child_env(preload=not args.cpu_smoke, cpu=args.cpu_smoke)
     compiles = CHOICES[args.compile or ("off" if args.cpu_smoke else "on")]
     budgets = args.max_tokens_per_gpu or [None]
-    for offload, compile, budget in [(o, c, m) for o in CHOICES[args.offload] for c in compiles for m in budgets]:
+    # The tail run's variants are partial rollout off and on, with offload on.
+    offloads, partials = ([True], CHOICES[args.partial]) if args.tail else (CHOICES[args.offload], [None])
+    for offload, compile, budget, partial in [(o, c, m, p) for o in offloads for c in compiles for m in budgets
+                                              for p in partials]:
         name = (f"offload_{'on' if offload else 'off'}"
                 + ("" if len(compiles) == 1 else f"_compile_{'on' if compile else 'off'}")
-                + ("" if len(budgets) == 1 else f"_tokens_{budget}"))
+                + ("" if len(budgets) == 1 else f"_tokens_{budget}")
+                + ("" if partial is None else f"_partial_{'on' if partial else 'off'}"))
         profiled = args.trace_dir is not None
         cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, budget,
                           warmup + steps + profiled)
+        if args.tail:
+            cfg = e2e_tail.tail_config(cfg, shape, partial)
         cfg_path = workdir / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         trace = ["--trace", str(args.trace_dir / f"e2e_{name}.json.gz")] if profiled else []
-        result = _child(["--worker", "ours", "--config", str(cfg_path), "--warmup", str(warmup), *trace,
-                         "--result", str(workdir / f"result_{name}.json")], env, OURS_TIMEOUT_S)
+        tail = ["--tail-shape", shape] if args.tail else []
+        result = _child(["--worker", "ours", "--config", str(cfg_path), "--warmup", str(warmup), *trace, *tail,
+                         "--result", str(workdir / f"result_{name}.json")], env,
+                        e2e_tail.TIMEOUT_S if args.tail else OURS_TIMEOUT_S)
         results["ours"][name] = {"config": cfg, **result}
         results["machine"]["device"] = results["machine"]["device"] or result.get("device")
         _write(results, out)
-    if not args.skip_trl:
+    if not (args.skip_trl or args.tail):
         env = _child_env(extra_path=args.trl_site, cpu=args.cpu_smoke)
         results["trl"] = _child(["--worker", "trl", "--model-dir", str(model_dir), "--prompts", str(prompts),
                                  "--shape", shape, "--steps", str(steps), "--warmup", str(warmup),
@@ -428,6 +448,10 @@ def summary(results: dict) -> str:
             continue
         phases = ", ".join(f"{k} {v:.3f}" for k, v in e["phase_median_s"].items() if v is not None)
         parts.append(f"ours {name} {_fmt(e['step_median_s'])} s ({phases}; len {_fmt(e['response_len_mean'], '.0f')})")
+        if e.get("groups"):
+            g = e["groups"]
+            parts.append(f"[utilization {_fmt(e['decode_utilization'], '.2f')}; groups {g['trained']} trained, "
+                         f"{g['in_flight_at_end']} in flight, {'nothing lost' if g['nothing_lost'] else 'LOST'}]")
     trl = results["trl"]
     if "error" in trl:
         parts.append(f"| TRL FAILED ({trl['error']})")
@@ -455,8 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--trl-site", default=None, help="directory with trl and datasets, for the TRL process")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and batch on CPU")
+    parser.add_argument("--tail", action="store_true",
+                        help="long-tailed lengths on a Qwen3-4B shape, offload on (bench/e2e_tail.py)")
+    parser.add_argument("--partial", choices=tuple(CHOICES), default="both", help="--tail: partial rollout")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/e2e.json)")
-    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--shape", "--result", "--trace"):
+    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--shape", "--result", "--trace",
+                   "--tail-shape"):
         parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -464,14 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.worker == "ours":
-        result = run_ours(Path(args.config), args.warmup, Path(args.trace) if args.trace else None)
+        result = run_ours(Path(args.config), args.warmup, Path(args.trace) if args.trace else None, args.tail_shape)
     elif args.worker == "trl":
         result = run_trl(Path(args.model_dir), Path(args.prompts), args.shape, args.steps, args.warmup)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="colocate_e2e_"))
         if args.trace_dir is not None:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
-        out = args.out or (workdir / "e2e.json" if args.cpu_smoke else RESULTS)
+        out = args.out or (workdir / "e2e.json" if args.cpu_smoke else
+                           RESULTS.with_name("e2e_tail.json") if args.tail else RESULTS)
         results = orchestrate(args, out, workdir)
         print(summary(results), flush=True)
         print(f"wrote {out}")

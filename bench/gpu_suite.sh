@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train kernels units
-#                                          (and multigpu, on a machine of 2 or more GPUs)
+#                                          (and, asked for by name: tail e2e_tail; multigpu, on a machine
+#                                          of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
@@ -26,7 +27,9 @@ for step in $steps; do
                --output-dir "$out/default_run" --logging.console False ;;
     engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
     e2e) run e2e 330 python bench/e2e.py --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
+    e2e_tail) run e2e_tail 3000 python bench/e2e.py --tail --steps 2 --warmup 1 ;;
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
+    tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
     train) run train 480 python bench/train.py ;;
     kernels) run kernels 60 python bench/kernels.py ;;

@@ -17,14 +17,28 @@ ms per decode step and the fraction of the memory-bandwidth roofline of a decode
 Writes JSON (default bench/results/rollout.json) and prints one summary line. `--profile PATH`
 also writes the device time per kernel of a b256 generate (64 output tokens), with the decode
 graphs replayed and again run eagerly (compiled), to PATH.
+
+`--cases tail` runs alone, on a Qwen3-4B shape (random bf16 weights), and writes
+bench/results/rollout_tail.json: the long-tailed response lengths of reasoning RL. 256 prompts of
+256 tokens, each with its own max_new_tokens drawn from a fixed lognormal (median 1536, sigma 0.75,
+capped at 8192: a few samples reach the cap) and ignore_eos. Reported: the phase's wall time and
+output tok/s; utilization, its tok/s over that of a full batch of the same engine (256 samples of
+the tail's mean length, so the batch stays full to the end); and the decode-step time against the
+HBM roofline, (weight bytes + KV bytes read per step) / 4.8 TB/s (the H200's peak), at batch 256
+with 2k context and at batch 8 with 8k context. `--cpu-smoke` runs it on a tiny shape on CPU.
 Run: python bench/rollout.py [--cases b256,b64,long,shared] [--peers plain,static] [--long-hf]
+     python bench/rollout.py --cases tail [--cpu-smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
+import random
+import statistics
+import tempfile
 import time
 
 import torch
@@ -34,7 +48,10 @@ from colocate.rollout.native import NativeEngine
 from colocate.rollout.protocol import SamplingParams
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "rollout.json"
+TAIL_RESULTS = RESULTS.with_name("rollout_tail.json")
 HBM_BYTES_PER_S = 4.3e12
+HBM_PEAK_BYTES_PER_S = 4.8e12
+"""The H200's peak HBM bandwidth: the tail case's roofline."""
 CASES = {
     # name: (prompts, samples per prompt, prompt tokens, output tokens)
     "b256": (256, 1, 128, 256),
@@ -47,6 +64,29 @@ HF_CONFIG = dict(
     num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=32768,
     rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643,
 )
+
+
+TAIL_SHAPES = {
+    "4b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+               num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, qk_norm=True,
+               tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),
+    "tiny": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=True,
+                 rope_theta=1e6, max_position_embeddings=4096),
+}
+TAIL_RUNS = {
+    # points: (batch, context) of the decode-step roofline probes, each decoding probe_tokens
+    "4b": dict(samples=256, prompt_tokens=256, median_tokens=1536, sigma=0.75, max_tokens=8192,
+               points=((256, 2048), (8, 8192)), probe_tokens=32),
+    "tiny": dict(samples=16, prompt_tokens=16, median_tokens=16, sigma=0.75, max_tokens=64,
+                 points=((16, 64), (2, 256)), probe_tokens=8),
+}
+
+
+def tail_length(key: int, median_tokens: int, sigma: float, max_tokens: int) -> int:
+    """The response length of sample `key` in the long tail: a lognormal draw fixed by the key."""
+    draw = random.Random(key).lognormvariate(math.log(median_tokens), sigma)
+    return max(1, min(max_tokens, round(draw)))
 
 
 def build_models():
@@ -62,40 +102,54 @@ def build_models():
     return hf, ours
 
 
-def make_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(num: int, length: int, seed: int = 0,
+                 vocab_size: int = HF_CONFIG["vocab_size"]) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, HF_CONFIG["vocab_size"], (num, length), generator=g).tolist()
+    return torch.randint(0, vocab_size, (num, length), generator=g).tolist()
+
+
+def ideal_decode_step_s(engine: NativeEngine, batch: int, mean_context: float, bytes_per_s: float) -> float:
+    """A decode step that reads every weight and the batch's KV cache once at `bytes_per_s`."""
+    cfg = engine.model.config
+    weight_bytes = engine.memory_stats()["weights_bytes"]
+    itemsize = next(engine.model.parameters()).dtype.itemsize
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    return (weight_bytes + batch * mean_context * kv_bytes_per_token) / bytes_per_s
 
 
 def roofline_fraction(engine: NativeEngine, batch: int, prompt_len: int, output_len: int, step_s: float) -> float:
     """Ideal decode-step time (weights + mean KV read at HBM bandwidth) over the measured one."""
-    cfg = engine.model.config
-    weight_bytes = engine.memory_stats()["weights_bytes"]
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-    mean_context = prompt_len + output_len / 2
-    ideal_s = (weight_bytes + batch * mean_context * kv_bytes_per_token) / HBM_BYTES_PER_S
-    return ideal_s / step_s
+    return ideal_decode_step_s(engine, batch, prompt_len + output_len / 2, HBM_BYTES_PER_S) / step_s
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(engine: NativeEngine, prompts: list[list[int]], sampling: list[SamplingParams]) -> dict:
+    """Wall time, output tokens and the engine's decode counters of one generate call."""
+    before = dict(engine.stats)
+    _sync(engine.device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, sampling)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.output_ids) for c in outs)
+    assert tokens == sum(sp.n * sp.max_new_tokens for sp in sampling), "ignore_eos: every sample runs to its length"
+    delta = {k: engine.stats[k] - before[k] for k in before}
+    steps = delta["decode_steps"]
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "decode_steps": steps,
+            "ms_per_decode_step": 1e3 * delta["decode_seconds"] / steps,
+            "mean_decode_batch": delta["decode_tokens"] / steps, "prefill_seconds": delta["prefill_seconds"]}
 
 
 def run_ours(engine: NativeEngine, case: str) -> dict:
     num, n, prompt_len, output_len = CASES[case]
-    prompts = make_prompts(num, prompt_len)
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=output_len, ignore_eos=True, seed=0)
-    before = dict(engine.stats)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = engine.generate(prompts, sp)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(c.output_ids) for c in outs)
-    assert tokens == num * n * output_len
-    delta = {k: engine.stats[k] - before[k] for k in before}
-    step_s = delta["decode_seconds"] / delta["decode_steps"]
-    return {
-        "seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-        "ms_per_decode_step": 1e3 * step_s, "decode_steps": delta["decode_steps"],
-        "prefill_seconds": delta["prefill_seconds"], "preemptions": engine.scheduler.num_preemptions,
-        "roofline_fraction": roofline_fraction(engine, num * n, prompt_len, output_len, step_s),
-    }
+    result = timed_generate(engine, make_prompts(num, prompt_len), [sp] * num)
+    step_s = result["ms_per_decode_step"] / 1e3
+    return {**result, "preemptions": engine.scheduler.num_preemptions,
+            "roofline_fraction": roofline_fraction(engine, num * n, prompt_len, output_len, step_s)}
 
 
 def run_hf(hf, case: str, static: bool) -> dict:
@@ -144,20 +198,102 @@ def profile_decode(engine: NativeEngine, path: pathlib.Path) -> None:
     print(f"decode profile -> {path}", flush=True)
 
 
+def run_tail(shape: str, device: torch.device) -> dict:
+    """The long-tail case (module docstring) on a fresh engine of the given shape."""
+    run = TAIL_RUNS[shape]
+    n, prompt_len = run["samples"], run["prompt_tokens"]
+    lengths = [tail_length(i, run["median_tokens"], run["sigma"], run["max_tokens"]) for i in range(n)]
+    mean_len = round(statistics.mean(lengths))
+    # KV room for the tail's last moment (every sample at full length) and for the largest probe.
+    kv_tokens = max(sum(lengths) + n * prompt_len, *(b * (c + run["probe_tokens"]) for b, c in run["points"]),
+                    n * (prompt_len + mean_len))
+    cfg = TAIL_SHAPES[shape]
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = from_config(ModelConfig(**cfg, eos_token_id=cfg["vocab_size"] - 1), dtype, device, init=True)
+    start = time.perf_counter()
+    engine = NativeEngine(model, device=device, max_num_seqs=n, max_kv_tokens=kv_tokens + 64 * 16,
+                          cuda_graph_max_bs=n)
+    del model
+    init_s = time.perf_counter() - start
+    vocab = cfg["vocab_size"]
+    for batch in (n, 8, 1):  # compile the sampler and touch every path before timing
+        engine.generate(make_prompts(batch, 16, seed=1, vocab_size=vocab),
+                        SamplingParams(max_new_tokens=16, ignore_eos=True))
+    prompts = make_prompts(n, prompt_len, seed=2, vocab_size=vocab)
+    tail = timed_generate(engine, prompts, [SamplingParams(max_new_tokens=length, ignore_eos=True, seed=i)
+                                            for i, length in enumerate(lengths)])
+    full = timed_generate(engine, prompts, [SamplingParams(max_new_tokens=mean_len, ignore_eos=True, seed=i)
+                                            for i in range(n)])
+    points = {}
+    for batch, context in run["points"]:
+        probe = run["probe_tokens"]
+        r = timed_generate(engine, make_prompts(batch, context, seed=3, vocab_size=vocab),
+                           [SamplingParams(max_new_tokens=probe, ignore_eos=True, seed=i) for i in range(batch)])
+        ideal_ms = 1e3 * ideal_decode_step_s(engine, batch, context + probe / 2, HBM_PEAK_BYTES_PER_S)
+        points[f"b{batch}_ctx{context}"] = {"ms_per_decode_step": r["ms_per_decode_step"], "roofline_ms": ideal_ms,
+                                            "roofline_fraction": ideal_ms / r["ms_per_decode_step"]}
+    result = {
+        "shape": {"name": shape, **cfg}, "run": {k: v for k, v in run.items() if k != "points"},
+        "lengths": {"mean": statistics.mean(lengths), "median": statistics.median(lengths), "max": max(lengths),
+                    "at_cap": sum(x == run["max_tokens"] for x in lengths), "total": sum(lengths)},
+        "engine": {"init_seconds": init_s, "memory": engine.memory_stats(),
+                   "preemptions": engine.scheduler.num_preemptions},
+        "tail": tail, "full_batch": {"output_tokens_each": mean_len, **full},
+        "utilization": tail["tokens_per_s"] / full["tokens_per_s"],
+        "decode_batch_occupancy": tail["mean_decode_batch"] / n,
+        "roofline": points,
+    }
+    engine.shutdown()
+    return result
+
+
+def tail_summary(r: dict) -> str:
+    lengths, tail = r["lengths"], r["tail"]
+    probes = ", ".join(f"{name} {p['ms_per_decode_step']:.3g} ms/step ({100 * p['roofline_fraction']:.0f}% of "
+                       f"{p['roofline_ms']:.3g} ms)" for name, p in r["roofline"].items())
+    return (f"rollout tail ({r['shape']['name']} shape, {r['run']['samples']} samples, lengths median "
+            f"{lengths['median']:.0f} mean {lengths['mean']:.0f}, {lengths['at_cap']} at {r['run']['max_tokens']}): "
+            f"{tail['seconds']:.1f} s, {tail['tokens_per_s'] / 1e3:.1f}k tok/s, utilization "
+            f"{100 * r['utilization']:.0f}% of a full batch's {r['full_batch']['tokens_per_s'] / 1e3:.1f}k tok/s; "
+            f"decode {probes}")
+
+
+def main_tail(args) -> None:
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              **run_tail("tiny" if args.cpu_smoke else "4b", device)}
+    out = args.out or (pathlib.Path(tempfile.mkdtemp(prefix="rollout_tail_")) / "rollout_tail.json"
+                       if args.cpu_smoke else TAIL_RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(tail_summary(result))
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default="b256,b64,long,shared", help="comma-separated subset of " + ",".join(CASES))
+    parser.add_argument("--cases", default="b256,b64,long,shared",
+                        help="comma-separated subset of " + ",".join(CASES) + "; or tail, alone")
     parser.add_argument("--peers", default="plain,static", help="transformers runs for b256/b64: plain,static or none")
     parser.add_argument("--long-hf", action="store_true", help="also run HF plain on the long case (minutes)")
     parser.add_argument("--max-decode-steps", type=int, default=16, help="decode steps per host round trip")
     parser.add_argument("--no-compile-decode", action="store_true", help="run our decode forward uncompiled")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="JSON output path")
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="JSON output path (default bench/results/rollout.json, or rollout_tail.json)")
     parser.add_argument("--profile", type=pathlib.Path, default=None, help="write a decode kernel profile here")
+    parser.add_argument("--cpu-smoke", action="store_true", help="--cases tail on a tiny shape on CPU")
     args = parser.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in cases if c not in CASES]
+    unknown = [c for c in cases if c not in (*CASES, "tail")]
     if unknown:
-        raise ValueError(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+        raise ValueError(f"--cases: unknown {unknown}; choose from {[*CASES, 'tail']}")
+    if "tail" in cases:
+        if len(cases) > 1:
+            raise ValueError(f"--cases={args.cases}: run tail alone (its own model shape and JSON file)")
+        return main_tail(args)
+    if args.cpu_smoke:
+        raise ValueError("--cpu-smoke runs --cases tail only")
     peers = [] if args.peers == "none" else [p for p in args.peers.split(",") if p]
     if any(p not in ("plain", "static") for p in peers):
         raise ValueError(f"--peers={args.peers!r}: expected a subset of plain,static, or none")
@@ -196,8 +332,9 @@ def main(argv: list[str] | None = None) -> None:
         for name, static in runs:
             results["cases"][case][name] = run_hf(hf, case, static)
             print(f"{case} {name}: {results['cases'][case][name]}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    out = args.out or RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
 
     parts = []
     for case, r in results["cases"].items():

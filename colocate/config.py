@@ -97,7 +97,20 @@ class RolloutConfig:
     n_samples_per_prompt: int = _ranged(8, ">= 1")
     """Completions sampled per prompt (the group size of group-relative estimators)."""
     over_sampling_batch_size: int | None = None
-    """Prompts sampled per round when dynamic sampling refills (None = rollout_batch_size)."""
+    """Prompts sampled per round when dynamic sampling refills, or groups in flight per step with
+    partial_rollout (None = rollout_batch_size)."""
+    partial_rollout: bool = False
+    """End a step's generation once rollout_batch_size groups are complete (of the
+    over_sampling_batch_size in flight); unfinished samples are aborted, kept with their tokens,
+    log-probs and weight versions, and continued first in the next step. A group trains once all
+    its samples are complete."""
+    max_staleness: int = _ranged(1, ">= 1")
+    """With partial_rollout: most weight versions a carried sample may lag behind the engine's
+    (current version minus that of its oldest token); an older one restarts from its prompt,
+    counted in rollout/partial/dropped_stale_samples."""
+    partial_mask_stale_tokens: bool = True
+    """With partial_rollout: leave tokens sampled by older weight versions out of the loss; off:
+    train on them, their own rollout log-probs in the importance weights (algorithm.use_tis/use_mis)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards all agree (no learning signal) and sample more to refill."""
     max_sampling_rounds: int = _ranged(4, ">= 1")

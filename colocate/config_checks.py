@@ -62,6 +62,17 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
          r.over_sampling_batch_size is None or r.over_sampling_batch_size >= r.rollout_batch_size,
          f"must be >= rollout.rollout_batch_size ({r.rollout_batch_size})",
          r.over_sampling_batch_size),
+        ("rollout.over_sampling_batch_size", not r.partial_rollout or r.over_sampling_batch_size is not None,
+         "must be set (>= rollout.rollout_batch_size: the groups in flight) with rollout.partial_rollout",
+         r.over_sampling_batch_size),
+        ("rollout.partial_rollout", not (r.partial_rollout and r.engine == "sglang"),
+         "is not supported by rollout.engine=sglang (the adapter cannot abort a request and keep its "
+         "tokens)", r.partial_rollout),
+        ("rollout.partial_rollout", not (r.partial_rollout and r.custom_generate is not None),
+         "cannot be combined with rollout.custom_generate (which owns generation: nothing to abort "
+         "or continue)", r.partial_rollout),
+        ("rollout.partial_rollout", not (r.partial_rollout and r.dynamic_sampling),
+         "cannot be combined with rollout.dynamic_sampling", r.partial_rollout),
         ("rollout.dynamic_sampling", not (r.dynamic_sampling and n == 1),
          "needs rollout.n_samples_per_prompt >= 2 (a group of one always agrees)",
          r.dynamic_sampling),

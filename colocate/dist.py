@@ -105,6 +105,15 @@ def broadcast_from_main(obj):
     return holder[0]
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's `obj` (any picklable value), in rank order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()

@@ -81,6 +81,8 @@ class Loop:
         self.phase = Phases(self.ledger, info.device)
         self.weight_version = 0
         self.start_rollout_id = 0
+        self.resumed_rollouts: list | None = None
+        """Partial rollout: the groups in flight that the checkpoint resumed from carries."""
 
     def build(self):
         from colocate.colocation.handoff import Colocation
@@ -111,6 +113,8 @@ class Loop:
             self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,
             strict=cfg.train.strict, overlong=self.inputs.overlong,
             custom_generate=self.inputs.custom_generate, seed=cfg.rollout.seed)
+        if self.resumed_rollouts is not None:
+            self.rollout.load_state_dict(self.resumed_rollouts, self.inputs.data.dataset)
         # The engine always starts from the trainer's weights (they differ from disk after resume).
         self.weight_version += 1
         with timed(startup, "perf/startup/first_sync_s", info.device):
@@ -131,6 +135,10 @@ class Loop:
         self.inputs.data.load_state_dict(extra["data"])
         self.start_rollout_id = extra["rollout_id"] + 1
         self.weight_version = extra["weight_version"]
+        if self.cfg.rollout.partial_rollout:
+            self.resumed_rollouts = extra.get("partial_rollout")
+        elif any(extra.get("partial_rollout") or []):
+            self.log.info("rollout.partial_rollout is off: the checkpoint's groups in flight are dropped")
         self.log.info(f"resumed from {path} at rollout {self.start_rollout_id}")
 
     @property
@@ -146,6 +154,8 @@ class Loop:
 
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                  "data": self.inputs.data.state_dict()}
+        if self.cfg.rollout.partial_rollout:  # the groups in flight, carried into the next step
+            extra["partial_rollout"] = self.rollout.state_dict()
         save_checkpoint(self.ckpt_dir, rollout_id, self.trainer.checkpoint_states(), extra=extra,
                         model_dir=Path(self.cfg.model.path), keep_last=self.cfg.checkpoint.keep_last)
 
@@ -171,7 +181,7 @@ class Loop:
             with self.phase("to_train"):
                 to_train = self.colocation.to_train()
             with self.phase("train"):
-                train_metrics = self.trainer.train(samples, rollout_id)
+                train_metrics = self.trainer.train(samples, rollout_id, self.weight_version)
             interval = cfg.checkpoint.save_interval
             if interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end or last):
                 with self.phase("save"):

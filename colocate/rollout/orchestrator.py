@@ -4,6 +4,8 @@ Each rank samples whole groups for its share of the prompts, so advantages never
 rank's data. With dynamic sampling, groups whose rewards all agree (no learning signal under
 group-relative advantages) are dropped and more prompts are drawn until the batch is full or the
 round cap is reached; all ranks run the same number of rounds so their data sources stay in step.
+With partial rollout (colocate/rollout/partial.py), generation ends once enough groups are complete
+and the unfinished samples continue in the next step.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from colocate import dist
 from colocate.config import RolloutConfig
-from colocate.rollout.protocol import Completion, RolloutEngine, SamplingParams
+from colocate.rollout.partial import (
+    ABORT, STALENESS_BUCKETS, InFlightGroup, group_state, load_group, restart_stale, stale_tokens, staleness,
+    staleness_counts,
+)
+from colocate.rollout.protocol import Completion, Request, RolloutEngine, SamplingParams
 from colocate.rollout.rewards import RewardFn, RewardInput, compute_rewards
 from colocate.rollout.sample import Sample
 
@@ -35,6 +41,8 @@ class GroupStats:
     reward_errors: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    num_seqs: int = 0
+    """Most samples handed to the engine at once."""
 
 
 class RolloutManager:
@@ -48,6 +56,8 @@ class RolloutManager:
         self.reward_fn, self.strict = reward_fn, strict
         self.overlong, self.custom_generate, self.seed = overlong, custom_generate, seed
         self.info = dist.get_info()
+        self.in_flight: list[InFlightGroup] = []
+        """Partial rollout: this rank's groups not trained yet, oldest first."""
 
     def sampling(self, *, n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int) -> SamplingParams:
@@ -69,6 +79,15 @@ class RolloutManager:
             completions = self.engine.generate([p.prompt_ids for p in prompts], sampling)
             samples = [self._to_sample(prompts[c.prompt_index], c) for c in completions]
         self._check_versions(samples)
+        errors = self._score(samples, reward_fn)
+        groups, i = [], 0
+        for sp in sampling:
+            groups.append(samples[i:i + sp.n])
+            i += sp.n
+        return groups, errors
+
+    def _score(self, samples: list[Sample], reward_fn) -> int:
+        """Decode the responses and set rewards (with the over-long shaping); returns reward errors."""
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         for s, text in zip(samples, texts):
             s.response_text = text
@@ -78,17 +97,15 @@ class RolloutManager:
             s.raw_reward = s.reward = float(r)
         if self.overlong is not None:
             self._apply_overlong(samples)
-        groups, i = [], 0
-        for sp in sampling:
-            groups.append(samples[i:i + sp.n])
-            i += sp.n
-        return groups, errors
+        return errors
 
-    def _to_sample(self, prompt, c: Completion) -> Sample:
+    def _to_sample(self, prompt, c: Completion, kept_versions: Sequence[int] = ()) -> Sample:
+        """`kept_versions`: weight versions of the tokens a continued sample kept from before."""
+        versions = [*kept_versions, *[c.weight_version] * (len(c.output_ids) - len(kept_versions))]
         return Sample(prompt_ids=list(prompt.prompt_ids), response_ids=c.output_ids,
                       rollout_logprobs=c.logprobs, loss_mask=[1] * len(c.output_ids),
                       group_index=prompt.index, sample_index=c.sample_index,
-                      finish_reason=c.finish_reason, weight_version=c.weight_version,
+                      finish_reason=c.finish_reason, weight_version=c.weight_version, token_versions=versions,
                       prompt_text=prompt.prompt_text, label=prompt.label, metadata=prompt.metadata)
 
     def _check_versions(self, samples: list[Sample]):
@@ -113,7 +130,21 @@ class RolloutManager:
                  ) -> tuple[list[Sample], dict[str, float]]:
         """This rank's training samples for one rollout step, and rollout/* metrics (global).
 
-        `on_progress(n)` is called with the number of groups newly accepted after each round."""
+        `on_progress(n)` is called with the number of groups newly accepted (or completed)."""
+        decode_before = self._decode_counts()
+        if self.cfg.partial_rollout:
+            samples, stats, partial_metrics = self._generate_partial(data, rollout_id, on_progress)
+        else:
+            samples, stats = self._generate_groups(data, rollout_id, on_progress)
+            partial_metrics = {}
+        metrics = self._metrics(samples, stats)
+        metrics.update(partial_metrics)
+        if decode_before is not None:
+            metrics["rollout/decode_utilization"] = self._decode_utilization(decode_before, stats.num_seqs)
+        return samples, metrics
+
+    def _generate_groups(self, data, rollout_id: int, on_progress) -> tuple[list[Sample], GroupStats]:
+        """Whole groups, in rounds when dynamic sampling refills."""
         c = self.cfg
         world = self.info.world_size
         target = c.rollout_batch_size // world
@@ -122,10 +153,10 @@ class RolloutManager:
         start = time.perf_counter()
         while True:
             prompts = data.next_batch(per_round)
-            sampling = [self.sampling(n=c.n_samples_per_prompt, temperature=c.temperature, top_p=c.top_p,
-                                      max_new_tokens=c.max_response_len,
-                                      seed=stable_seed(self.seed, rollout_id, stats.rounds, p.index))
+            sampling = [self._train_sampling(c.n_samples_per_prompt,
+                                             stable_seed(self.seed, rollout_id, stats.rounds, p.index))
                         for p in prompts]
+            stats.num_seqs = max(stats.num_seqs, len(prompts) * c.n_samples_per_prompt)
             groups, errors = self.sample_groups(prompts, sampling, self.reward_fn)
             stats.rounds += 1
             stats.reward_errors += errors
@@ -146,8 +177,139 @@ class RolloutManager:
             kept += dropped[:stats.topped_up_groups]
         kept = kept[:target]
         stats.seconds = time.perf_counter() - start
-        samples = [s for g in kept for s in g]
-        return samples, self._metrics(samples, stats)
+        return [s for g in kept for s in g], stats
+
+    def _train_sampling(self, n: int, seed: int) -> SamplingParams:
+        c = self.cfg
+        return self.sampling(n=n, temperature=c.temperature, top_p=c.top_p, max_new_tokens=c.max_response_len,
+                             seed=seed)
+
+    def _generate_partial(self, data, rollout_id: int, on_progress
+                          ) -> tuple[list[Sample], GroupStats, dict[str, float]]:
+        """Continue the groups in flight (oldest first) and start new ones until this rank has
+        over_sampling_batch_size / world in flight; stop once rollout_batch_size / world are
+        complete and train the oldest complete ones. See colocate/rollout/partial.py."""
+        c, world = self.cfg, self.info.world_size
+        target, num_in_flight = c.rollout_batch_size // world, c.over_sampling_batch_size // world
+        version = self.engine.weight_version
+        stats = GroupStats(rounds=1)
+        start = time.perf_counter()
+        num_dropped = restart_stale(self.in_flight, version, c.max_staleness)
+        need = num_in_flight - len(self.in_flight)
+        if need > 0:  # every rank carries as many groups as the others: all draw alike
+            for p in data.next_batch(need * world):
+                seed = stable_seed(self.seed, rollout_id, 0, p.index)
+                self.in_flight.append(InFlightGroup.new(p, seed, c.n_samples_per_prompt))
+            stats.generated_groups = need
+        requests, owners = self._requests()
+        missing = {id(g): len(g.unfinished()) for g in self.in_flight}
+        num_complete = sum(g.complete for g in self.in_flight)
+
+        def enough(finished: list[Completion]) -> bool:
+            nonlocal num_complete
+            before = num_complete
+            for comp in finished:
+                owner = id(owners[comp.prompt_index])
+                missing[owner] -= 1
+                num_complete += missing[owner] == 0
+            if on_progress is not None:
+                on_progress(min(num_complete, target) - min(before, target))
+            return num_complete >= target
+
+        completions = []
+        if num_complete < target:
+            stats.num_seqs = sum(r.sampling.n for r in requests)
+            completions = self.engine.generate_requests(requests, enough)
+        fresh = []
+        for comp in completions:
+            group = owners[comp.prompt_index]
+            old = group.samples[comp.sample_index]
+            assert comp.output_ids[:old.response_len] == old.response_ids, "a continued sample lost its tokens"
+            group.samples[comp.sample_index] = new = self._to_sample(group.prompt, comp, old.versions)
+            stats.generated_tokens += new.response_len - old.response_len
+            fresh.append(new)
+        self._check_versions(fresh)
+        finished = [s for s in fresh if s.finish_reason != ABORT]
+        if finished:
+            stats.reward_errors = self._score(finished, self.reward_fn)
+        trained, carried = [], []
+        for g in self.in_flight:
+            (trained if g.complete and len(trained) < target else carried).append(g)
+        assert len(trained) == target, (len(trained), target)
+        self.in_flight = carried
+        stats.seconds = time.perf_counter() - start
+        samples = [s for g in trained for s in g.samples]
+        resumed = sum(bool(r.output_ids) for r in requests) if completions else 0
+        return samples, stats, self._partial_metrics(samples, version, num_dropped, resumed)
+
+    def _requests(self) -> tuple[list[Request], list[InFlightGroup]]:
+        """The engine requests that advance the unfinished groups in flight, and each one's group."""
+        n = self.cfg.n_samples_per_prompt
+        requests, owners = [], []
+        for g in self.in_flight:
+            if g.unstarted:  # one request: its samples share the prompt's prefill
+                requests.append(Request(g.prompt.prompt_ids, self._train_sampling(n, g.seed)))
+                owners.append(g)
+                continue
+            for s in g.unfinished():
+                requests.append(Request(g.prompt.prompt_ids, self._train_sampling(1, g.seed), s.response_ids,
+                                        s.rollout_logprobs, s.sample_index))
+                owners.append(g)
+        return requests, owners
+
+    def _partial_metrics(self, samples: list[Sample], version: int, num_dropped: int, num_resumed: int
+                         ) -> dict[str, float]:
+        carried = [s for g in self.in_flight for s in g.unfinished()]
+        counts = staleness_counts(samples, version)
+        sums = dist.all_reduce_sum([
+            len(self.in_flight), len(carried), num_resumed, num_dropped, stale_tokens(samples, version),
+            sum(s.response_len for s in samples), len(samples), *counts,
+            sum(staleness(s, version) for s in samples),
+        ]).tolist()
+        num_samples = max(sums[6], 1)
+        metrics = {
+            "rollout/partial/carried_groups": sums[0],
+            "rollout/partial/carried_samples": sums[1],
+            "rollout/partial/resumed_samples": sums[2],
+            "rollout/partial/dropped_stale_samples": sums[3],
+            "rollout/partial/stale_token_ratio": sums[4] / max(sums[5], 1),
+            "rollout/partial/staleness_mean": sums[-1] / num_samples,
+            "rollout/partial/staleness_max": float(dist.all_reduce_max(max(
+                (staleness(s, version) for s in samples), default=0))),
+        }
+        for k in range(STALENESS_BUCKETS):
+            name = f"staleness_{k}" if k < STALENESS_BUCKETS - 1 else f"staleness_{k}_or_more"
+            metrics[f"rollout/partial/{name}"] = sums[7 + k] / num_samples
+        return metrics
+
+    def _decode_counts(self) -> tuple[int, int] | None:
+        """(decode tokens, decode steps) so far, of an engine that counts them (the native one);
+        None as well with custom generation, whose batches are its own."""
+        counters = getattr(self.engine, "stats", None)
+        if counters is None or self.custom_generate is not None:
+            return None
+        return counters["decode_tokens"], counters["decode_steps"]
+
+    def _decode_utilization(self, before: tuple[int, int], num_seqs: int) -> float:
+        """The mean decode batch since `before` over the batch the engine could have run (the
+        samples handed to it, up to its running limit), over all ranks: how far the step's tail
+        of few long samples left the engine's batch empty."""
+        tokens, steps = (now - then for now, then in zip(self._decode_counts(), before))
+        seats = min(num_seqs, self.cfg.max_running_requests)
+        sums = dist.all_reduce_sum([tokens, steps * seats]).tolist()
+        return sums[0] / max(sums[1], 1)
+
+    def state_dict(self) -> list[list[dict]]:
+        """Every rank's groups in flight, in rank order (collective): a checkpoint's partial rollout."""
+        return dist.all_gather_object([group_state(g) for g in self.in_flight])
+
+    def load_state_dict(self, state: list[list[dict]], dataset) -> None:
+        """Restore this rank's groups in flight; `dataset` (the PromptDataset) holds their prompts."""
+        world = self.info.world_size
+        if len(state) != world:
+            raise ValueError(f"the checkpoint carries the partial rollouts of {len(state)} ranks; resume it "
+                             f"with that many, not {world} (or set rollout.partial_rollout: false)")
+        self.in_flight = [load_group(g, dataset) for g in state[self.info.rank]]
 
     def _metrics(self, samples: list[Sample], st: GroupStats) -> dict[str, float]:
         n = len(samples)

@@ -3,12 +3,20 @@
 Log-prob definition, shared with the trainer: for each sampled token, the log-prob is
 `log_softmax(logits / temperature)[token]` computed on the full vocabulary, before top-p, top-k
 or min-p truncation. With temperature 0 (greedy) the logits are used unscaled.
+
+Abort and continue (partial rollout): an engine that implements `PartialRolloutEngine` can stop a
+generation early, when its caller says enough has finished, and hands back every unfinished sample
+with finish reason 'abort' and the tokens and log-probs it had so far. Such a sample continues later
+as a `Request` carrying those tokens: the engine computes the prompt and the kept tokens, then
+samples on from there with the sample's own seed and positions, so under unchanged weights it draws
+the tokens the uninterrupted sample would have drawn (the kept tokens' K/V now come from a prefill
+instead of decode steps, which may round differently in the last bits).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -68,6 +76,36 @@ class Completion:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Request:
+    """One prompt's `sampling.n` samples, or one aborted sample to continue after its kept tokens."""
+
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+    output_ids: Sequence[int] = ()
+    """Tokens the sample generated before it was aborted; they count towards max_new_tokens and come
+    back at the front of the completion (continuing needs sampling.n == 1)."""
+    logprobs: Sequence[float] = ()
+    """The log-probs of output_ids, returned in front of the new ones."""
+    sample_index: int = 0
+    """Index of the first sample: sample j of this request is sample sample_index + j of its
+    prompt, with seed sampling.seed + sample_index + j (a continued sample keeps its own)."""
+
+    def __post_init__(self):
+        checks = [
+            ("output_ids", not self.output_ids or self.sampling.n == 1,
+             f"continue one sample at a time, got sampling.n={self.sampling.n}"),
+            ("output_ids", len(self.output_ids) < self.sampling.max_new_tokens,
+             f"has {len(self.output_ids)} tokens, none left of max_new_tokens={self.sampling.max_new_tokens}"),
+            ("logprobs", len(self.logprobs) == len(self.output_ids),
+             f"has {len(self.logprobs)} entries for {len(self.output_ids)} output_ids"),
+            ("sample_index", self.sample_index >= 0, f"must be >= 0, got {self.sample_index}"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"Request.{name} {why}")
+
+
 class RolloutEngine(Protocol):
     """What the loop needs from a rollout engine. Every method runs on the calling rank only."""
 
@@ -101,6 +139,18 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Free everything the engine holds."""
+
+
+class PartialRolloutEngine(RolloutEngine, Protocol):
+    """An engine that can abort a generation midway and continue aborted samples later."""
+
+    def generate_requests(
+        self, requests: Sequence[Request], stop: Callable[[list[Completion]], bool] | None = None
+    ) -> list[Completion]:
+        """Run the requests, admitted in order. After each engine step, `stop` is called with the
+        completions that finished in it; once it returns True, every unfinished sample is aborted
+        and returned with finish_reason 'abort' and its output so far (kept tokens included).
+        Completions come back sorted by (request index as prompt_index, sample_index)."""
 
 
 def check_tags(tags: Sequence[str] | None) -> tuple[str, ...]:

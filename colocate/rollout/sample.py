@@ -22,7 +22,12 @@ class Sample:
     """Reward after shaping (e.g. the over-long penalty); raw_reward keeps the function's value."""
     raw_reward: float = 0.0
     finish_reason: str = "length"
+    """'stop', 'length', or 'abort' for a sample that partial rollout carries to the next step."""
     weight_version: int = 0
+    """The engine's weight version when the sample finished (or was aborted)."""
+    token_versions: list[int] = field(default_factory=list)
+    """Per response token, the weight version that sampled it (partial rollout continues samples
+    under newer weights); empty means every token was sampled with weight_version."""
     prompt_text: str = ""
     response_text: str = ""
     label: object = None
@@ -36,9 +41,15 @@ class Sample:
     def response_len(self) -> int:
         return len(self.response_ids)
 
+    @property
+    def versions(self) -> list[int]:
+        """The weight version of each response token."""
+        return self.token_versions or [self.weight_version] * self.response_len
+
     def __post_init__(self):
         n = len(self.response_ids)
-        if len(self.rollout_logprobs) != n or len(self.loss_mask) != n:
+        if len(self.rollout_logprobs) != n or len(self.loss_mask) != n or len(self.token_versions) not in (0, n):
             raise ValueError(
                 f"sample of group {self.group_index}: response_ids ({n}), rollout_logprobs "
-                f"({len(self.rollout_logprobs)}) and loss_mask ({len(self.loss_mask)}) differ in length")
+                f"({len(self.rollout_logprobs)}), loss_mask ({len(self.loss_mask)}) and token_versions "
+                f"({len(self.token_versions)}, or 0) differ in length")

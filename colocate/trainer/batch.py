@@ -45,10 +45,12 @@ class RolloutBatch:
     """(S) sum of each sample's loss mask, on the host (step planning needs it before any launch)."""
 
     @classmethod
-    def from_samples(cls, samples: list[Sample], device: torch.device, vocab_size: int | None = None
-                     ) -> "RolloutBatch":
+    def from_samples(cls, samples: list[Sample], device: torch.device, vocab_size: int | None = None,
+                     stale_before: int | None = None) -> "RolloutBatch":
         """With `vocab_size`, token ids outside [0, vocab_size) are an error here, on the host,
-        instead of a device-side assertion in the embedding or the log-prob kernel."""
+        instead of a device-side assertion in the embedding or the log-prob kernel. With
+        `stale_before`, tokens sampled by a weight version older than that (partial rollout's
+        carried tokens) are left out of the mask: they stay in the context, not in the loss."""
         for i, s in enumerate(samples):
             if not s.prompt_ids:
                 raise ValueError(f"sample {i} (group {s.group_index}) has an empty prompt: the first "
@@ -59,6 +61,8 @@ class RolloutBatch:
         lengths = torch.tensor([s.response_len for s in samples], dtype=torch.long)
         seq_index = torch.repeat_interleave(torch.arange(len(samples)), lengths)
         mask = _concatenated((s.loss_mask for s in samples), np.float32)
+        if stale_before is not None:
+            mask *= _concatenated((s.versions for s in samples), np.int64) >= stale_before
         rollout = _concatenated((s.rollout_logprobs for s in samples), np.float32)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         mask_sums = torch.zeros(len(samples)).index_add_(0, seq_index, mask).tolist()

@@ -138,8 +138,9 @@ class Trainer:
         """The FSDP2 policy (HF parameter names), for the weight sync."""
         return self.actor.model
 
-    def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        """Train on this rank's samples (whole groups) of one rollout step.
+    def train(self, samples: list[Sample], rollout_id: int, weight_version: int | None = None) -> dict[str, float]:
+        """Train on this rank's samples (whole groups) of one rollout step; `weight_version` is the
+        version of the weights being trained (rollout.partial_mask_stale_tokens masks older tokens).
 
         Returns metrics over the global batch, the same on every rank, except the perf/*_time
         phase durations, which are this rank's.
@@ -147,8 +148,11 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algorithm
         t = cfg.train
         metrics: dict[str, float] = {}
+        r = cfg.rollout
+        stale_before = weight_version if r.partial_rollout and r.partial_mask_stale_tokens else None
         with record_function("train.prepare"):
-            batch = RolloutBatch.from_samples(samples, self.device, vocab_size=self.vocab_size)
+            batch = RolloutBatch.from_samples(samples, self.device, vocab_size=self.vocab_size,
+                                              stale_before=stale_before)
             per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
             plans = plan_steps(batch, t.max_tokens_per_gpu, per_rank)
             pass_parts = agreed_micro_batches(batch.lengths, list(range(batch.num_samples)), t.max_tokens_per_gpu)

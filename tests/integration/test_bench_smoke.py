@@ -1,5 +1,6 @@
 """The benchmark scripts that have a CPU mode run end to end on CPU, so they cannot rot between
-GPU sessions: the GRPO-step bench writes per-phase timings for every variant it was asked for."""
+GPU sessions: the GRPO-step bench writes per-phase timings for every variant it was asked for, and
+the rollout bench's long-tail case its lengths, utilization and decode roofline probes."""
 
 from __future__ import annotations
 
@@ -29,3 +30,42 @@ def test_e2e_bench_cpu_smoke_writes_every_variant(tmp_path):
         # On CPU the trainer moves nothing; with offload on, the engine's moves are timed.
         moves = ["engine_release", "engine_resume_cache", "engine_resume_weights"] if "_on_" in name else []
         assert sorted(run["handoff_median_s"]) == moves, name
+
+
+@pytest.mark.slow
+def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(tmp_path):
+    out = tmp_path / "tail.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout.py"), "--cases", "tail", "--cpu-smoke",
+                           "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    r = json.loads(out.read_text())
+    # 16 lognormal lengths (median 16, capped at 64), fixed by their seeds: one reaches the cap.
+    assert r["lengths"] == {"mean": 17.875, "median": 14.5, "max": 64, "at_cap": 1, "total": 286}
+    assert r["tail"]["output_tokens"] == 286 and r["tail"]["decode_steps"] == 63  # the longest sample's
+    assert r["full_batch"]["output_tokens"] == 16 * 18 and r["full_batch"]["decode_steps"] == 17
+    assert r["decode_batch_occupancy"] == pytest.approx((286 - 16) / 63 / 16)  # one token each from prefill
+    assert r["utilization"] > 0 and r["engine"]["preemptions"] == 0
+    assert set(r["roofline"]) == {"b16_ctx64", "b2_ctx256"}
+    for probe in r["roofline"].values():
+        assert probe["ms_per_decode_step"] > 0 and probe["roofline_fraction"] == pytest.approx(
+            probe["roofline_ms"] / probe["ms_per_decode_step"])
+    assert done.stdout.startswith("rollout tail (tiny shape, 16 samples, lengths median 14 mean 18, 1 at 64)")
+
+
+@pytest.mark.slow
+def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(tmp_path):
+    out = tmp_path / "e2e_tail.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--tail", "--cpu-smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    results = json.loads(out.read_text())
+    ours = results["ours"]
+    assert set(ours) == {"offload_on_partial_on", "offload_on_partial_off"} and results["trl"] == {"skipped": True}
+    for name, run in ours.items():
+        rollout = run["config"]["rollout"]
+        assert rollout["partial_rollout"] == name.endswith("_on") and "custom_generate" not in rollout
+        assert 0 < run["decode_utilization"] <= 1 and run["step_median_s"] > 0, name
+    # Two steps of 4 groups each; with partial rollout 8 are drawn first and 4 stay in flight.
+    off, on = ours["offload_on_partial_off"]["groups"], ours["offload_on_partial_on"]["groups"]
+    assert off == {"drawn": 8, "trained": 8, "in_flight_at_end": 0, "trained_beyond_drawn": 0, "nothing_lost": True}
+    assert on == {"drawn": 12, "trained": 8, "in_flight_at_end": 4, "trained_beyond_drawn": 0, "nothing_lost": True}

@@ -12,6 +12,7 @@ schedulers, and the sampler's position at the end.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -66,9 +67,11 @@ def _state(loop) -> dict:
     return {**{name: plain(s.state_dict()) for name, s in states.items()}, "data": loop.inputs.data.state_dict()}
 
 
-def _run(cfg, stop: bool):
-    """Loop as `colocate.train.main` drives it; with `stop`, the run ends after its first save.
-    Each run starts from the same generator states, as two processes seeded alike would."""
+@contextlib.contextmanager
+def run_loop(cfg, stop: bool, prepare=None):
+    """Build and run the loop as `colocate.train.main` does, from the same generator states each
+    time, as two processes seeded alike would; with `stop`, the run ends right after its first save.
+    `prepare(loop)` runs before the loop does. Yields the loop after its run; closes it after."""
     from colocate import dist
     from colocate.train import Loop, seed_everything
 
@@ -84,13 +87,20 @@ def _run(cfg, stop: bool):
                 raise _Stopped
 
             loop.save = save_and_stop
+        if prepare is not None:
+            prepare(loop)
         try:
             loop.run()
         except _Stopped:
             pass
-        return loop.start_rollout_id, _state(loop)
+        yield loop
     finally:
         loop.close()
+
+
+def _run(cfg, stop: bool):
+    with run_loop(cfg, stop) as loop:
+        return loop.start_rollout_id, _state(loop)
 
 
 def _runs(rank, world_size, toy, root, out_file):

@@ -29,7 +29,8 @@ def toy(tmp_path_factory):
 def rollout_cfg(**over):
     base = dict(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=None,
                 dynamic_sampling=False, max_sampling_rounds=3, temperature=1.0, top_p=1.0, top_k=-1,
-                min_p=0.0, max_response_len=6, stop_token_ids=[])
+                min_p=0.0, max_response_len=6, stop_token_ids=[], max_running_requests=256,
+                partial_rollout=False, max_staleness=1, partial_mask_stale_tokens=True)
     return SimpleNamespace(**{**base, **over})
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Iterable, Sequence as SequenceType
+from typing import Callable, Iterable, Sequence as SequenceType
 
 import torch
 
@@ -22,7 +22,7 @@ from colocate.rollout.native.memory import DeviceMemory
 from colocate.rollout.native.model_runner import ModelRunner
 from colocate.rollout.native.sampler import SamplingBatch
 from colocate.rollout.native.scheduler import Scheduler, Sequence
-from colocate.rollout.protocol import Completion, SamplingParams, check_tags
+from colocate.rollout.protocol import Completion, Request, SamplingParams, check_tags
 
 _SEED_MASK = (1 << 62) - 1
 
@@ -147,44 +147,64 @@ class NativeEngine:
 
     def generate(self, prompt_ids: SequenceType[SequenceType[int]],
                  sampling: SamplingParams | SequenceType[SamplingParams]) -> list[Completion]:
-        if self.has_unfinished_requests():
-            raise RuntimeError("generate() called while requests added with add_request are unfinished")
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompt_ids)
         if len(sampling) != len(prompt_ids):
             raise ValueError(f"sampling has {len(sampling)} entries for {len(prompt_ids)} prompts")
+        for i, params in enumerate(sampling):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"prompt {i}: sampling must be a SamplingParams, got {type(params).__name__}")
+        return self.generate_requests([Request(ids, params) for ids, params in zip(prompt_ids, sampling)])
+
+    def generate_requests(self, requests: SequenceType[Request],
+                          stop: Callable[[list[Completion]], bool] | None = None) -> list[Completion]:
+        """See the protocol (PartialRolloutEngine): requests run in order; once `stop` says so, the
+        unfinished samples come back aborted with their tokens so far."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("generate() called while requests added with add_request are unfinished")
         self._check_ready()
-        for i, (ids, params) in enumerate(zip(prompt_ids, sampling)):
-            self._check_prompt(i, ids, params)
-        for i, (ids, params) in enumerate(zip(prompt_ids, sampling)):
-            self.add_request(ids, params, prompt_index=i)
+        for i, r in enumerate(requests):
+            self._check_prompt(i, r.prompt_ids, r.sampling, r.output_ids)
+        for i, r in enumerate(requests):
+            self._add(r, i)
         out = []
         try:
             while self.has_unfinished_requests():
-                out += self.step()
+                finished = self.step()
+                out += finished
+                if stop is not None and finished and stop(finished):
+                    out += self.abort()
         except BaseException:
             self.abort()  # leave the engine usable (and releasable) after a failed or interrupted call
             raise
         return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
 
     def add_request(self, prompt_ids: SequenceType[int], sampling: SamplingParams,
-                    prompt_index: int | None = None) -> int:
-        """Queue the `sampling.n` samples of one prompt; returns its prompt index."""
+                    prompt_index: int | None = None, *, output_ids: SequenceType[int] = (),
+                    logprobs: SequenceType[float] = (), sample_index: int = 0) -> int:
+        """Queue the `sampling.n` samples of one prompt (numbered from `sample_index`), or continue
+        one sample after its kept `output_ids` (see Request); returns the prompt index."""
         if prompt_index is None:
             prompt_index = self._next_prompt_index
+        self._check_prompt(prompt_index, prompt_ids, sampling, output_ids)
+        self._add(Request(prompt_ids, sampling, output_ids, logprobs, sample_index), prompt_index)
+        return prompt_index
+
+    def _add(self, request: Request, prompt_index: int) -> None:
         self._next_prompt_index = max(self._next_prompt_index, prompt_index + 1)
-        self._check_prompt(prompt_index, prompt_ids, sampling)
+        sampling = request.sampling
         base = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
         stop = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_token_ids)
+        tokens = [int(t) for t in (*request.prompt_ids, *request.output_ids)]
+        first = request.sample_index
         group = []
-        for j in range(sampling.n):
+        for j in range(first, first + sampling.n):
             group.append(Sequence(
-                seq_id=self._next_seq_id, prompt_index=prompt_index, sample_index=j,
-                token_ids=[int(t) for t in prompt_ids], num_prompt_tokens=len(prompt_ids), params=sampling,
-                seed=(base + j) & _SEED_MASK, stop_ids=stop))
+                seq_id=self._next_seq_id, prompt_index=prompt_index, sample_index=j, token_ids=list(tokens),
+                num_prompt_tokens=len(request.prompt_ids), params=sampling, seed=(base + j) & _SEED_MASK,
+                stop_ids=stop, logprobs=[float(x) for x in request.logprobs]))
             self._next_seq_id += 1
         self.scheduler.add(group)
-        return prompt_index
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -225,13 +245,14 @@ class NativeEngine:
         return Completion(seq.prompt_index, seq.sample_index, seq.output_ids, seq.logprobs, seq.finish_reason,
                           weight_version=self.weight_version)
 
-    def _check_prompt(self, index: int, ids: SequenceType[int], params: SamplingParams) -> None:
+    def _check_prompt(self, index: int, ids: SequenceType[int], params: SamplingParams,
+                      output_ids: SequenceType[int] = ()) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"prompt {index}: sampling must be a SamplingParams, got {type(params).__name__}")
         if len(ids) == 0:
             raise ValueError(f"prompt {index}: empty prompt")
         vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        bad = [t for t in (*ids, *output_ids) if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"prompt {index}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         total = len(ids) + params.max_new_tokens

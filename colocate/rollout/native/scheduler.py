@@ -26,7 +26,8 @@ class Sequence:
     prompt_index: int
     sample_index: int
     token_ids: list[int]
-    """Prompt followed by the tokens generated so far."""
+    """Prompt followed by the tokens generated so far (a continued sample starts with the tokens
+    it kept when it was aborted: its prefill computes them, as after a preemption)."""
     num_prompt_tokens: int
     params: SamplingParams
     seed: int
