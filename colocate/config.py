@@ -25,7 +25,7 @@ from typing import Any, Literal
 import tyro
 import yaml
 
-from colocate.config_checks import Origin, validate
+from colocate.config_checks import LORA_TARGET_MODULES, Origin, validate
 
 
 def cache_root() -> Path:
@@ -68,6 +68,18 @@ class ModelConfig:
     recompute skips attention."""
     compile: bool = False
     """torch.compile each transformer block of the trainer's model."""
+    lora_rank: int = _ranged(0, ">= 0")
+    """Rank of the LoRA adapters trained on a frozen base (0: off, every weight trains). With LoRA
+    the base stays in the compute dtype without optimizer state, the reference policy is the base
+    with the adapters off, and checkpoints hold the adapters only."""
+    lora_alpha: float = _ranged(32.0, "> 0")
+    """LoRA scaling numerator: the update is (lora_alpha / lora_rank) B A. A fixed alpha (rather
+    than one that grows with the rank) keeps the best learning rate nearly the same across ranks."""
+    lora_dropout: float = _ranged(0.0, "[0, 1)")
+    """Dropout on the adapters' input in the training forward (not in the log-prob passes)."""
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    """Projections of each block that get adapters (default: every linear projection of attention
+    and MLP)."""
 
 
 @dataclass
