@@ -29,3 +29,23 @@ def test_e2e_bench_cpu_smoke_writes_every_variant(tmp_path):
         # On CPU the trainer moves nothing; with offload on, the engine's moves are timed.
         moves = ["engine_release", "engine_resume_cache", "engine_resume_weights"] if "_on_" in name else []
         assert sorted(run["handoff_median_s"]) == moves, name
+
+
+@pytest.mark.slow
+def test_e2e_bench_cpu_smoke_runs_full_and_lora_side_by_side(tmp_path):
+    out = tmp_path / "e2e.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--cpu-smoke", "--skip-trl",
+                           "--offload", "off", "--lora-rank", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    results = json.loads(out.read_text())
+    ours = results["ours"]
+    assert set(ours) == {"full_offload_off", "lora4_offload_off"}
+    assert ours["full_offload_off"]["config"]["model"]["lora_rank"] == 0
+    assert ours["lora4_offload_off"]["config"]["model"]["lora_rank"] == 4
+    # The engine keeps its weights: a LoRA push sends the 2 blocks' 7 merged projections only.
+    assert ours["full_offload_off"]["sync_tensors"] == 26 and ours["lora4_offload_off"]["sync_tensors"] == 14
+    for run in ours.values():
+        assert run["step_median_s"] > 0 and run["kv_cache_tokens"] == 65536 and run["peak_device_used_gib"] > 0
+    assert set(results["ratio_full_over_lora"]) == {"lora4_offload_off"}
+    assert "full/LoRA lora4_offload_off" in done.stdout
