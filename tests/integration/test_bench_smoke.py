@@ -13,14 +13,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _e2e_smoke(tmp_path, *flags: str) -> tuple[dict, str]:
+    """bench/e2e.py --cpu-smoke with these flags: its JSON results and its stdout."""
+    out = tmp_path / "e2e.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--cpu-smoke", "--skip-trl", *flags,
+                           "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return json.loads(out.read_text()), done.stdout
+
+
 @pytest.mark.slow
 def test_e2e_bench_cpu_smoke_writes_every_variant(tmp_path):
-    out = tmp_path / "e2e.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--cpu-smoke", "--skip-trl",
-                           "--offload", "both", "--max-tokens-per-gpu", "64,4096", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    ours = json.loads(out.read_text())["ours"]
+    ours = _e2e_smoke(tmp_path, "--offload", "both", "--max-tokens-per-gpu", "64,4096")[0]["ours"]
     assert set(ours) == {f"offload_{o}_tokens_{t}" for o in ("on", "off") for t in (64, 4096)}
     for name, run in ours.items():
         assert run["config"]["train"]["max_tokens_per_gpu"] == int(name.rsplit("_", 1)[1])
@@ -33,12 +37,7 @@ def test_e2e_bench_cpu_smoke_writes_every_variant(tmp_path):
 
 @pytest.mark.slow
 def test_e2e_bench_cpu_smoke_runs_full_and_lora_side_by_side(tmp_path):
-    out = tmp_path / "e2e.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--cpu-smoke", "--skip-trl",
-                           "--offload", "off", "--lora-rank", "4", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    results = json.loads(out.read_text())
+    results, stdout = _e2e_smoke(tmp_path, "--offload", "off", "--lora-rank", "4")
     ours = results["ours"]
     assert set(ours) == {"full_offload_off", "lora4_offload_off"}
     assert ours["full_offload_off"]["config"]["model"]["lora_rank"] == 0
@@ -48,4 +47,4 @@ def test_e2e_bench_cpu_smoke_runs_full_and_lora_side_by_side(tmp_path):
     for run in ours.values():
         assert run["step_median_s"] > 0 and run["kv_cache_tokens"] == 65536 and run["peak_device_used_gib"] > 0
     assert set(results["ratio_full_over_lora"]) == {"lora4_offload_off"}
-    assert "full/LoRA lora4_offload_off" in done.stdout
+    assert "full/LoRA lora4_offload_off" in stdout
