@@ -111,7 +111,7 @@ def _contexts(mode: str, mlp_width: str):
     return create_selective_checkpoint_contexts(policy)
 
 
-def _checkpointed(forward, mode: str, mlp_width: int, random: bool):
+def _checkpointed(forward, mode: str, mlp_width: int, random: bool = False):
     """`forward` recomputed in backward instead of keeping its activations (non-reentrant, so
     FSDP's hooks and torch.compile see ordinary autograd), but for the outputs that `mode` keeps
     (`mlp_width`: the block's intermediate size, for "mlp").
