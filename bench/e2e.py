@@ -15,6 +15,15 @@ Both sides train fp32 master weights with bf16 compute and take one optimizer st
   perf/<phase>_time, of each move of the handoff (handoff/<move>_s) and of the step's wall time
   (between consecutive metric records), over the steps after warm-up. The loop synchronises the
   device at each phase's end, so a phase's queued kernels count in that phase.
+- LoRA (`--lora-rank N`): each of our variants runs twice, training every weight and training
+  rank-N adapters on the frozen base (model.lora_rank), side by side; the default shape is then
+  a Qwen2.5-1.5B-shaped Qwen2 (hidden 1536, 28 layers, 12 heads, 2 kv heads, head_dim 128,
+  intermediate 8960). `--shape 8b --lora-rank 64 --lora-only --offload on --skip-trl` runs a
+  Qwen3-8B shape (hidden 4096, 36 layers, 32 heads, 8 kv heads, intermediate 12288, untied, q/k
+  norms) on 32 prompts x 8 x 1024 response tokens with every block recomputed: training all of
+  its weights (fp32 masters and AdamW state, 128 GB) does not fit beside the engine on one GPU.
+  Each run also reports the peak device memory (the ledger's device-used and allocated bytes)
+  and the engine's KV-cache capacity in tokens.
 - TRL: GRPOTrainer with transformers' generate (no vLLM), 32-completion micro-batches with 4
   accumulation steps (one generation of 128 completions per optimizer step), gradient
   checkpointing off as in ours, `min_new_tokens` = max_completion_length for exact lengths.
@@ -27,13 +36,13 @@ needs torch_memory_saver's preload hook set before the process starts, as launch
 
 Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
                          [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trace-dir DIR]
+                         [--lora-rank N [--lora-only]] [--shape 0.5b|1.5b|8b]
      python bench/e2e.py --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
      python bench/e2e.py --tail [--partial both] [--cpu-smoke]   (bench/e2e_tail.py: long-tailed
                          lengths on a Qwen3-4B shape, partial rollout off and on; no TRL)
 Writes bench/results/e2e.json (--tail: e2e_tail.json; --cpu-smoke: a file in its temporary
-directory unless --out) and prints one summary line. On a cold H200 both of our variants and TRL
-take 5-6 minutes in all (each of our processes compiles and captures the engine's graphs before
-its first step).
+directory unless --out) and prints one summary line. On a cold H200 both of our variants and TRL take 5-6 minutes in all
+(each of our processes compiles and captures the engine's graphs before its first step).
 """
 
 from __future__ import annotations
@@ -47,7 +56,6 @@ import random
 import shutil
 import socket
 import string
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,24 +63,37 @@ import time
 from pathlib import Path
 
 import e2e_tail
+from e2e_trl import median, run_trl
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "e2e.json"
 HOOKS = Path(__file__).stem  # module name of this file for the config's module:function hooks
+QWEN2 = dict(model_type="qwen2", tie_word_embeddings=True, attention_bias=True)
 SHAPES = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, head_dim=64),
+                 num_attention_heads=14, num_key_value_heads=2, head_dim=64, **QWEN2),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, head_dim=128, **QWEN2),
+    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, model_type="qwen3",
+               tie_word_embeddings=False, qk_norm=True),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, **QWEN2),
     **e2e_tail.SHAPES,
 }
 BATCHES = {
     "0.5b": dict(prompts=16, samples_per_prompt=8, prompt_tokens=128, response_tokens=256),
+    "1.5b": dict(prompts=16, samples_per_prompt=8, prompt_tokens=128, response_tokens=256),
+    "8b": dict(prompts=32, samples_per_prompt=8, prompt_tokens=128, response_tokens=1024),
     "tiny": dict(prompts=4, samples_per_prompt=4, prompt_tokens=16, response_tokens=16),
     **e2e_tail.BATCHES,
 }
-TRL_MICRO_BATCH = 32
-OURS_TIMEOUT_S, TRL_TIMEOUT_S = 200.0, 300.0
+RECOMPUTED = ("8b",)
+"""Shapes whose blocks all recompute in backward: 8B activations of a 16k-token micro-batch
+would not fit otherwise."""
+OURS_TIMEOUT_S = {"tiny": 200.0, "0.5b": 200.0, "1.5b": 300.0, "8b": 1800.0,
+                  **{shape: e2e_tail.TIMEOUT_S for shape in e2e_tail.SHAPES}}
+TRL_TIMEOUT_S = 300.0
 """Per-process limits that keep a hung run from eating the whole GPU session."""
 LR = 1e-6
 CHOICES = {"on": [True], "off": [False], "both": [True, False]}
@@ -128,8 +149,7 @@ def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Pat
 
     s = SHAPES[shape]
     eos = s["vocab_size"] - 1
-    qwen2 = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, attention_bias=True)
-    mcfg = ModelConfig(**{**qwen2, **s}, bos_token_id=eos, eos_token_id=eos)
+    mcfg = ModelConfig(**{"rms_norm_eps": 1e-6, "rope_theta": 1e6, **s}, bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(0)
     model_dir = save_pretrained(from_config(mcfg, torch.bfloat16, "cpu", init=True), workdir / "model")
     tokenizer = byte_level_tokenizer(s["vocab_size"])
@@ -144,14 +164,15 @@ def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Pat
 
 
 def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name: str, offload: bool,
-                compile: bool, max_tokens: int | None, num_steps: int) -> dict:
+                compile: bool, max_tokens: int | None, num_steps: int, lora_rank: int = 0) -> dict:
     b = BATCHES[shape]
     train = {"num_rollout": num_steps, "lr": LR}
     if max_tokens is not None:
         train["max_tokens_per_gpu"] = max_tokens
     return {
         "output_dir": str(workdir / f"ours_{name}"),
-        "model": {"path": str(model_dir), "dtype": "auto", "compile": compile},
+        "model": {"path": str(model_dir), "dtype": "auto", "compile": compile, "lora_rank": lora_rank,
+                  "gradient_checkpointing": shape in RECOMPUTED},
         "rollout": {"prompt_data": str(prompts), "max_prompt_len": b["prompt_tokens"],
                     "rollout_batch_size": b["prompts"], "n_samples_per_prompt": b["samples_per_prompt"],
                     "max_response_len": b["response_tokens"], "temperature": 1.0,
@@ -162,10 +183,6 @@ def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name:
         "checkpoint": {"save_interval": None, "resume": False},
         "logging": {"wandb": False, "console": False},
     }
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def _profile_last_step(loop, num_steps: int, trace: Path):
@@ -214,6 +231,8 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         start = time.perf_counter()
         loop.build()
         build_s = time.perf_counter() - start
+        stats = loop.engine.memory_stats() if hasattr(loop.engine, "memory_stats") else None
+        kv_tokens = stats["num_kv_blocks"] * stats["block_size"] if stats else None
         record = e2e_tail.install(loop, tail) if tail else None
         start = time.time()  # metric records carry time.time() stamps
         profiler = _profile_last_step(loop, cfg.train.num_rollout, trace) if trace else contextlib.nullcontext()
@@ -232,15 +251,19 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
     phases = [p for p in LOOP_PHASES if p in timers]
 
     def med(key):
-        return _median([r[key] for r in timed if r.get(key) is not None])
+        return median([r[key] for r in timed if r.get(key) is not None])
+
+    def peak(kind):  # over the phases of the timed steps, as the ledger read them
+        return max((v for r in timed for k, v in r.items()
+                    if k.startswith("memory/") and k.endswith(f"/{kind}_gib") and v is not None), default=None)
 
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "build_s": build_s,
         "steps_s": steps,
-        "step_median_s": _median(steps),
+        "step_median_s": median(steps),
         "phase_median_s": {p: med(f"perf/{p}_time") for p in phases},
-        "phase_sum_median_s": _median([sum(r.get(f"perf/{p}_time") or 0.0 for p in phases) for r in timed]),
+        "phase_sum_median_s": median([sum(r.get(f"perf/{p}_time") or 0.0 for p in phases) for r in timed]),
         "sub_phase_median_s": {p: med(f"perf/{p}_time") for p in sorted(timers - set(phases))},
         "handoff_median_s": {k[len("handoff/"):-len("_s")]: med(k) for k in sorted({k for r in timed for k in r})
                              if k.startswith("handoff/") and k.endswith("_s")},
@@ -250,91 +273,10 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         "groups": groups,
         "rollout_tokens_per_s": med("perf/rollout_tokens_per_s"),
         "grad_norm": med("train/grad_norm"),
-        "peak_allocated_gib": max((v for r in timed for k, v in r.items()
-                                   if k.startswith("memory/") and k.endswith("allocated_gib") and v is not None),
-                                  default=None),
-    }
-
-
-def run_trl(model_dir: Path, prompts: Path, shape: str, steps: int, warmup: int) -> dict:
-    """TRL's GRPOTrainer (transformers generate) on the same model, prompts and batch."""
-    import datasets
-    import torch
-    import transformers
-    import trl
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    b = BATCHES[shape]
-    cuda = torch.cuda.is_available()
-    total = b["prompts"] * b["samples_per_prompt"]
-    micro = min(TRL_MICRO_BATCH, total)
-    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
-    train = datasets.Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    class StepClock(TrainerCallback):
-        """Wall seconds between the ends of consecutive optimizer steps, and completion lengths."""
-
-        def __init__(self):
-            self.last, self.steps, self.lengths = 0.0, [], []
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            sync()
-            self.last = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            sync()
-            now = time.perf_counter()
-            self.steps.append(now - self.last)
-            self.last = now
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "completions/mean_length" in logs:
-                self.lengths.append(logs["completions/mean_length"])
-
-    generate_s: list[float] = []
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        """Records the seconds of each generation (transformers generate + decoding)."""
-
-        def _generate(self, *args, **kwargs):
-            sync()
-            start = time.perf_counter()
-            out = super()._generate(*args, **kwargs)
-            sync()
-            generate_s.append(time.perf_counter() - start)
-            return out
-
-    def reward(prompts, completions, **kwargs):
-        return vowel_reward(prompts, completions, [], [])
-
-    config = dict(
-        output_dir=str(model_dir.parent / "trl_out"), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=total // micro, num_generations=b["samples_per_prompt"],
-        max_completion_length=b["response_tokens"], temperature=1.0, top_p=1.0, beta=0.0,
-        generation_kwargs={"min_new_tokens": b["response_tokens"]}, learning_rate=LR,
-        bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"},
-        max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to="none",
-        disable_tqdm=True, dataloader_num_workers=0, seed=1,
-    )
-    clock = StepClock()
-    trainer = TimedGRPOTrainer(model=str(model_dir), reward_funcs=reward, args=GRPOConfig(**config),
-                               train_dataset=train, processing_class=AutoTokenizer.from_pretrained(model_dir),
-                               callbacks=[clock])
-    trainer.train()
-    timed = clock.steps[warmup:]
-    return {
-        "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                     "datasets": datasets.__version__, "torch": torch.__version__},
-        "config": {k: v for k, v in config.items() if k != "output_dir"},
-        "steps_s": timed,
-        "step_median_s": _median(timed),
-        "generate_median_s": _median(generate_s[warmup:]),
-        "response_len_mean": _median(clock.lengths[warmup:]),
+        "peak_allocated_gib": peak("allocated"),
+        "peak_device_used_gib": peak("device_used"),
+        "kv_cache_tokens": kv_tokens,
+        "sync_tensors": med("perf/sync_tensors"),
     }
 
 
@@ -371,8 +313,13 @@ def _child_env(extra_path: str | None = None, preload: bool = False, cpu: bool =
 def _write(results: dict, out: Path) -> None:
     """Ratios from what has run so far, then the JSON (after each run: a cut-short run keeps its data)."""
     trl_s = results["trl"].get("step_median_s")
-    results["ratio_trl_over_ours"] = {name: trl_s / e["step_median_s"] for name, e in results["ours"].items()
+    ours = results["ours"]
+    results["ratio_trl_over_ours"] = {name: trl_s / e["step_median_s"] for name, e in ours.items()
                                       if trl_s and e.get("step_median_s")}
+    full = {name[len("full_"):]: e.get("step_median_s") for name, e in ours.items() if name.startswith("full_")}
+    results["ratio_full_over_lora"] = {name: full[name.split("_", 1)[1]] / e["step_median_s"] for name, e in ours.items()
+                                       if name.startswith("lora") and full.get(name.split("_", 1)[1])
+                                       and e.get("step_median_s")}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
 
@@ -382,7 +329,10 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     import transformers
     import yaml
 
-    shape = ("tiny_tail" if args.cpu_smoke else "4b") if args.tail else ("tiny" if args.cpu_smoke else "0.5b")
+    if args.tail:
+        shape = "tiny_tail" if args.cpu_smoke else "4b"
+    else:
+        shape = "tiny" if args.cpu_smoke else args.shape or ("1.5b" if args.lora_rank else "0.5b")
     steps = args.steps or (1 if args.cpu_smoke else 5)
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu_smoke else 2)
     start = time.perf_counter()
@@ -390,27 +340,32 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     results = {
         "machine": {"host": socket.gethostname(), "device": None, "python": platform.python_version(),
                     "torch": torch.__version__, "transformers": transformers.__version__},
-        "shape": {"model_type": "qwen2", "tie_word_embeddings": True, "attention_bias": True, **SHAPES[shape]},
+        "shape": SHAPES[shape],
         "batch": BATCHES[shape],
-        "weights": "random init, bf16 safetensors on disk; both trainers keep fp32 master weights; "
-                   "compute and our engine's weights are bf16 on GPU, fp32 on CPU",
+        "weights": "random init, bf16 safetensors on disk; both trainers keep fp32 master weights (LoRA: "
+                   "a frozen base in the compute dtype, fp32 adapters); compute and our engine's weights "
+                   "are bf16 on GPU, fp32 on CPU",
         "warmup_steps": warmup, "timed_steps": steps, "workdir": str(workdir),
         "ours": {}, "trl": {"skipped": True} if args.skip_trl or args.tail else {}, "ratio_trl_over_ours": {},
+        "ratio_full_over_lora": {},
     }
     env = _child_env(preload=not args.cpu_smoke, cpu=args.cpu_smoke)
     compiles = CHOICES[args.compile or ("off" if args.cpu_smoke else "on")]
     budgets = args.max_tokens_per_gpu or [None]
+    ranks = ([] if args.lora_only else [0]) + ([args.lora_rank] if args.lora_rank else [])
     # The tail run's variants are partial rollout off and on, with offload on.
     offloads, partials = ([True], CHOICES[args.partial]) if args.tail else (CHOICES[args.offload], [None])
-    for offload, compile, budget, partial in [(o, c, m, p) for o in offloads for c in compiles for m in budgets
-                                              for p in partials]:
-        name = (f"offload_{'on' if offload else 'off'}"
-                + ("" if len(compiles) == 1 else f"_compile_{'on' if compile else 'off'}")
-                + ("" if len(budgets) == 1 else f"_tokens_{budget}")
-                + ("" if partial is None else f"_partial_{'on' if partial else 'off'}"))
+    for rank, offload, compile, budget, partial in [(r, o, c, m, p) for r in ranks for o in offloads
+                                                    for c in compiles for m in budgets for p in partials]:
+        name = "_".join(part for part in (
+            (f"lora{rank}" if rank else "full") if rank or len(ranks) > 1 else "",
+            f"offload_{'on' if offload else 'off'}",
+            f"compile_{'on' if compile else 'off'}" if len(compiles) > 1 else "",
+            f"tokens_{budget}" if len(budgets) > 1 else "",
+            f"partial_{'on' if partial else 'off'}" if partial is not None else "") if part)
         profiled = args.trace_dir is not None
         cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, budget,
-                          warmup + steps + profiled)
+                          warmup + steps + profiled, rank)
         if args.tail:
             cfg = e2e_tail.tail_config(cfg, shape, partial)
         cfg_path = workdir / f"{name}.yaml"
@@ -418,8 +373,7 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
         trace = ["--trace", str(args.trace_dir / f"e2e_{name}.json.gz")] if profiled else []
         tail = ["--tail-shape", shape] if args.tail else []
         result = _child(["--worker", "ours", "--config", str(cfg_path), "--warmup", str(warmup), *trace, *tail,
-                         "--result", str(workdir / f"result_{name}.json")], env,
-                        e2e_tail.TIMEOUT_S if args.tail else OURS_TIMEOUT_S)
+                         "--result", str(workdir / f"result_{name}.json")], env, OURS_TIMEOUT_S[shape])
         results["ours"][name] = {"config": cfg, **result}
         results["machine"]["device"] = results["machine"]["device"] or result.get("device")
         _write(results, out)
@@ -447,7 +401,8 @@ def summary(results: dict) -> str:
             parts.append(f"ours {name} FAILED ({e['error']})")
             continue
         phases = ", ".join(f"{k} {v:.3f}" for k, v in e["phase_median_s"].items() if v is not None)
-        parts.append(f"ours {name} {_fmt(e['step_median_s'])} s ({phases}; len {_fmt(e['response_len_mean'], '.0f')})")
+        parts.append(f"ours {name} {_fmt(e['step_median_s'])} s ({phases}; len {_fmt(e['response_len_mean'], '.0f')}; "
+                     f"peak {_fmt(e['peak_device_used_gib'], '.1f')} GiB; KV {e['kv_cache_tokens']} tok)")
         if e.get("groups"):
             g = e["groups"]
             parts.append(f"[utilization {_fmt(e['decode_utilization'], '.2f')}; groups {g['trained']} trained, "
@@ -460,6 +415,8 @@ def summary(results: dict) -> str:
         parts.append(f"| TRL {trl['step_median_s']:.3f} s (generate {_fmt(gen)}; len {_fmt(length, '.0f')})")
     for name, r in results["ratio_trl_over_ours"].items():
         parts.append(f"| TRL/ours {name} {r:.2f}x")
+    for name, r in results["ratio_full_over_lora"].items():
+        parts.append(f"| full/LoRA {name} {r:.2f}x")
     return " ".join(parts)
 
 
@@ -479,22 +436,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--trl-site", default=None, help="directory with trl and datasets, for the TRL process")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and batch on CPU")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="also run each of our variants with LoRA adapters of this rank (default shape 1.5b)")
+    parser.add_argument("--lora-only", action="store_true", help="with --lora-rank: leave out full training")
+    parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny" and s not in e2e_tail.SHAPES], default=None,
+                        help="model shape (default 0.5b; 1.5b with --lora-rank; --cpu-smoke: a tiny one)")
     parser.add_argument("--tail", action="store_true",
                         help="long-tailed lengths on a Qwen3-4B shape, offload on (bench/e2e_tail.py)")
     parser.add_argument("--partial", choices=tuple(CHOICES), default="both", help="--tail: partial rollout")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/e2e.json)")
-    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--shape", "--result", "--trace",
-                   "--tail-shape"):
+    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--result", "--trace", "--tail-shape"):
         parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.lora_rank < 0 or (args.lora_only and not args.lora_rank):
+        raise ValueError(f"--lora-rank must be >= 1 with --lora-only and >= 0 otherwise, got {args.lora_rank}")
     if args.worker == "ours":
         result = run_ours(Path(args.config), args.warmup, Path(args.trace) if args.trace else None, args.tail_shape)
     elif args.worker == "trl":
-        result = run_trl(Path(args.model_dir), Path(args.prompts), args.shape, args.steps, args.warmup)
+        result = run_trl(Path(args.model_dir), Path(args.prompts), BATCHES[args.shape], args.steps, args.warmup,
+                         LR, vowel_reward)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="colocate_e2e_"))
         if args.trace_dir is not None:

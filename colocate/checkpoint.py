@@ -15,6 +15,8 @@ A checkpoint damaged later (a truncated or missing file) fails its manifest chec
 (colocate.checkpoint_manifest): resuming skips it, with a warning, for the newest usable one, and
 pruning never counts it among those kept.
 DCP stores sharded tensors with their global shapes, so a checkpoint written by N ranks loads on M.
+A LoRA actor's part holds its adapters and their optimizer state only, with the identity of its
+base (path and config.json hash); resuming onto another base is refused, naming both.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from colocate.checkpoint_manifest import (
     FORMAT, META_FILE, checkpoint_dir, checkpoint_dirs, checkpoint_problem, is_checkpoint, verify_checkpoint,
     write_manifest, written_here,
 )
+from colocate.trainer.lora import check_same_adapters
 
 try:
     import numpy as np
@@ -61,8 +64,13 @@ MODEL_KEY = "model"
 _TMP = re.compile(r"\.tmp-rollout_\d{6}(\.replaced)?")
 # Weight files are the one thing of a model directory the checkpoint must not duplicate.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+ADAPTERS_KEY = "lora"
+"""Key of a LoRA actor's adapter description (JSON text) inside its `ModelOptimizerState`."""
+
 # FSDP2 parameters are sharded DTensors: DCP saves each rank's shard and reshards on load.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A LoRA model's state: its trained parameters only (the frozen base is the base model's files).
+_ADAPTER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 class ModelOptimizerState(Stateful):
@@ -71,31 +79,73 @@ class ModelOptimizerState(Stateful):
     Parameter and optimizer-state keys are canonical FQNs (wrapper prefixes such as `_orig_mod.`
     removed) and the optimizer state is flattened per parameter name, so a checkpoint survives a
     change of world size or of how parameters are grouped.
+
+    `adapters` (a LoRA model: colocate.trainer.lora.LoRASpec.describe) keeps the trained
+    parameters only, with that description under ADAPTERS_KEY; loading checks that the
+    checkpoint's adapters were trained on the same base (the SHA-256 of its config.json) with the
+    same rank, alpha and target modules (load_checkpoint, before anything is read).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: Any | None = None):
+                 scheduler: Any | None = None, adapters: dict | None = None):
         if scheduler is not None and optimizer is None:
             raise ValueError("scheduler given without its optimizer")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.adapters = adapters
+        self.options = _OPTIONS if adapters is None else _ADAPTER_OPTIONS
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
-            return {MODEL_KEY: get_model_state_dict(self.model, options=_OPTIONS)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
-        out = {MODEL_KEY: model_sd, "optimizer": optim_sd}
+            out = {MODEL_KEY: get_model_state_dict(self.model, options=self.options)}
+        else:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+            out = {MODEL_KEY: model_sd, "optimizer": optim_sd}
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.state_dict()
+        if self.adapters is not None:
+            # ignore_frozen_params misses a frozen tied lm_head (a second name of the embeddings).
+            trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            out[MODEL_KEY] = {n: t for n, t in out[MODEL_KEY].items() if n in trained}
+            out[ADAPTERS_KEY] = json.dumps(self.adapters, sort_keys=True)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.optimizer is None:
-            set_model_state_dict(self.model, state_dict[MODEL_KEY], options=_OPTIONS)
+            set_model_state_dict(self.model, state_dict[MODEL_KEY], options=self.options)
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict[MODEL_KEY],
-                       optim_state_dict=state_dict["optimizer"], options=_OPTIONS)
+                       optim_state_dict=state_dict["optimizer"], options=self.options)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])
+
+
+def read_adapters(path: str | Path, state: str) -> dict | None:
+    """The adapter description saved with the `state` part of a checkpoint, or None when that
+    part is a whole model."""
+    key = f"{state}.{ADAPTERS_KEY}"
+    if key not in FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        return None
+    holder = {key: ""}
+    with quiet_single_process():
+        dcp.load(holder, checkpoint_id=path, no_dist=True)
+    return json.loads(holder[key])
+
+
+def _check_adapters(path: Path, states: dict[str, Stateful]) -> None:
+    """A LoRA part loads only adapters of the same base and settings; a whole-model part only a
+    whole model."""
+    for name, state in states.items():
+        if not isinstance(state, ModelOptimizerState):
+            continue
+        saved = read_adapters(path, name)
+        if state.adapters is not None and saved is None:
+            raise ValueError(f"checkpoint {path}: '{name}' is a whole model, not LoRA adapters "
+                             "(it was saved with model.lora_rank 0)")
+        if state.adapters is None and saved is not None:
+            raise ValueError(f"checkpoint {path}: '{name}' holds LoRA adapters of rank {saved['rank']} "
+                             f"on the base {saved['base_path']}; resume it with model.lora_rank {saved['rank']}")
+        if saved is not None:
+            check_same_adapters(saved, state.adapters)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -336,6 +386,7 @@ def load_checkpoint(path: str | Path, states: dict[str, Stateful], *, load_rng: 
     """
     path = Path(path)
     meta = read_meta(path)
+    _check_adapters(path, states)
     wanted = {}
     for name, state in states.items():
         wanted.update(_flat_keys(state.state_dict(), name))

@@ -13,11 +13,8 @@ model, data, reward and optimiser fields.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +22,8 @@ from typing import Any, Literal
 import tyro
 import yaml
 
-from colocate.config_checks import Origin, validate
+from colocate.config_checks import LORA_TARGET_MODULES, Origin, validate
+from colocate.config_mapping import from_mapping
 
 
 def cache_root() -> Path:
@@ -68,6 +66,18 @@ class ModelConfig:
     recompute skips attention."""
     compile: bool = False
     """torch.compile each transformer block of the trainer's model."""
+    lora_rank: int = _ranged(0, ">= 0")
+    """Rank of the LoRA adapters trained on a frozen base (0: off, every weight trains). With LoRA
+    the base stays in the compute dtype without optimizer state, the reference policy is the base
+    with the adapters off, and checkpoints hold the adapters only."""
+    lora_alpha: float = _ranged(32.0, "> 0")
+    """LoRA scaling numerator: the update is (lora_alpha / lora_rank) B A. A fixed alpha (rather
+    than one that grows with the rank) keeps the best learning rate nearly the same across ranks."""
+    lora_dropout: float = _ranged(0.0, "[0, 1)")
+    """Dropout on the adapters' input in the training forward (not in the log-prob passes)."""
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    """Projections of each block that get adapters (default: every linear projection of attention
+    and MLP)."""
 
 
 @dataclass
@@ -416,7 +426,7 @@ def config_from_yaml(path: str | Path) -> Config:
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML: {e}") from None
     data = {} if data is None else data
-    return _build(Config, data, "", str(path))
+    return from_mapping(Config, data, str(path))
 
 
 def _pop_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
@@ -435,60 +445,6 @@ def _pop_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
             rest.append(arg)
         i += 1
     return path, rest
-
-
-def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
-    """Instantiate dataclass `cls` from a mapping, checking keys and value types recursively."""
-    where = prefix.rstrip(".") or "the top level"
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: {where} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            raise ValueError(f"{source}: unknown key {prefix}{key}{hint}")
-        kwargs[key] = _coerce(value, hints[key], f"{prefix}{key}", source)
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, tp: Any, name: str, source: str) -> Any:
-    origin, targs = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in targs:
-            return None
-        inner = [t for t in targs if t is not type(None)]
-        assert len(inner) == 1, f"unsupported union type {tp} for {name}"
-        return _coerce(value, inner[0], name, source)
-    if origin is Literal:
-        if value not in targs:
-            raise ValueError(f"{source}: {name} must be one of {list(targs)}, got {value!r}")
-        return value
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ValueError(f"{source}: {name} must be a mapping with string keys, got {value!r}")
-        for key, v in value.items():
-            if not isinstance(v, (bool, int, float, str)):
-                raise ValueError(f"{source}: {name}.{key} must be a bool, number or string, got {v!r}")
-        return dict(value)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ValueError(f"{source}: {name} must be a list, got {value!r}")
-        return [_coerce(v, targs[0], f"{name}[{i}]", source) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, f"{name}.", source)
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, str),
-    }
-    assert tp in ok, f"unsupported field type {tp} for {name}"
-    if not ok[tp]:
-        raise ValueError(f"{source}: {name} must be {tp.__name__}, got {value!r}")
-    return float(value) if tp is float else value
 
 
 def expand_path(path: str) -> str:

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from colocate.config import Config
 
 BUILTIN_REWARDS = ("toy", "math", "exact", "f1")
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear projections of a block that can carry LoRA adapters (attention's, then the MLP's)."""
 
 
 class Origin:
@@ -54,6 +56,7 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
     r, a, t, e = cfg.rollout, cfg.algorithm, cfg.train, cfg.eval
     n = r.n_samples_per_prompt
     checks = [top_k_check(r.top_k, "rollout.top_k")]
+    checks += _lora_checks(cfg.model)
     checks += [
         ("model.path", bool(cfg.model.path), "must name a model directory", cfg.model.path),
         ("rollout.prompt_data", bool(r.prompt_data), "must name a data file", r.prompt_data),
@@ -126,6 +129,20 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
              f"must be one of {list(BUILTIN_REWARDS)} or module:function", ds.reward),
         ]
     return checks
+
+
+def _lora_checks(m: Any) -> list[tuple[str, bool, str, Any]]:
+    targets = m.lora_target_modules
+    unknown = [t for t in targets if t not in LORA_TARGET_MODULES]
+    return [
+        ("model.lora_target_modules", not unknown,
+         f"has unknown names {unknown}: expected some of {list(LORA_TARGET_MODULES)}", targets),
+        ("model.lora_target_modules", not m.lora_rank or (targets and len(set(targets)) == len(targets)),
+         "must name each adapted projection once (model.lora_rank > 0)", targets),
+        ("model.ref_path", not m.lora_rank or m.ref_path in (None, m.path),
+         "must be unset with model.lora_rank > 0: the reference policy is the base with the adapters off",
+         m.ref_path),
+    ]
 
 
 def top_k_check(top_k: int, name: str) -> tuple[str, bool, str, int]:

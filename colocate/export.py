@@ -5,6 +5,13 @@ weights are read straight from the DCP shards in one process, without a process 
 tensors at a time, so exporting needs about one bucket plus one safetensors shard of host memory
 and no GPU. The model config and tokenizer files come from the checkpoint's `hf/` directory.
 
+A LoRA checkpoint holds adapters only. By default they are merged into the base model's weights
+(read from the base directory the run trained on, or `--base`; its config.json must hash as when
+training): each adapted weight becomes W + (alpha / rank) B A, as the rollout engine had it. With
+`--adapter-only` OUT is a PEFT adapter directory instead (adapter_config.json and
+adapter_model.safetensors under peft's key names), which `peft.PeftModel.from_pretrained` loads
+onto the base.
+
 OUT is written beside itself and renamed into place. An existing OUT is replaced only when it is
 empty or holds an earlier export (colocate's marker file), or with --overwrite; never when it is,
 contains or lies inside the checkpoint being read.
@@ -13,6 +20,7 @@ contains or lies inside the checkpoint being read.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -21,17 +29,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from safetensors.torch import save_file
 
 from colocate.checkpoint import (
-    ACTOR_STATE, HF_DIR, MODEL_KEY, is_checkpoint, latest_checkpoint, quiet_single_process, verify_checkpoint,
+    ACTOR_STATE, HF_DIR, MODEL_KEY, is_checkpoint, latest_checkpoint, quiet_single_process, read_adapters,
+    verify_checkpoint,
 )
 from colocate.cli import DEBUG_HELP, entry_point
-from colocate.models import CausalLM, ModelConfig, resolve_dtype, save_pretrained
-from colocate.output_dir import check_output_dir
+from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype, save_pretrained
+from colocate.output_dir import check_output_dir, replacing_dir
+from colocate.trainer.lora import config_sha256, merged_weight
 
 # Keys of the actor weights inside a checkpoint: `model.model.<HF name>`; optimizer and scheduler
 # entries (`model.optimizer.*`, `model.scheduler.*`) and other states (a critic) are skipped.
 WEIGHT_PREFIX = f"{ACTOR_STATE}.{MODEL_KEY}."
+PEFT_PREFIX = "base_model.model."
+"""peft's prefix of adapter tensor names in adapter_model.safetensors."""
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -73,9 +86,14 @@ def _weight_entries(ckpt: Path, config: ModelConfig) -> list[tuple[str, TensorSt
 def iter_actor_weights(ckpt: Path, config: ModelConfig, dtype: torch.dtype,
                        bucket_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full CPU tensor in `dtype`) for the actor's weights, one bucket per DCP read."""
+    return _read_entries(ckpt, _weight_entries(ckpt, config), dtype, bucket_bytes)
+
+
+def _read_entries(ckpt: Path, entries: list[tuple[str, TensorStorageMetadata]], dtype: torch.dtype | None,
+                  bucket_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name less WEIGHT_PREFIX, full CPU tensor in `dtype`, None: as stored) of DCP entries."""
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    entries = _weight_entries(ckpt, config)
     for i, (key, md) in enumerate(entries):
         t = torch.empty(md.size, dtype=md.properties.dtype)
         bucket[key] = t
@@ -84,13 +102,79 @@ def iter_actor_weights(ckpt: Path, config: ModelConfig, dtype: torch.dtype,
             with quiet_single_process():
                 dcp.load(bucket, checkpoint_id=ckpt, no_dist=True)
             for k, v in bucket.items():
-                yield k[len(WEIGHT_PREFIX):], v.to(dtype)
+                yield k[len(WEIGHT_PREFIX):], v if dtype is None else v.to(dtype)
             bucket, size = {}, 0
 
 
-def export(ckpt: str | Path, out: str | Path, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
-    """Write the checkpoint's actor as an HF directory (config, safetensors, tokenizer) at `out`;
-    an existing `out` is replaced only under the rule of `colocate.output_dir`."""
+def _adapters(ckpt: Path, config: ModelConfig, lora: dict) -> dict[str, torch.Tensor]:
+    """The checkpoint's fp32 adapters by parameter name, checked against the base's shapes."""
+    stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    entries = [(key, md) for key, md in stored.items()
+               if key.startswith(WEIGHT_PREFIX) and isinstance(md, TensorStorageMetadata)]
+    adapters = dict(_read_entries(ckpt, entries, None))
+    with torch.device("meta"):
+        weights = {name: tuple(t.shape) for name, t in CausalLM(config).state_dict().items()
+                   if name.endswith(".weight") and name.split(".")[-2] in lora["target_modules"]}
+    rank, expected = lora["rank"], {}
+    for name, (out_features, in_features) in weights.items():
+        module = name[:-len(".weight")]
+        expected[f"{module}.lora_A.weight"] = (rank, in_features)
+        expected[f"{module}.lora_B.weight"] = (out_features, rank)
+    found = {n: tuple(t.shape) for n, t in adapters.items()}
+    if found != expected:
+        wrong = sorted(set(found) ^ set(expected)) or sorted(n for n in found if found[n] != expected[n])
+        raise ValueError(f"checkpoint {ckpt}: its adapters do not fit its config.json and LoRA settings "
+                         f"(e.g. {wrong[:3]})")
+    return adapters
+
+
+def _base_dir(lora: dict, base: str | Path | None) -> Path:
+    """The base model directory the adapters were trained on, checked by its config.json hash."""
+    path = Path(base if base is not None else lora["base_path"])
+    if not (path / "config.json").is_file():
+        hint = "" if base is not None else " (pass its new place with --base)"
+        raise ValueError(f"base model {path} of the LoRA checkpoint has no config.json{hint}")
+    if config_sha256(path) != lora["base_config_sha256"]:
+        raise ValueError(f"base model {path} is not the one the adapters were trained on "
+                         f"({lora['base_path']}): its config.json differs")
+    return path
+
+
+def merged_base_weights(base: Path, adapters: dict[str, torch.Tensor], scale: float, dtype: torch.dtype
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor in `dtype`) of the base's weights, adapted ones merged, one at a time."""
+    for name, tensor in iter_safetensors(base):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        module = name[:-len(".weight")]
+        if f"{module}.lora_A.weight" in adapters:
+            yield name, merged_weight(tensor, adapters[f"{module}.lora_A.weight"],
+                                      adapters[f"{module}.lora_B.weight"], scale, dtype)
+        else:
+            yield name, tensor.to(dtype)
+
+
+def write_peft_adapter(out: str | Path, lora: dict, adapters: dict[str, torch.Tensor], dtype: torch.dtype,
+                       *, overwrite: bool = False, reading=()) -> Path:
+    """A PEFT LoRA adapter directory: adapter_config.json + adapter_model.safetensors."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": lora["base_path"],
+              "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
+              "target_modules": lora["target_modules"], "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+              "modules_to_save": None}
+    tensors = {PEFT_PREFIX + name: t.to(dtype).contiguous() for name, t in adapters.items()}
+    with replacing_dir(out, "colocate export --adapter-only", overwrite=overwrite, reading=reading) as tmp:
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return Path(out)
+
+
+def export(ckpt: str | Path, out: str | Path, dtype: str = "bfloat16", overwrite: bool = False, *,
+           adapter_only: bool = False, base: str | Path | None = None) -> Path:
+    """Write the checkpoint's actor as an HF directory (config, safetensors, tokenizer) at `out`
+    (LoRA adapters merged into their base, found at `base` or where the run read it), or with
+    `adapter_only` a LoRA checkpoint's adapters as a PEFT adapter directory; an existing `out` is
+    replaced only under the rule of `colocate.output_dir`."""
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
     ckpt = resolve_checkpoint(ckpt)
@@ -100,7 +184,18 @@ def export(ckpt: str | Path, out: str | Path, dtype: str = "bfloat16", overwrite
         raise ValueError(f"checkpoint {ckpt} has no {HF_DIR}/config.json "
                          "(it was saved without model_dir, so the model config is unknown)")
     config = ModelConfig.from_dir(hf_dir)
-    state = iter_actor_weights(ckpt, config, resolve_dtype(dtype, "cpu"))
+    torch_dtype = resolve_dtype(dtype, "cpu")
+    lora = read_adapters(ckpt, ACTOR_STATE)
+    if lora is None:
+        if adapter_only or base is not None:
+            raise ValueError(f"checkpoint {ckpt} holds a whole model, not LoRA adapters: "
+                             f"{'--adapter-only' if adapter_only else '--base'} does not apply")
+        state = iter_actor_weights(ckpt, config, torch_dtype)
+        return save_pretrained(None, out, config=config, state=state, tokenizer_dir=hf_dir, overwrite=overwrite)
+    adapters = _adapters(ckpt, config, lora)
+    if adapter_only:
+        return write_peft_adapter(out, lora, adapters, torch_dtype, overwrite=overwrite, reading=[ckpt])
+    state = merged_base_weights(_base_dir(lora, base), adapters, lora["alpha"] / lora["rank"], torch_dtype)
     return save_pretrained(None, out, config=config, state=state, tokenizer_dir=hf_dir, overwrite=overwrite)
 
 
@@ -114,9 +209,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT even if it holds files colocate did not write")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="LoRA checkpoints: write a PEFT adapter directory instead of merged weights")
+    p.add_argument("--base", default=None,
+                   help="LoRA checkpoints: the base model directory, when it moved since training")
     args = p.parse_args(argv)
     ckpt = resolve_checkpoint(args.ckpt)
-    out = export(ckpt, args.out, args.dtype, args.overwrite)
+    out = export(ckpt, args.out, args.dtype, args.overwrite, adapter_only=args.adapter_only, base=args.base)
     print(f"exported {ckpt} -> {out}")
     return 0
 

@@ -12,7 +12,9 @@ The order is a memory contract. The engine's weights come back first because the
 its own mapped pages; the KV cache comes back last because it is the largest region and the sync's
 temporary buffers must be gone by then. With `offload.offload_rollout` off the engine keeps its
 memory; with `offload.offload_train` off the trainer keeps its; with both off only the weight push
-remains.
+remains. An engine that kept its weights since the last push is sent only what can have changed
+(with LoRA: the adapted modules' merged weights); one that released them gets every weight again,
+since released pages come back without their content.
 
 Where each kind of memory moves:
     engine weights, KV cache, CUDA graphs   `to_train` (release), `to_rollout` (resume)
@@ -84,6 +86,9 @@ class Colocation:
         self.offload_train, self.offload_rollout = offload.offload_train, offload.offload_rollout
         self.dtype, self.bucket_bytes = dtype, bucket_bytes
         self.engine: RolloutEngine | None = None
+        self.engine_holds_last_push = False
+        """The engine's weights are those of the last push (none released since): a push may then
+        send only what can have changed (with LoRA, the adapted modules' merged weights)."""
 
     def make_room(self) -> Handoff:
         """Before the engine is built: the trainer's whole state to the host, so that the engine
@@ -98,12 +103,14 @@ class Colocation:
         self.engine = engine
         if self.offload_rollout:
             engine.release_memory()
+        self.engine_holds_last_push = False
         return self.to_rollout(version)
 
     def to_train(self) -> Handoff:
         out = Handoff()
         if self.offload_rollout:
             self._engine(out, "engine_release", lambda: (self.engine.flush_cache(), self.engine.release_memory()))
+            self.engine_holds_last_push = False
         if self.offload_train:
             self._trainer(out, "trainer_onload", self.memory.onload(*PARAMS, *STATE, stream_state=True))
             out.pending_bytes = self.memory.pending_bytes()
@@ -120,7 +127,8 @@ class Colocation:
         if self.offload_rollout:
             self._engine(out, "engine_resume_weights", lambda: self.engine.resume_memory(["weights"]))
         out.sync = sync_weights(self.trainer.actor_module, self.engine, version=version, dtype=self.dtype,
-                                bucket_bytes=self.bucket_bytes)
+                                bucket_bytes=self.bucket_bytes, since_last=self.engine_holds_last_push)
+        self.engine_holds_last_push = True
         if self.offload_train:
             self._trainer(out, "trainer_params_offload", self.memory.offload(*PARAMS))
         if self.offload_rollout:

@@ -125,14 +125,18 @@ class RolloutEngine(Protocol):
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """Take the memory of these tags back (weights content is stale until updated)."""
 
-    def begin_weight_update(self) -> None:
-        """Open a weight-update session; update_weights may be called once per bucket."""
+    def begin_weight_update(self, partial: bool = False) -> None:
+        """Open a weight-update session; update_weights may be called once per bucket. A
+        `partial` session writes some parameters and keeps the others as they are; it is refused
+        unless the engine holds a complete set of weights (loaded, or completed by a full session,
+        and not released since: released weights come back without their content)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named full tensors into the engine's weights."""
 
     def end_weight_update(self, version: int) -> None:
-        """Close the session: every engine parameter must have been written; record `version`."""
+        """Close the session: every engine parameter must have been written (in a partial session,
+        those written are the new ones); record `version`."""
 
     def flush_cache(self) -> None:
         """Drop cached prefixes so that no stale KV survives a weight update."""

@@ -3,7 +3,8 @@
 One object, `TrainerMemory`, with two entry points, `offload` and `onload`, over named groups:
 
     actor_params    the actor's parameters: the weight sync reads them, so they leave last
-    actor_optim     the actor's optimizer state and gradients
+                    (with LoRA: the frozen base and the adapters, which the sync merges)
+    actor_optim     the actor's optimizer state and gradients (with LoRA: the adapters' only)
     critic_params   the critic's parameters            (PPO/GAE only)
     critic_optim    the critic's optimizer state and gradients
     reference       the frozen reference policy: on the host except during its log-prob pass

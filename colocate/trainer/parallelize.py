@@ -111,11 +111,12 @@ def _contexts(mode: str, mlp_width: str):
     return create_selective_checkpoint_contexts(policy)
 
 
-def _checkpointed(forward, mode: str, mlp_width: int):
+def _checkpointed(forward, mode: str, mlp_width: int, random: bool = False):
     """`forward` recomputed in backward instead of keeping its activations (non-reentrant, so
     FSDP's hooks and torch.compile see ordinary autograd), but for the outputs that `mode` keeps
     (`mlp_width`: the block's intermediate size, for "mlp").
-    The models have no randomness, so no RNG state is saved for the recomputation."""
+    The RNG state is saved for the recomputation only when the forward is `random` (LoRA dropout):
+    the models themselves draw no random numbers."""
     # torch.compile reads context_fn as a constant and guards on a partial's arguments by value;
     # the width goes as a string because with dynamic shapes a bound int turns symbolic (the block
     # then runs eagerly), and a closure would be guarded by its code alone (all modes would share
@@ -124,7 +125,7 @@ def _checkpointed(forward, mode: str, mlp_width: int):
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=random, **extra, **kwargs)
 
     return run
 
@@ -138,6 +139,7 @@ def parallelize(
     compile: bool = False,
     forward_methods: tuple[str, ...] = ("hidden_states",),
     reshard_after_forward: bool = True,
+    random: bool = False,
 ) -> nn.Module:
     """AC -> compile -> fully_shard(block) -> fully_shard(root), in place; returns the model.
 
@@ -148,13 +150,14 @@ def parallelize(
     `forward_methods` are methods other than `forward` that callers use as the model's entry.
     `reshard_after_forward=False` keeps every block's gathered parameters until its backward
     (the last block always keeps them: its backward comes next).
+    `random`: the training forward draws random numbers (dropout), which recomputation must repeat.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
     blocks = list(model.model.layers)
     for i, (block, mode) in enumerate(zip(blocks, checkpointing.block_modes(len(blocks)))):
         if mode != "none":
-            block.forward = _checkpointed(block.forward, mode, block.mlp.gate_proj.out_features)
+            block.forward = _checkpointed(block.forward, mode, block.mlp.gate_proj.out_features, random)
         if compile:
             block.forward = torch.compile(block.forward, dynamic=True)
         # The last block's parameters are needed again at once by the backward: keep them gathered.
@@ -273,17 +276,23 @@ def build_sharded(
     reshard_after_forward: bool = True,
     region: ContextManager | None = None,
     seed: int = 0,
+    adapt: Callable[[nn.Module], None] | None = None,
+    random: bool = False,
 ) -> tuple[nn.Module, set[str]]:
     """Build `make()` on the meta device in `dtype`, parallelize it, allocate its shards (inside
-    `region` when given) and fill them from `weights`, or randomly when None.
+    `region` when given) and fill them from `weights`, or randomly when None. `adapt` changes the
+    meta model in place after the cast and before sharding (LoRA adds fp32 adapters there);
+    `random` as for `parallelize`.
 
     Returns the model and the parameter names that `weights` did not fill (the caller decides
     whether that is an error or a new head to initialise).
     """
     with torch.device("meta"):
         model = make().to(dtype)  # before sharding: FSDP shards (and allocates) in this dtype
+        if adapt is not None:
+            adapt(model)
     parallelize(model, mesh, param_dtype=param_dtype, checkpointing=checkpointing, compile=compile,
-                forward_methods=forward_methods, reshard_after_forward=reshard_after_forward)
+                forward_methods=forward_methods, reshard_after_forward=reshard_after_forward, random=random)
     with region if region is not None else contextlib.nullcontext():
         materialize(model, device)
     names = {n for n, _ in model.named_parameters()}

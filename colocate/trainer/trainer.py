@@ -2,6 +2,10 @@
 algorithm needs them, the reference model and the critic, and their memory (`self.memory`, a
 `TrainerMemory`; the colocation handoff decides when it moves).
 
+With `model.lora_rank` > 0 the actor is a frozen base (compute dtype, no optimizer state, no
+gradients) with trained fp32 adapters (colocate/trainer/lora.py), and the reference policy is
+that same model with its adapters off.
+
 Per `train` call: pack the rank's samples into micro-batches agreed over ranks; old log-probs
 (only when needed: several optimizer steps, or KL in the reward), reference log-probs, values;
 advantages; critic steps (before the actor, as GAE's targets come from the values just read);
@@ -9,6 +13,8 @@ actor steps unless the run is still in its critic-only warm-up.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -21,6 +27,7 @@ from colocate.rollout.sample import Sample
 from colocate.trainer.actor import Actor
 from colocate.trainer.global_advantages import compute_advantages, global_masked_mean
 from colocate.trainer.batch import RolloutBatch
+from colocate.trainer.lora import LoRASpec, add_adapters, adapters_disabled, init_adapters_, is_adapter
 from colocate.trainer.critic import Critic, ValueModel, zero_value_head_
 from colocate.trainer.memory import (
     ACTOR_OPTIM, ACTOR_PARAMS, CRITIC_OPTIM, CRITIC_PARAMS, REFERENCE, StateArrival, TrainerMemory,
@@ -72,14 +79,18 @@ class Trainer:
 
         policy_cfg = model_config or ModelConfig.from_dir(m.path)
         self.vocab_size = policy_cfg.vocab_size
-        actor_model = self._build(lambda: CausalLM(policy_cfg), m.path, ACTOR_PARAMS, train=True)
+        self.lora = LoRASpec.from_config(m)
+        actor_model = self._build(lambda: CausalLM(policy_cfg), m.path, ACTOR_PARAMS, train=True, lora=self.lora)
         actor_opt, arrival = self._optimizer(actor_model, t.lr, ACTOR_OPTIM,
                                              max(1, actor_rollouts * steps_per_rollout))
         self.actor = Actor(actor_model, actor_opt, arrival, a, temperature=r.temperature, norm_len=norm_len,
                            keep_gathered=self.keep_gathered)
 
         self.reference = None
-        if a.needs_ref:
+        if a.needs_ref and self.lora is not None:
+            self.reference = Reference(actor_model, self.memory, REFERENCE, temperature=r.temperature,
+                                       scope=functools.partial(adapters_disabled, actor_model))
+        elif a.needs_ref:
             ref_path = m.ref_path or m.path
             ref_model = self._build(lambda: CausalLM(model_config or ModelConfig.from_dir(ref_path)),
                                     ref_path, REFERENCE, train=False)
@@ -100,25 +111,31 @@ class Trainer:
             self.memory.reserve()
 
     def _build(self, make, path: str, tag: str, *, train: bool, skip: tuple[str, ...] = (),
-               new: tuple[str, ...] = (), forward_methods: tuple[str, ...] = ("hidden_states",)) -> nn.Module:
+               new: tuple[str, ...] = (), forward_methods: tuple[str, ...] = ("hidden_states",),
+               lora: LoRASpec | None = None) -> nn.Module:
         """Trained models keep fp32 master shards and compute in the compute dtype; the frozen
-        reference stores its shards in the compute dtype directly."""
+        reference, and the frozen base under `lora` adapters (fp32 masters), store their shards in
+        the compute dtype directly."""
         mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
         model, missing = build_sharded(
             make, self.mesh, self.device,
-            dtype=torch.float32 if train else self.compute_dtype,
+            dtype=torch.float32 if train and lora is None else self.compute_dtype,
             param_dtype=mixed if train else None,
+            adapt=None if lora is None else functools.partial(add_adapters, spec=lora),
+            random=lora is not None and lora.dropout > 0,
             weights=None if self.random_config is not None else iter_safetensors(path),
             source=str(path), skip=skip,
             checkpointing=self.checkpointing if train else ActivationCheckpointing(),
             compile=bool(self.cfg.model.compile),
             forward_methods=forward_methods, reshard_after_forward=not (train and self.keep_gathered),
             region=self.memory.region(tag), seed=self.cfg.train.seed)
-        unexpected = sorted(n for n in missing if not n.startswith(new))
+        unexpected = sorted(n for n in missing if not n.startswith(new) and not is_adapter(n))
         if unexpected:
             raise ValueError(f"{path}: missing tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
         if missing and isinstance(model, ValueModel):
             zero_value_head_(model)
+        if lora is not None:
+            init_adapters_(model, self.cfg.train.seed)
         self.memory.add_model(tag, model)
         return model
 
@@ -183,11 +200,13 @@ class Trainer:
         return metrics
 
     def checkpoint_states(self) -> dict:
-        """Stateful parts for colocate.checkpoint (DCP): the actor as "model", the critic as "critic"."""
+        """Stateful parts for colocate.checkpoint (DCP): the actor as "model", the critic as "critic".
+        With LoRA the actor's part holds its adapters, their optimizer state and which base they fit."""
         from colocate.checkpoint import ACTOR_STATE, ModelOptimizerState
 
         opt = self.actor.opt
-        states = {ACTOR_STATE: ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler)}
+        adapters = None if self.lora is None else self.lora.describe(self.cfg.model.path)
+        states = {ACTOR_STATE: ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler, adapters=adapters)}
         if self.critic is not None:
             c = self.critic.opt
             states["critic"] = ModelOptimizerState(self.critic.model, c.optimizer, c.scheduler)

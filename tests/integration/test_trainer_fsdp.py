@@ -300,8 +300,8 @@ def test_two_ranks_give_the_one_process_gradients_and_weights(tmp_path, model_pa
     assert _moved(one_rank["modes"]["token_mean"][0], one_rank["modes"]["seq_mean_token_mean"][0])
 
 
-def _plain_grpo_grads(path, samples, mode) -> dict:
-    """The first-step GRPO/PPO gradient written out on the plain model, one sample at a time.
+def plain_grpo_loss(logits_fn, samples, mode) -> torch.Tensor:
+    """The first-step GRPO/PPO loss written out on a plain model's logits, one sample at a time.
 
     With no update yet the ratio is 1 and nothing clips, so the loss of token t of sample i is
     -A_i * exp(lp_t - sg(lp_t)), averaged over the batch's masked tokens (token_mean) or per
@@ -309,19 +309,24 @@ def _plain_grpo_grads(path, samples, mode) -> dict:
     """
     from colocate.algo import grpo
 
-    model = from_pretrained(path, dtype="float32")
     adv = grpo(torch.tensor([s.reward for s in samples]), GROUP)
     num_tokens = sum(sum(s.loss_mask) for s in samples)
     loss = 0.0
     for i, s in enumerate(samples):
-        logp = torch.log_softmax(model(torch.tensor(s.tokens)), dim=-1)[len(s.prompt_ids) - 1:-1]
+        logp = torch.log_softmax(logits_fn(torch.tensor(s.tokens)), dim=-1)[len(s.prompt_ids) - 1:-1]
         lp = logp.gather(1, torch.tensor(s.response_ids)[:, None]).squeeze(1)
         per_token = -adv[i] * torch.exp(lp - lp.detach()) * torch.tensor(s.loss_mask, dtype=torch.float32)
         if mode == "token_mean":
             loss = loss + per_token.sum() / num_tokens
         else:
             loss = loss + per_token.sum() / sum(s.loss_mask) / len(samples)
-    loss.backward()
+    return loss
+
+
+def _plain_grpo_grads(path, samples, mode) -> dict:
+    """The gradient of plain_grpo_loss on the plain model."""
+    model = from_pretrained(path, dtype="float32")
+    plain_grpo_loss(model, samples, mode).backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
 

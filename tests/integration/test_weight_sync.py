@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch.distributed.fsdp import fully_shard
 
@@ -36,9 +37,9 @@ class RecordingEngine:
         self.weight_version = 0
         self.buckets, self.session = [], False
 
-    def begin_weight_update(self):
+    def begin_weight_update(self, partial=False):
         assert not self.session
-        self.session = True
+        self.session, self.partial = True, partial
 
     def update_weights(self, named):
         assert self.session, "update outside a session"
@@ -162,3 +163,37 @@ def test_every_native_engine_parameter_holds_the_cast_master(tmp_path):
     path, _ = write_hf_model(tmp_path, "qwen2")
     run_ranks(_sync_into_native_engines, 1, path, torch.bfloat16)
     run_ranks(_sync_into_native_engines, 2, path, torch.float16)
+
+
+def test_native_engine_partial_update_keeps_the_rest_and_needs_complete_weights(tmp_path):
+    from colocate.rollout.native import NativeEngine
+    from colocate.rollout.protocol import SamplingParams
+
+    path, _ = write_hf_model(tmp_path, "qwen2")
+    engine = NativeEngine(str(path), max_kv_tokens=256)
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    name = "model.layers.0.self_attn.q_proj.weight"
+    new = torch.full_like(before[name], 0.5)
+    engine.begin_weight_update(partial=True)
+    engine.update_weights([(name, new)])
+    engine.end_weight_update(3)
+    after = {n: p.detach() for n, p in engine.model.named_parameters()}
+    assert engine.weight_version == 3 and torch.equal(after[name], new)
+    assert all(torch.equal(after[n], before[n]) for n in before if n != name)
+    assert len(engine.generate([[2, 3]], SamplingParams(max_new_tokens=2))[0].output_ids) == 2
+    engine.begin_weight_update()  # a full session still needs every parameter
+    engine.update_weights([(name, new)])
+    with pytest.raises(RuntimeError, match=r"left 25 parameters unwritten"):
+        engine.end_weight_update(4)
+    engine.update_weights(before.items())
+    engine.end_weight_update(4)
+    engine.release_memory(["weights"])
+    engine.resume_memory(["weights"])  # the weights come back without their values
+    with pytest.raises(RuntimeError, match="a partial weight update needs complete weights, but they were released"):
+        engine.begin_weight_update(partial=True)
+    engine.begin_weight_update()
+    engine.update_weights(before.items())
+    engine.end_weight_update(5)
+    engine.begin_weight_update(partial=True)
+    engine.end_weight_update(6)
+    assert engine.weight_version == 6

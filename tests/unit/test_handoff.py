@@ -55,8 +55,8 @@ class FakeEngine:
     def resume_memory(self, tags=None):
         self.events.add("engine.resume", tuple(tags))
 
-    def begin_weight_update(self):
-        self.events.add("engine.begin")
+    def begin_weight_update(self, partial=False):
+        self.events.add("engine.begin", partial)
 
     def update_weights(self, named):
         self.events.add("engine.update", tuple(name for name, _ in named))
@@ -67,7 +67,7 @@ class FakeEngine:
 
 
 STATE = (ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM)
-PUSH = [("engine.begin",), ("engine.update", ("weight", "bias")), ("engine.end", 2)]
+PUSH = [("engine.begin", False), ("engine.update", ("weight", "bias")), ("engine.end", 2)]
 
 
 def _colocation(offload_train: bool, offload_rollout: bool):
@@ -119,5 +119,42 @@ def test_each_offload_switch_moves_only_its_half(offload_train, offload_rollout)
     trainer_moves = [e for e in events if e[0].startswith("trainer.")]
     engine_moves = [e for e in events if e[0] in ("engine.flush", "engine.release", "engine.resume")]
     assert bool(trainer_moves) == offload_train and bool(engine_moves) == offload_rollout
-    push = events.index(("engine.begin",))
+    push = events.index(("engine.begin", False))
     assert events[push:push + 3] == PUSH  # the weight push happens in every mode
+
+
+def _lora_trainer(events: Events) -> FakeTrainer:
+    """A trainer whose model is a frozen base: one adapted projection and one frozen one."""
+    from colocate.trainer.lora import LoRALinear, LoRASpec
+
+    trainer = FakeTrainer(events)
+    model = torch.nn.Module()
+    model.proj = LoRALinear(torch.nn.Linear(3, 2).requires_grad_(False), LoRASpec(1, 2.0, 0.0, ("proj",)))
+    model.head = torch.nn.Linear(2, 2, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        model.proj.lora_A.weight.fill_(1.0)
+        model.proj.lora_B.weight.fill_(0.5)
+    trainer.actor_module = model
+    return trainer
+
+
+@pytest.mark.parametrize("offload_rollout", [False, True])
+def test_lora_pushes_only_merged_weights_while_the_engine_keeps_its_own(offload_rollout):
+    """The first push sends every weight (adapted ones merged, adapters never); later ones only
+    the merged weights, in a partial session, unless the engine released its weights meanwhile."""
+    events = Events()
+    colocation = Colocation(_lora_trainer(events), OffloadConfig(offload_rollout=offload_rollout),
+                            dtype=torch.float32, bucket_bytes=1 << 20)
+    engine = FakeEngine(events)
+    full = [("engine.begin", False), ("engine.update", ("proj.weight", "proj.bias", "head.weight"))]
+    for version in (1, 2, 3):
+        events.clear()
+        moved = colocation.start(engine, version) if version == 1 else colocation.to_rollout(version)
+        if version > 1 and not offload_rollout:
+            assert [e for e in events if e[0].startswith("engine.")] == [
+                ("engine.begin", True), ("engine.update", ("proj.weight",)), ("engine.end", version)]
+            assert moved.sync.partial and moved.sync.num_tensors == 1
+        else:
+            assert [e for e in events if e[0] in ("engine.begin", "engine.update")] == full
+            assert not moved.sync.partial and moved.sync.num_tensors == 3
+        colocation.to_train()

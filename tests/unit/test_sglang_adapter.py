@@ -389,6 +389,28 @@ def test_tied_head_skipped_and_first_sync_defines_names(fake, tmp_path):
     engine.shutdown()
 
 
+def test_partial_weight_update_needs_current_weights(fake, tmp_path):
+    engine = make_engine(write_model(tmp_path), load_dummy=True)
+    sglang = fake.engines[0]
+    with pytest.raises(RuntimeError, match="partial=True.*stale"):
+        engine.begin_weight_update(partial=True)
+    engine.begin_weight_update()
+    engine.update_weights(new_weights(1.0))
+    engine.end_weight_update(1)
+    engine.begin_weight_update(partial=True)
+    engine.update_weights([(n, t) for n, t in new_weights(2.0) if n == "model.norm.weight"])
+    engine.end_weight_update(2)  # the other parameters keep the first update's values
+    assert engine.weight_version == 2 and sglang.tokenizer_manager.weight_version == "2"
+    assert torch.equal(sglang.weights["model.norm.weight"], torch.full((4,), 2.0))
+    assert torch.equal(sglang.weights["lm_head.weight"], torch.full((8, 4), 0.25, dtype=torch.bfloat16))
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=1))[0].weight_version == 2
+    engine.release_memory(["weights"])
+    engine.resume_memory(["weights"])
+    with pytest.raises(RuntimeError, match="partial=True.*stale"):
+        engine.begin_weight_update(partial=True)
+    engine.shutdown()
+
+
 def _gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"

@@ -105,6 +105,7 @@ class NativeEngine:
         self._weights_valid = True
         self._released: set[str] = set()
         self._written: set[str] | None = None
+        self._partial = False  # the open session may leave parameters as they are
         self._params = dict(self.model.named_parameters())  # the same objects across release/resume
         self._param_shapes = {n: p.shape for n, p in self._params.items()}
         self._rng = random.Random(seed)
@@ -333,14 +334,17 @@ class NativeEngine:
 
     # ---------------------------------------------------------------- weights
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, partial: bool = False) -> None:
         if self._written is not None:
             raise RuntimeError("begin_weight_update called twice without end_weight_update")
         if self.has_unfinished_requests():
             raise RuntimeError("cannot update weights while requests are running")
         if "weights" in self._released:
             raise RuntimeError("weights are released; resume_memory(['weights']) before updating them")
-        self._written = set()
+        if partial and not self._weights_valid:
+            raise RuntimeError("a partial weight update needs complete weights, but they were released "
+                               "since the last full update: update every parameter")
+        self._written, self._partial = set(), partial
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._written is None:
@@ -367,7 +371,7 @@ class NativeEngine:
     def end_weight_update(self, version: int) -> None:
         if self._written is None:
             raise RuntimeError("end_weight_update called without begin_weight_update")
-        missing = sorted(set(self._param_shapes) - self._written)
+        missing = [] if self._partial else sorted(set(self._param_shapes) - self._written)
         if missing:
             raise RuntimeError(f"weight update left {len(missing)} parameters unwritten, e.g. {missing[:3]}")
         self._written = None

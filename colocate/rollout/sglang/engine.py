@@ -99,6 +99,7 @@ class SGLangEngine:
         self._weights_current = not load_dummy
         self._released: set[str] = set()
         self._session: set[str] | None = None
+        self._partial = False  # the open session may leave parameters as they are
         self._busy = False
         self._engine = None
         self._state = ProcessState.capture()
@@ -222,14 +223,17 @@ class SGLangEngine:
 
     # -- weights ---------------------------------------------------------------------------
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, partial: bool = False) -> None:
         engine = self._ready("begin_weight_update")
         if self._session is not None:
             raise RuntimeError("begin_weight_update: a weight update is already open")
         if "weights" in self._released:
             raise RuntimeError("begin_weight_update: resume_memory(['weights']) first; the weight pages are unmapped")
+        if partial and not self._weights_current:
+            raise RuntimeError("begin_weight_update(partial=True): the engine's weights are stale (random after "
+                               "load_dummy, or released and resumed); a full update must come first")
         _check(engine.begin_weight_update(), "begin_weight_update")
-        self._session = set()
+        self._session, self._partial = set(), partial
         self._weights_current = False
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -262,7 +266,8 @@ class SGLangEngine:
         """Flush, close the session, record `version`; raise if a parameter was not sent.
 
         The names a sync must cover come from the checkpoint's safetensors (less a tied lm_head);
-        for a directory without weights, the first completed sync defines them.
+        for a directory without weights, the first completed sync defines them. A partial session
+        covers what it sent; the other parameters keep the values of the sessions before it.
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"end_weight_update version={version!r} must be an int")
@@ -274,7 +279,7 @@ class SGLangEngine:
         _check(engine.end_weight_update(), "end_weight_update")
         if self._expected is None:
             self._expected = frozenset(sent)
-        missing = sorted(self._expected - sent)
+        missing = [] if self._partial else sorted(self._expected - sent)
         if missing:
             raise RuntimeError(
                 f"end_weight_update: {len(missing)} parameters were not sent (e.g. {missing[:5]}); "

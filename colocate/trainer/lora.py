@@ -1,0 +1,174 @@
+"""LoRA: trained low-rank adapters on a frozen base model (`model.lora_rank` > 0).
+
+`add_adapters` turns the chosen linear projections of every transformer block into `LoRALinear`s
+before the model is sharded: the base keeps its HF-named `weight` (and `bias`) parameters, frozen,
+in the compute dtype; each adapted module gains `lora_A.weight` (rank, in) and `lora_B.weight`
+(out, rank), fp32, the only trained parameters. Their names are peft's, less peft's adapter name.
+The adapters live in their block's FSDP unit, so a block's all-gather brings its adapters along.
+
+Forward: y = x W^T + b + (alpha / rank) B A dropout(x), the standard LoRA compute (the base GEMM
+and a low-rank path beside it; W + BA is never materialised in training). The joint q/k/v GEMM of
+the attention takes part through the `delta` hook of colocate.models.transformer.joint_linear.
+A starts as peft initialises it (Kaiming-uniform) and B at zero, so step 0 is exactly the base
+model. `adapters_disabled` switches every adapter off: the base, which is the reference policy of
+the KL terms, with no second copy of the model.
+
+The rollout engine holds merged weights: `merged_weight` is W + (alpha / rank) B A, computed in
+fp32 from A and B in the base's dtype (what the forward multiplies) and rounded once to the
+engine's dtype; the weight sync (colocate/colocation/weight_sync.py) and `colocate.export` both
+use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colocate.trainer.parallelize import copy_full_
+
+ADAPTER_PARTS = ("lora_A", "lora_B")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """What `add_adapters` builds: `model.lora_*` of the config."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_config(cls, model_cfg) -> "LoRASpec | None":
+        """The spec of a colocate.config.ModelConfig, or None when LoRA is off (rank 0)."""
+        if not model_cfg.lora_rank:
+            return None
+        return cls(model_cfg.lora_rank, float(model_cfg.lora_alpha), float(model_cfg.lora_dropout),
+                   tuple(model_cfg.lora_target_modules))
+
+    def describe(self, base_path: str | Path) -> dict:
+        """JSON-able identity of the adapters and of the base they belong to (saved in checkpoints)."""
+        return {**asdict(self), "target_modules": list(self.target_modules), "base_path": str(base_path),
+                "base_config_sha256": config_sha256(base_path)}
+
+
+def config_sha256(model_dir: str | Path) -> str:
+    """SHA-256 of a model directory's config.json: which base a checkpoint's adapters belong to."""
+    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
+
+
+class LoRALinear(nn.Linear):
+    """A frozen nn.Linear (the same `weight`/`bias` parameters: HF names unchanged) plus a trained
+    low-rank update: y = x W^T + b + scale * (dropout(x) A^T) B^T."""
+
+    def __init__(self, base: nn.Linear, spec: LoRASpec):
+        super().__init__(base.in_features, base.out_features, bias=False, device="meta")
+        self.weight, self.bias = base.weight, base.bias
+        device = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, spec.rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(spec.rank, base.out_features, bias=False, device=device, dtype=torch.float32)
+        self.scale, self.dropout = spec.scale, spec.dropout
+        self.enabled = True
+        """False: the module is its base (see adapters_disabled)."""
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The low-rank term (..., out), or None while the adapter is disabled. Dropout applies to
+        the passes that train (grad enabled), not to the log-prob passes."""
+        if not self.enabled:
+            return None
+        if self.dropout and self.training and torch.is_grad_enabled():
+            x = F.dropout(x, self.dropout)
+        low = F.linear(x, self.lora_A.weight) * self.scale  # (..., rank): the cheap side to scale
+        return F.linear(low, self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        delta = self.delta(x)
+        return out if delta is None else out + delta
+
+
+def add_adapters(model: nn.Module, spec: LoRASpec) -> None:
+    """In place, before sharding: freeze every parameter, then replace the `spec.target_modules`
+    projections of every transformer block by LoRALinear (adapters in fp32, on the model's device:
+    meta before materialising)."""
+    model.requires_grad_(False)
+    count = 0
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in spec.target_modules:
+                module = getattr(parent, name, None)
+                if isinstance(module, nn.Linear):
+                    setattr(parent, name, LoRALinear(module, spec))
+                    count += 1
+    assert count == len(model.model.layers) * len(spec.target_modules), (count, spec.target_modules)
+
+
+def adapted_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    """(module name, module) of every LoRALinear, in model order."""
+    return ((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name belongs to an adapter (`...proj.lora_A.weight`)."""
+    return any(f".{part}." in f".{name}" for part in ADAPTER_PARTS)
+
+
+@torch.no_grad()
+def init_adapters_(model: nn.Module, seed: int) -> None:
+    """A as peft initialises it (Kaiming-uniform, a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), B zero.
+    Each A is drawn whole from one generator in model order and each rank keeps its rows, so
+    the values do not depend on the world size."""
+    gen = torch.Generator().manual_seed(seed)
+    for _, module in adapted_modules(model):
+        a = torch.empty(module.lora_A.weight.shape)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        copy_full_(module.lora_A.weight, a)
+        copy_full_(module.lora_B.weight, torch.zeros(module.lora_B.weight.shape))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Run `model` as its base: every adapter off inside the context."""
+    modules = [m for _, m in adapted_modules(model)]
+    for m in modules:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.enabled = True
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """W + scale * B A as a new tensor in `dtype`: A and B in W's dtype, product and sum in fp32,
+    rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank)."""
+    a, b = lora_a.to(weight.dtype).float(), lora_b.to(weight.dtype).float()
+    merged = torch.mm(b, a)  # (out, in) fp32
+    merged.mul_(scale).add_(weight)
+    return merged.to(dtype)
+
+
+def check_same_adapters(saved: dict, current: dict) -> None:
+    """ValueError naming both bases when saved adapters belong to another base model, or naming
+    the setting when rank, alpha or target modules differ."""
+    if saved["base_config_sha256"] != current["base_config_sha256"]:
+        raise ValueError(f"the checkpoint's LoRA adapters were trained on the base {saved['base_path']} "
+                         f"(config.json SHA-256 {saved['base_config_sha256'][:12]}), not on this run's base "
+                         f"{current['base_path']} (config.json SHA-256 {current['base_config_sha256'][:12]})")
+    for key in ("rank", "alpha", "target_modules"):
+        if saved[key] != current[key]:
+            raise ValueError(f"the checkpoint's LoRA adapters have {key} {saved[key]!r}, this run's "
+                             f"model.lora_{key} is {current[key]!r}")
