@@ -142,7 +142,8 @@ def byte_level_tokenizer(vocab_size: int):
 
 
 def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Path]:
-    """The model directory (random bf16 weights + tokenizer) and a JSONL of random-letter prompts."""
+    """The model directory (random bf16 weights + tokenizer) and a JSONL of random-letter prompts.
+    The weights are drawn on the GPU when there is one: an 8B shape takes minutes on CPU."""
     import torch
 
     from colocate.models import ModelConfig, from_config, save_pretrained
@@ -151,7 +152,8 @@ def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Pat
     eos = s["vocab_size"] - 1
     mcfg = ModelConfig(**{"rms_norm_eps": 1e-6, "rope_theta": 1e6, **s}, bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(0)
-    model_dir = save_pretrained(from_config(mcfg, torch.bfloat16, "cpu", init=True), workdir / "model")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = save_pretrained(from_config(mcfg, torch.bfloat16, device, init=True), workdir / "model")
     tokenizer = byte_level_tokenizer(s["vocab_size"])
     tokenizer.save_pretrained(model_dir)
     rng = random.Random(0)
@@ -336,7 +338,14 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     steps = args.steps or (1 if args.cpu_smoke else 5)
     warmup = args.warmup if args.warmup is not None else (1 if args.cpu_smoke else 2)
     start = time.perf_counter()
-    model_dir, prompts = write_inputs(workdir, shape, BATCHES[shape]["prompts"] * (warmup + steps + 1))
+    num_prompts = BATCHES[shape]["prompts"] * (warmup + steps + 1)
+    # In a child process, so that this one never holds a CUDA context beside the runs it times.
+    made = _child(["--worker", "inputs", "--worker-shape", shape, "--num-prompts", str(num_prompts),
+                   "--workdir", str(workdir), "--result", str(workdir / "inputs.json")],
+                  _child_env(cpu=args.cpu_smoke), OURS_TIMEOUT_S[shape])
+    if "error" in made:
+        raise RuntimeError(f"writing the {shape} model and prompts failed: {made['error']}\n{made['output_tail']}")
+    model_dir, prompts = Path(made["model_dir"]), Path(made["prompts"])
     results = {
         "machine": {"host": socket.gethostname(), "device": None, "python": platform.python_version(),
                     "torch": torch.__version__, "transformers": transformers.__version__},
@@ -380,7 +389,7 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     if not (args.skip_trl or args.tail):
         env = _child_env(extra_path=args.trl_site, cpu=args.cpu_smoke)
         results["trl"] = _child(["--worker", "trl", "--model-dir", str(model_dir), "--prompts", str(prompts),
-                                 "--shape", shape, "--steps", str(steps), "--warmup", str(warmup),
+                                 "--worker-shape", shape, "--steps", str(steps), "--warmup", str(warmup),
                                  "--result", str(workdir / "result_trl.json")], env, TRL_TIMEOUT_S)
     shutil.rmtree(model_dir)  # the largest file by far; configs and metrics stay for inspection
     results["total_s"] = time.perf_counter() - start
@@ -445,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="long-tailed lengths on a Qwen3-4B shape, offload on (bench/e2e_tail.py)")
     parser.add_argument("--partial", choices=tuple(CHOICES), default="both", help="--tail: partial rollout")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/e2e.json)")
-    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--result", "--trace", "--tail-shape"):
+    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--result", "--trace", "--tail-shape",
+                   "--worker-shape", "--num-prompts", "--workdir"):
         parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -456,8 +466,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--lora-rank must be >= 1 with --lora-only and >= 0 otherwise, got {args.lora_rank}")
     if args.worker == "ours":
         result = run_ours(Path(args.config), args.warmup, Path(args.trace) if args.trace else None, args.tail_shape)
+    elif args.worker == "inputs":
+        model_dir, prompts = write_inputs(Path(args.workdir), args.worker_shape, int(args.num_prompts))
+        result = {"model_dir": str(model_dir), "prompts": str(prompts)}
     elif args.worker == "trl":
-        result = run_trl(Path(args.model_dir), Path(args.prompts), BATCHES[args.shape], args.steps, args.warmup,
+        result = run_trl(Path(args.model_dir), Path(args.prompts), BATCHES[args.worker_shape], args.steps, args.warmup,
                          LR, vowel_reward)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="colocate_e2e_"))
