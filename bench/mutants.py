@@ -54,8 +54,10 @@ class Mutant:
 ACTOR, LOSSES, CKPT = "colocate/trainer/actor.py", "colocate/algo/losses.py", "colocate/checkpoint.py"
 TRAINER, SYNC_FILE = "colocate/trainer/trainer.py", "colocate/colocation/weight_sync.py"
 PG_LOSS = "loss = agg(pg_tok, mask,"
-ACTOR_STATE = "ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler)"
+ACTOR_STATE = "ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler, adapters=adapters)"
 CRITIC_STATE = "ModelOptimizerState(self.critic.model, c.optimizer, c.scheduler)"
+WHOLE_TENSORS = "tensors = _unit_tensors(unit, _whole(unit), dtype, not engine_casts, since_last)"
+GATHERED_TENSORS = "tensors = _unit_tensors(unit, _gathered(unit), dtype, True, since_last)"
 
 MUTANTS = [
     Mutant("pg_loss_zeroed", ACTOR, PG_LOSS, "loss = 0.0 * agg(pg_tok, mask,", OBJECTIVE),
@@ -85,9 +87,10 @@ MUTANTS = [
            OBJECTIVE),
     Mutant("value_clip_optimistic", LOSSES, "loss = 0.5 * torch.maximum(unclipped, clipped)",
            "loss = 0.5 * torch.minimum(unclipped, clipped)", OBJECTIVE),
-    Mutant("checkpoint_drops_actor_optimizer", TRAINER, ACTOR_STATE, "ModelOptimizerState(self.actor.model)", RESUME),
+    Mutant("checkpoint_drops_actor_optimizer", TRAINER, ACTOR_STATE,
+           "ModelOptimizerState(self.actor.model, adapters=adapters)", RESUME),
     Mutant("checkpoint_drops_actor_scheduler", TRAINER, ACTOR_STATE,
-           "ModelOptimizerState(self.actor.model, opt.optimizer)", RESUME),
+           "ModelOptimizerState(self.actor.model, opt.optimizer, adapters=adapters)", RESUME),
     Mutant("checkpoint_drops_critic_optimizer", TRAINER, CRITIC_STATE, "ModelOptimizerState(self.critic.model)",
            RESUME),
     Mutant("checkpoint_drops_critic_scheduler", TRAINER, CRITIC_STATE,
@@ -98,10 +101,10 @@ MUTANTS = [
            "torch.load(rng_file, weights_only=True)", RESUME),
     Mutant("sync_skips_a_root_parameter", SYNC_FILE, "([(model, root)] if root else [])",
            "([(model, root[:-1])] if root else [])", SYNC),
-    Mutant("sync_skips_a_whole_unit_parameter", SYNC_FILE, "zip(unit.names, unit.params)",
-           "zip(unit.names[1:], unit.params[1:])", SYNC),
-    Mutant("sync_skips_a_gathered_parameter", SYNC_FILE, "for full, local in names:", "for full, local in names[1:]:",
-           SYNC),
+    Mutant("sync_skips_a_whole_unit_parameter", SYNC_FILE, WHOLE_TENSORS,
+           f"tensors = (t for i, t in enumerate({WHOLE_TENSORS[len('tensors = '):]}) if i)", SYNC),
+    Mutant("sync_skips_a_gathered_parameter", SYNC_FILE, GATHERED_TENSORS,
+           f"tensors = (t for i, t in enumerate({GATHERED_TENSORS[len('tensors = '):]}) if i)", SYNC),
     Mutant("rope_theta_doubled", "colocate/models/layers.py", "inv = 1.0 / (theta **", "inv = 1.0 / ((2 * theta) **",
            LOGITS),
     Mutant("rope_llama3_wavelength", "colocate/models/layers.py", "wavelen = 2 * math.pi / inv",
