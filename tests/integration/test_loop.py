@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from colocate.metrics import read_metrics
+from colocate.run_dir import LOCK_FILE
 from colocate.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +61,45 @@ def torchrun(config: Path, out: Path, *flags: str, nproc: int = 2, extra: tuple[
     return done
 
 
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (Linux /proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def kill_after_first_checkpoint(config: Path, out: Path, nproc: int = 2) -> None:
+    """Start a run and SIGKILL all its processes once its first checkpoint exists, as a crash of
+    the machine would. torchrun starts each rank in a session of its own, so the ranks' process
+    groups are killed one by one, then torchrun's. Returns once rank 0 has exited: it holds the
+    run directory's lock until its files are closed."""
+    proc = torchrun(config, out, nproc=nproc, wait=False)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "rollout_000001").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.05)
+    ranks = _children(proc.pid)
+    assert len(ranks) == nproc, f"torchrun has {len(ranks)} child processes, not {nproc}"
+    for pid in (*ranks, proc.pid):
+        os.killpg(pid, signal.SIGKILL)
+    proc.wait()
+    with open(out / LOCK_FILE) as lock:
+        deadline = time.time() + 60
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.time() < deadline, "rank 0 still holds the run directory 60 s after SIGKILL"
+                time.sleep(0.05)
+
+
 def by_step(out: Path) -> dict[int, dict]:
     rows = {}
     for r in read_metrics(out):
@@ -92,13 +133,7 @@ def test_two_ranks_train_save_kill_and_resume_like_uninterrupted(tmp_path):
         assert all(r["device_used"] > 0 for r in ledger)
 
     killed = tmp_path / "killed"
-    proc = torchrun(config, killed, wait=False)
-    deadline = time.time() + 300
-    while not (killed / "checkpoints" / "rollout_000001").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_first_checkpoint(config, killed)
     logged_before_kill = [r["step"] for r in read_metrics(killed)]
     torchrun(config, killed)
     logged = [r["step"] for r in read_metrics(killed)]

@@ -7,9 +7,6 @@ Run on such a machine with `bench/gpu_suite.sh OUT multigpu`."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ import torch
 from colocate.metrics import read_metrics
 from tests.distributed import run_ranks
 from tests.helpers import write_hf_model
-from tests.integration.test_loop import DETERMINISTIC, by_step, toy_config, torchrun
+from tests.integration.test_loop import DETERMINISTIC, by_step, kill_after_first_checkpoint, toy_config, torchrun
 
 NPROC = torch.cuda.device_count()
 pytestmark = [pytest.mark.multigpu,
@@ -75,30 +72,20 @@ def test_one_and_a_half_billion_shape_trains_with_offload(tmp_path):
     assert all(r["handoff/engine_release_gib"] > 4 for r in rows.values())
 
 
-def _kill_after_first_checkpoint(config, out, nproc: int) -> None:
-    proc = torchrun(config, out, nproc=nproc, wait=False)
-    deadline = time.time() + 300
-    while not (out / "checkpoints" / "rollout_000001").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def test_kill_and_resume_with_the_same_and_with_fewer_processes(tmp_path):
     config = _offloaded(tmp_path)
     full = tmp_path / "full"
     torchrun(config, full, nproc=NPROC)
     rows = by_step(full)
     same = tmp_path / "same"
-    _kill_after_first_checkpoint(config, same, NPROC)
+    kill_after_first_checkpoint(config, same, NPROC)
     torchrun(config, same, nproc=NPROC)
     resumed = by_step(same)
     for step in range(2, 6):
         for key in DETERMINISTIC:
             assert resumed[step][key] == pytest.approx(rows[step][key], rel=1e-3, abs=1e-5), (step, key)
     fewer = tmp_path / "fewer"
-    _kill_after_first_checkpoint(config, fewer, NPROC)
+    kill_after_first_checkpoint(config, fewer, NPROC)
     torchrun(config, fewer, nproc=NPROC // 2)  # DCP reshards the model and optimizer to fewer ranks
     logged = [r["step"] for r in read_metrics(fewer)]
     assert logged.count(0) == 1 and sorted(by_step(fewer)) == list(range(6))
