@@ -374,6 +374,11 @@ class Config:
         """Samples per optimizer step, with None resolved to the whole rollout batch."""
         return self.train.global_batch_size or self.samples_per_rollout
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints go: checkpoint.dir, else OUTPUT_DIR/checkpoints."""
+        return Path(self.checkpoint.dir or Path(self.output_dir) / "checkpoints")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -92,7 +92,7 @@ def _lock(path: Path) -> int:
 def _check_owner(path: Path, cfg: Config) -> None:
     from colocate.checkpoint import latest_checkpoint
 
-    ckpt_dir = Path(cfg.checkpoint.dir or path / "checkpoints")
+    ckpt_dir = cfg.checkpoint_dir
     has_checkpoint = latest_checkpoint(ckpt_dir) is not None
     if has_checkpoint and not cfg.checkpoint.resume:
         raise ValueError(f"{ckpt_dir} holds another run's checkpoints and checkpoint.resume is off: "

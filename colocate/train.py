@@ -127,9 +127,9 @@ class Loop:
 
         if not self.cfg.checkpoint.resume:
             return
-        path = latest_checkpoint(self.ckpt_dir)
+        path = latest_checkpoint(self.cfg.checkpoint_dir)
         if path is None:
-            self.log.info(f"no checkpoint under {self.ckpt_dir}: starting from step 0")
+            self.log.info(f"no checkpoint under {self.cfg.checkpoint_dir}: starting from step 0")
             return
         extra = load_checkpoint(path, self.trainer.checkpoint_states())
         self.inputs.data.load_state_dict(extra["data"])
@@ -140,10 +140,6 @@ class Loop:
         elif any(extra.get("partial_rollout") or []):
             self.log.info("rollout.partial_rollout is off: the checkpoint's groups in flight are dropped")
         self.log.info(f"resumed from {path} at rollout {self.start_rollout_id}")
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return Path(self.cfg.checkpoint.dir or self.out / "checkpoints")
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         with self.phase("eval"):
@@ -156,7 +152,7 @@ class Loop:
                  "data": self.inputs.data.state_dict()}
         if self.cfg.rollout.partial_rollout:  # the groups in flight, carried into the next step
             extra["partial_rollout"] = self.rollout.state_dict()
-        save_checkpoint(self.ckpt_dir, rollout_id, self.trainer.checkpoint_states(), extra=extra,
+        save_checkpoint(self.cfg.checkpoint_dir, rollout_id, self.trainer.checkpoint_states(), extra=extra,
                         model_dir=Path(self.cfg.model.path), keep_last=self.cfg.checkpoint.keep_last)
 
     def run(self):
