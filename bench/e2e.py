@@ -255,6 +255,9 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
     def med(key):
         return median([r[key] for r in timed if r.get(key) is not None])
 
+    partial = [{k[len("rollout/partial/"):]: v for k, v in sorted(r.items()) if k.startswith("rollout/partial/")}
+               for r in timed if "rollout/partial/carried_groups" in r]
+
     def peak(kind):  # over the phases of the timed steps, as the ledger read them
         return max((v for r in timed for k, v in r.items()
                     if k.startswith("memory/") and k.endswith(f"/{kind}_gib") and v is not None), default=None)
@@ -273,6 +276,7 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         "truncated_ratio": med("rollout/truncated_ratio"),
         "decode_utilization": med("rollout/decode_utilization"),
         "groups": groups,
+        "partial_per_step": partial or None,
         "rollout_tokens_per_s": med("perf/rollout_tokens_per_s"),
         "grad_norm": med("train/grad_norm"),
         "peak_allocated_gib": peak("allocated"),

@@ -5,7 +5,10 @@ prompts of 256 tokens x 8 samples a step. Every sample's length comes from the l
 `bench/rollout.py --cases tail` (median 1536, capped at 8192), fixed by its prompt and sample
 index, with ignore_eos: `TailLengths` sits between the rollout manager and the engine and splits
 each request into one request per sample with that sample's max_new_tokens, so a sample continued
-in a later step keeps its length. Partial rollout on keeps 32 groups in flight (twice the step's).
+in a later step keeps its length. Partial rollout on keeps 64 groups in flight (four times the
+step's: with twice, a step on the H200 took as long as without partial rollout), with
+max_staleness 8: a sample at the 8192-token cap needs several steps of a full batch to finish,
+and a tighter bound would restart it again and again.
 Reported next to the step times: how many groups were drawn, trained and left in flight, and
 whether every drawn prompt's group trained exactly once (the others still in flight at the end).
 `--cpu-smoke` runs a tiny shape on CPU.
@@ -39,7 +42,8 @@ def tail_config(cfg: dict, shape: str, partial: bool) -> dict:
     del rollout["custom_generate"]  # TailLengths fixes the lengths; partial rollout refuses a custom one
     rollout["partial_rollout"] = partial
     if partial:
-        rollout["over_sampling_batch_size"] = 2 * BATCHES[shape]["prompts"]
+        rollout["over_sampling_batch_size"] = 4 * BATCHES[shape]["prompts"]
+        rollout["max_staleness"] = 8
     rollout["gpu_memory_fraction"] = 0.75  # the whole tail in flight must fit without preemption
     cfg["model"]["gradient_checkpointing"] = shape == "4b"
     cfg["offload"] = {"offload_rollout": True, "offload_train": True}

@@ -23,9 +23,12 @@ bench/results/rollout_tail.json: the long-tailed response lengths of reasoning R
 256 tokens, each with its own max_new_tokens drawn from a fixed lognormal (median 1536, sigma 0.75,
 capped at 8192: a few samples reach the cap) and ignore_eos. Reported: the phase's wall time and
 output tok/s; utilization, its tok/s over that of a full batch of the same engine (256 samples of
-the tail's mean length, so the batch stays full to the end); and the decode-step time against the
+the tail's mean length, so the batch stays full to the end); the decode-step time against the
 HBM roofline, (weight bytes + KV bytes read per step) / 4.8 TB/s (the H200's peak), at batch 256
-with 2k context and at batch 8 with 8k context. `--cpu-smoke` runs it on a tiny shape on CPU.
+with 2k context and at batch 8 with 8k context; and the phase's HBM floors (`tail_floors`). Long
+samples read more KV per token than the same tokens in equal lengths, so even a batch kept full
+to the end cannot reach the full batch's tok/s: the floors' ratio is the ceiling of utilization.
+`--cpu-smoke` runs it on a tiny shape on CPU.
 Run: python bench/rollout.py [--cases b256,b64,long,shared] [--peers plain,static] [--long-hf]
      python bench/rollout.py --cases tail [--cpu-smoke] [--out PATH]
 """
@@ -115,6 +118,28 @@ def ideal_decode_step_s(engine: NativeEngine, batch: int, mean_context: float, b
     itemsize = next(engine.model.parameters()).dtype.itemsize
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
     return (weight_bytes + batch * mean_context * kv_bytes_per_token) / bytes_per_s
+
+
+def decode_floor_s(engine: NativeEngine, prompt_len: int, lengths: list[int], steps: int) -> float:
+    """The HBM floor of decoding `lengths` after `prompt_len`-token prompts in `steps` decode
+    steps: every step reads the weights once, every token reads its sequence's KV once."""
+    cfg = engine.model.config
+    itemsize = next(engine.model.parameters()).dtype.itemsize
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    kv_reads = sum(prompt_len * n + n * (n - 1) // 2 for n in lengths)
+    return (steps * engine.memory_stats()["weights_bytes"] + kv_reads * kv_bytes_per_token) / HBM_PEAK_BYTES_PER_S
+
+
+def tail_floors(engine: NativeEngine, prompt_len: int, lengths: list[int], seats: int) -> dict:
+    """Seconds at the HBM roofline: the tail under continuous batching (a step per token of the
+    longest sample), the tail with every seat always busy (what partial rollout strives for),
+    and the same number of tokens in equal lengths; their ratio bounds the tail's utilization."""
+    equal = [round(statistics.mean(lengths))] * len(lengths)
+    floors = {"continuous_batching_s": decode_floor_s(engine, prompt_len, lengths, max(lengths)),
+              "full_seats_s": decode_floor_s(engine, prompt_len, lengths, -(-sum(lengths) // seats)),
+              "equal_lengths_s": decode_floor_s(engine, prompt_len, equal, equal[0])}
+    floors["utilization_ceiling"] = floors["equal_lengths_s"] / floors["full_seats_s"]
+    return floors
 
 
 def roofline_fraction(engine: NativeEngine, batch: int, prompt_len: int, output_len: int, step_s: float) -> float:
@@ -242,6 +267,7 @@ def run_tail(shape: str, device: torch.device) -> dict:
         "tail": tail, "full_batch": {"output_tokens_each": mean_len, **full},
         "utilization": tail["tokens_per_s"] / full["tokens_per_s"],
         "decode_batch_occupancy": tail["mean_decode_batch"] / n,
+        "hbm_floor": tail_floors(engine, prompt_len, lengths, n),
         "roofline": points,
     }
     engine.shutdown()
@@ -255,7 +281,8 @@ def tail_summary(r: dict) -> str:
     return (f"rollout tail ({r['shape']['name']} shape, {r['run']['samples']} samples, lengths median "
             f"{lengths['median']:.0f} mean {lengths['mean']:.0f}, {lengths['at_cap']} at {r['run']['max_tokens']}): "
             f"{tail['seconds']:.1f} s, {tail['tokens_per_s'] / 1e3:.1f}k tok/s, utilization "
-            f"{100 * r['utilization']:.0f}% of a full batch's {r['full_batch']['tokens_per_s'] / 1e3:.1f}k tok/s; "
+            f"{100 * r['utilization']:.0f}% of a full batch's {r['full_batch']['tokens_per_s'] / 1e3:.1f}k tok/s "
+            f"(at most {100 * r['hbm_floor']['utilization_ceiling']:.0f}% at the HBM roofline); "
             f"decode {probes}")
 
 

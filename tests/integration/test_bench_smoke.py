@@ -50,6 +50,13 @@ def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(t
     assert r["decode_batch_occupancy"] == pytest.approx((286 - 16) / 63 / 16)  # one token each from prefill
     assert r["utilization"] > 0 and r["engine"]["preemptions"] == 0
     assert set(r["roofline"]) == {"b16_ctx64", "b2_ctx256"}
+    floor = r["hbm_floor"]  # 63 steps under continuous batching, 18 with all 16 seats busy, 18 equal
+    assert floor["continuous_batching_s"] > floor["full_seats_s"] > floor["equal_lengths_s"] > 0
+    # Equal lengths: 16 x 18 tokens after 16-token prompts, KV of 2 layers x 2 heads x 16 dims x K, V in fp32.
+    kv_reads, kv_bytes = 16 * (16 * 18 + 18 * 17 // 2), 2 * 2 * 16 * 2 * 4
+    weights = r["engine"]["memory"]["weights_bytes"]
+    assert floor["equal_lengths_s"] == pytest.approx((18 * weights + kv_reads * kv_bytes) / 4.8e12)
+    assert floor["utilization_ceiling"] == pytest.approx(floor["equal_lengths_s"] / floor["full_seats_s"])
     for probe in r["roofline"].values():
         assert probe["ms_per_decode_step"] > 0 and probe["roofline_fraction"] == pytest.approx(
             probe["roofline_ms"] / probe["ms_per_decode_step"])
@@ -57,6 +64,20 @@ def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(t
 
 
 @pytest.mark.slow
+def test_startup_bench_cpu_smoke_times_both_cases_cold_and_warm(tmp_path):
+    out = tmp_path / "startup.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--cpu-smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    r = json.loads(out.read_text())
+    for label in ("cold", "warm"):
+        toy, gen = r[f"toy_{label}"], r[f"generate_{label}"]
+        assert toy["steps"] == r["toy_steps"] == 10
+        assert {"inputs", "trainer", "engine", "first_sync"} <= set(toy["phases_s"])
+        assert 0 < toy["startup_s"] < toy["first_step_done_s"] < toy["wall_s"], toy
+        assert gen["output_tokens"] == 8 * 8 and gen["wall_s"] > 0
+
+
 def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(tmp_path):
     out = tmp_path / "e2e_tail.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--tail", "--cpu-smoke", "--out", str(out)],
@@ -69,10 +90,12 @@ def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(
         rollout = run["config"]["rollout"]
         assert rollout["partial_rollout"] == name.endswith("_on") and "custom_generate" not in rollout
         assert 0 < run["decode_utilization"] <= 1 and run["step_median_s"] > 0, name
-    # Two steps of 4 groups each; with partial rollout 8 are drawn first and 4 stay in flight.
+        assert (run["partial_per_step"] is None) == name.endswith("_off"), name
+    # Two steps of 4 groups each; with partial rollout 16 are drawn first (4x in flight), 4 more
+    # for the second step, and 12 stay in flight.
     off, on = ours["offload_on_partial_off"]["groups"], ours["offload_on_partial_on"]["groups"]
     assert off == {"drawn": 8, "trained": 8, "in_flight_at_end": 0, "trained_beyond_drawn": 0, "nothing_lost": True}
-    assert on == {"drawn": 12, "trained": 8, "in_flight_at_end": 4, "trained_beyond_drawn": 0, "nothing_lost": True}
+    assert on == {"drawn": 20, "trained": 8, "in_flight_at_end": 12, "trained_beyond_drawn": 0, "nothing_lost": True}
 
 
 @pytest.mark.slow
