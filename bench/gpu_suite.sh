@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train kernels units
-#                                          (and, asked for by name: tail e2e_tail; multigpu, on a machine
+#                                          (and, asked for by name: tail e2e_tail startup; multigpu, on a machine
 #                                          of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
 set -u
@@ -31,6 +31,7 @@ for step in $steps; do
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
+    startup) run startup 400 python bench/startup.py ;;
     train) run train 480 python bench/train.py ;;
     kernels) run kernels 60 python bench/kernels.py ;;
     units) run units 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
