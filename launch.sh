@@ -3,6 +3,8 @@
 #   ./launch.sh                         set up (first run) and train on configs/default.yaml
 #   ./launch.sh CONFIG.yaml [FLAGS...]  train with a config; FLAGS override it (--train.lr 1e-6)
 #   ./launch.sh test [PYTEST ARGS...]   set up (first run) and run the tests
+#   ./launch.sh test-gpu                the 1-GPU smoke: the toy loop for 10 steps, then the GPU-marked
+#                                       unit tests (kernels, losses, rotary, sampling) on the device
 # Set-up: a virtual environment in .venv (made with uv when it is installed, else python3 -m venv)
 # with torch $TORCH_VERSION and this checkout (editable) installed. Without an NVIDIA GPU, torch is
 # the CPU build, from PyTorch's CPU wheel index ($TORCH_CPU_INDEX; empty skips it) when that answers;
@@ -92,6 +94,29 @@ if [[ "${1:-}" == "test" ]]; then
   exec "$py" -m pytest -q tests "$@"
 fi
 
+memory_saver_preload() {
+  # The native engine's pausable CUDA graphs need torch_memory_saver's hook preloaded (the SGLang
+  # backend preloads it into its own scheduler process instead and refuses a second copy).
+  local preload
+  preload=$("$py" -m colocate.memory_saver "$@" 2>/dev/null || true)
+  [[ -n "$preload" ]] && export LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}"
+  return 0
+}
+
+if [[ "${1:-}" == "test-gpu" ]]; then
+  has_nvidia_gpu || { echo "[launch] test-gpu needs an NVIDIA GPU; ./launch.sh test runs the CPU tests" >&2; exit 2; }
+  smoke_dir=$(mktemp -d)
+  trap 'rm -rf "$smoke_dir"' EXIT
+  start=$SECONDS
+  (memory_saver_preload configs/default.yaml
+   "$py" -m colocate.train --config configs/default.yaml --train.num_rollout 10 --output-dir "$smoke_dir/run")
+  loop_s=$((SECONDS - start))
+  rc=0
+  "$py" -m pytest -q -m gpu tests/unit || rc=$?
+  echo "[launch] test-gpu: toy loop ${loop_s} s, GPU unit tests $((SECONDS - start - loop_s)) s, total $((SECONDS - start)) s"
+  exit $rc
+fi
+
 config=configs/default.yaml
 if [[ $# -gt 0 && "$1" != -* ]]; then
   config=$1
@@ -101,10 +126,7 @@ gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
 nproc=${NPROC:-$(( gpus > 0 ? gpus : 1 ))}
 nnodes=${NNODES:-1}
 if [[ "$gpus" -gt 0 ]]; then
-  # The native engine's pausable CUDA graphs need torch_memory_saver's hook preloaded (the SGLang
-  # backend preloads it into its own scheduler process instead and refuses a second copy).
-  preload=$("$py" -m colocate.memory_saver "$config" "$@" 2>/dev/null || true)
-  [[ -n "$preload" ]] && export LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}"
+  memory_saver_preload "$config" "$@"
 fi
 if [[ "$nproc" -eq 1 && "$nnodes" -eq 1 ]]; then
   # One process needs no torchrun: a user error is then the last line printed.
