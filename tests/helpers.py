@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -57,6 +58,16 @@ def exact_fp32_matmuls():
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def bf16_copy(hf):
+    """The same transformers model in bf16 as its own loading with dtype=bfloat16 makes it:
+    parameters in bf16, buffers (the rotary frequencies) left in fp32. `.to(torch.bfloat16)`
+    would round the frequencies too, an error that no bf16 deployment has."""
+    out = copy.deepcopy(hf)
+    for p in out.parameters():  # a tied weight is one parameter: it stays tied
+        p.data = p.data.bfloat16()
+    return out
 
 
 def hf_logprobs(hf, sequences, temperature: float = 1.0) -> torch.Tensor:
