@@ -1,14 +1,17 @@
-"""The native engine on a GPU: memory release, CUDA graphs, bf16 log-probs against the trainer's."""
+"""The native engine on a GPU: memory release read from the device, CUDA graphs, and bf16
+log-probs against transformers in fp32, bounded by transformers' own bf16 error."""
 
-import copy
+import importlib.util
 
 import pytest
 import torch
 
-from colocate.models import ModelConfig, from_config
+from colocate.models import ModelConfig, from_config, from_pretrained
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.native.sampler import SamplingBatch, sample_tokens
 from colocate.rollout.protocol import SamplingParams
+from tests.helpers import bf16_copy, hf_logprobs, write_hf_model
+from tests.tolerances import assert_within_noise, error_stats, release_expectations
 
 pytestmark = pytest.mark.gpu
 
@@ -19,6 +22,13 @@ QWEN25_05B = ModelConfig(
 SMALL = ModelConfig(
     model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
     num_attention_heads=8, num_key_value_heads=2, head_dim=32, qk_norm=True, eos_token_id=1)
+# transformers models for the log-prob tests. N(0, 0.08) weights, as random_model's: peaked
+# distributions, as a trained model's are.
+HF_MEDIUM = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=64, initializer_range=0.08)
+HF_QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                     num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                     max_position_embeddings=4096, initializer_range=0.08)
 
 
 def random_model(cfg, seed=0, dtype=torch.bfloat16):
@@ -36,43 +46,75 @@ def prompts(num, length, vocab, seed=0):
     return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(num)]
 
 
-def trainer_logprobs(model, prompt, output, temperature):
-    """The trainer's definition: fp32 logits of the bf16 model, log_softmax(logits / T)."""
-    ids = torch.tensor(prompt + output, device="cuda")
-    with torch.no_grad():
-        hidden = model.hidden_states(ids)[len(prompt) - 1:-1]  # (T, H)
-        logits = torch.mm(hidden, model.lm_head.weight.T, out_dtype=torch.float32)
-    logits = logits / (temperature or 1.0)
-    return logits.log_softmax(-1).gather(1, torch.tensor(output, device="cuda")[:, None]).squeeze(1).cpu()
+def trainer_logprobs(model, sequences, temperature):
+    """The trainer's definition on our bf16 model: fp32 logits of bf16 hidden states,
+    log_softmax(logits / T); `sequences` holds (prompt, response) pairs, all responses joined."""
+    out = []
+    for prompt, output in sequences:
+        ids = torch.tensor(prompt + output, device="cuda")
+        with torch.no_grad():
+            hidden = model.hidden_states(ids)[len(prompt) - 1:-1]  # (T, H)
+            logits = torch.mm(hidden, model.lm_head.weight.T, out_dtype=torch.float32)
+        logp = (logits / temperature).log_softmax(-1)  # (T, V)
+        out.append(logp.gather(1, torch.tensor(output, device="cuda")[:, None]).squeeze(1).cpu())
+    return torch.cat(out)
 
 
-def logprob_mismatch(model, prompt_list, completions, temperature):
-    diffs = torch.cat([
-        (torch.tensor(c.logprobs)
-         - trainer_logprobs(model, prompt_list[c.prompt_index], c.output_ids, temperature)).abs()
-        for c in completions])
-    return diffs.mean().item(), diffs.max().item()
+def transformers_pair(path_and_model):
+    """transformers' fp32 model on the device (the reference) and a bf16 copy (the baseline)."""
+    path, hf = path_and_model
+    hf32 = hf.cuda()
+    return path, hf32, bf16_copy(hf32)
 
 
-def test_release_returns_weight_and_kv_memory():
+@pytest.fixture(scope="module")
+def medium(tmp_path_factory):
+    """A random Qwen3 (qk-norm) with bf16-exact weights: its directory, fp32 and bf16 transformers."""
+    return transformers_pair(write_hf_model(tmp_path_factory.mktemp("hf"), "qwen3", bf16_weights=True,
+                                            **HF_MEDIUM))
+
+
+def check_logprobs(label, ours, sequences, hf32, hf16, temperature):
+    """Our log-probs of these tokens against transformers fp32, within transformers bf16's error."""
+    reference = hf_logprobs(hf32, sequences, temperature)
+    baseline = error_stats(hf_logprobs(hf16, sequences, temperature), reference)
+    mine = error_stats(ours, reference)
+    print(f"\n{label}: |ours - fp32| {mine}; |transformers bf16 - fp32| {baseline}")
+    assert_within_noise(mine, baseline, label)
+
+
+def test_release_returns_weight_kv_and_graph_memory_to_the_device():
+    """Freed and retaken bytes read from the device (the driver's free memory, and NVML's where
+    pynvml is installed), against what the engine says it holds. Graph buckets up to 64: the
+    engine counts graph bytes as the drop in free memory around warm-up and capture, which also
+    takes a little the release does not own (cuBLAS workspaces, loaded kernels); small buckets
+    keep that a sliver of the total."""
     model = random_model(QWEN25_05B)
-    engine = NativeEngine(model, max_kv_tokens=1 << 18)
+    engine = NativeEngine(model, max_kv_tokens=1 << 18, cuda_graph_max_bs=64)
     engine.generate(prompts(8, 32, QWEN25_05B.vocab_size), SamplingParams(max_new_tokens=16, ignore_eos=True))
     stats = engine.memory_stats()
-    expected = stats["weights_bytes"] + stats["kv_cache_bytes"]
-    torch.cuda.synchronize()
+    to_free, to_take = release_expectations(stats, graphs_resume=engine.memory.graphs_pausable)
+    readers = {"mem_get_info": lambda: torch.cuda.mem_get_info()[0]}
+    if importlib.util.find_spec("pynvml") is not None:
+        readers["NVML"] = lambda: torch.cuda.mem_get_info()[1] - torch.cuda.device_memory_used()
+
+    def free_bytes():
+        torch.cuda.synchronize()
+        return {name: read() for name, read in readers.items()}
+
     torch.cuda.empty_cache()
-    free_before = torch.cuda.mem_get_info()[0]
+    before = free_bytes()
     engine.flush_cache()
     engine.release_memory()
-    free_released = torch.cuda.mem_get_info()[0]
+    released = free_bytes()
     engine.resume_memory()
-    free_resumed = torch.cuda.mem_get_info()[0]
-    returned, taken = free_released - free_before, free_released - free_resumed
-    print(f"\nmemory: {stats}; release returned {returned / 2**30:.2f} GiB, resume took {taken / 2**30:.2f} GiB, "
-          f"of weights + KV {expected / 2**30:.2f} GiB")
-    assert returned >= 0.95 * expected
-    assert taken >= 0.95 * expected
+    resumed = free_bytes()
+    print(f"\nmemory: {stats}; release must free {to_free / 2**30:.2f} GiB, resume take {to_take / 2**30:.2f} GiB")
+    for name in readers:
+        returned, taken = released[name] - before[name], released[name] - resumed[name]
+        print(f"{name}: release returned {returned / 2**30:.2f} GiB, resume took {taken / 2**30:.2f} GiB")
+        assert returned >= 0.9 * to_free, f"{name}: release returned {returned} of {to_free} bytes"
+        assert taken >= 0.9 * to_take, f"{name}: resume took {taken} of {to_take} bytes"
 
 
 def test_release_resume_update_keeps_generation_identical():
@@ -132,10 +174,11 @@ def test_production_sampler_paths():
 
 
 @pytest.mark.parametrize("case", ["plain", "uncompiled", "shared_prefix", "chunked_prefill", "preemption"])
-def test_bf16_logprobs_match_the_trainer(case):
-    """Every paging path must produce log-probs the trainer reproduces; a paging bug (wrong block,
-    wrong causal alignment) shows up as a large mismatch."""
-    model = random_model(SMALL)
+def test_bf16_logprobs_are_within_transformers_bf16_error(medium, case):
+    """Every paging path gives log-probs as close to transformers' fp32 forward as transformers'
+    own bf16 forward is, on the same 3200 sampled tokens; a paging bug (wrong block, wrong causal
+    alignment) costs nats on the tokens it touches and fails the p99 bound if not the mean."""
+    path, hf32, hf16 = medium
     kwargs = dict(max_kv_tokens=1 << 15)
     n = 1
     if case == "uncompiled":
@@ -146,36 +189,30 @@ def test_bf16_logprobs_match_the_trainer(case):
         kwargs["max_num_batched_tokens"] = 7
     elif case == "preemption":
         kwargs.update(max_kv_tokens=16 * 24, max_num_seqs=64)
-    engine = NativeEngine(model, **kwargs)
-    batch = prompts(12, 37, SMALL.vocab_size)
+    engine = NativeEngine(str(path), dtype="bfloat16", **kwargs)
+    batch = prompts(80 // n, 37, HF_MEDIUM["vocab_size"])
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)
     outs = engine.generate(batch, sp)
     if case == "preemption":
         assert engine.scheduler.num_preemptions > 0
-    mean, worst = logprob_mismatch(model, batch, outs, 1.0)
-    print(f"\n{case}: engine vs trainer bf16 log-prob |diff| mean {mean:.2e} max {worst:.2e}")
-    assert mean <= 0.02 and worst <= 0.5
+    sequences = [(batch[c.prompt_index], c.output_ids) for c in outs]
+    ours = torch.tensor([lp for c in outs for lp in c.logprobs])
+    check_logprobs(f"engine, {case}", ours, sequences, hf32, hf16, 1.0)
 
 
-def test_bf16_logprob_mismatch_at_0_5b_shape():
-    """Engine and trainer-style bf16 log-probs, both against an fp32 forward of the same weights: the
-    engine may differ from the trainer by bf16 noise, but must not be further from fp32 than the
-    trainer's own bf16 forward is (a paging defect would make it much worse)."""
-    model = random_model(QWEN25_05B)
-    reference = copy.deepcopy(model).float()  # the same bf16 weights, computed in fp32
-    engine = NativeEngine(model, max_kv_tokens=1 << 17)
-    batch = prompts(16, 64, QWEN25_05B.vocab_size)
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_bf16_logprobs_at_0_5b_shape_are_within_transformers_bf16_error(tmp_path):
+    """Engine and trainer-style bf16 log-probs at Qwen2.5-0.5B's shape (its vocabulary: the
+    sampler's streamed softmax; its depth: rounding accumulates) against transformers in fp32,
+    within transformers' bf16 error, at two temperatures."""
+    path, hf32, hf16 = transformers_pair(write_hf_model(tmp_path, "qwen2", bf16_weights=True, **HF_QWEN25_05B))
+    ours = from_pretrained(path, dtype="bfloat16", device="cuda")
+    engine = NativeEngine(str(path), dtype="bfloat16", max_kv_tokens=1 << 17)
+    batch = prompts(48, 64, HF_QWEN25_05B["vocab_size"])
     for temperature in (1.0, 0.7):
         sp = SamplingParams(temperature=temperature, max_new_tokens=64, ignore_eos=True, seed=4)
         outs = engine.generate(batch, sp)
-        engine_vs_fp32, trainer_vs_fp32 = [], []
-        for c in outs:
-            ref = trainer_logprobs(reference, batch[c.prompt_index], c.output_ids, temperature)
-            mine = trainer_logprobs(model, batch[c.prompt_index], c.output_ids, temperature)
-            engine_vs_fp32.append((torch.tensor(c.logprobs) - ref).abs())
-            trainer_vs_fp32.append((mine - ref).abs())
-        e, t = torch.cat(engine_vs_fp32), torch.cat(trainer_vs_fp32)
-        print(f"\n0.5B shape, T={temperature}: |engine - fp32| mean {e.mean():.2e} max {e.max():.2e}; "
-              f"|trainer bf16 - fp32| mean {t.mean():.2e} max {t.max():.2e}")
-        assert e.mean().item() <= 2 * t.mean().item() + 1e-3
+        sequences = [(batch[c.prompt_index], c.output_ids) for c in outs]
+        check_logprobs(f"engine, 0.5B shape, T={temperature}", torch.tensor([lp for c in outs for lp in c.logprobs]),
+                       sequences, hf32, hf16, temperature)
+        check_logprobs(f"trainer-style, 0.5B shape, T={temperature}", trainer_logprobs(ours, sequences, temperature),
+                       sequences, hf32, hf16, temperature)

@@ -10,7 +10,8 @@ from colocate.config import Config
 from colocate.models import from_pretrained
 from colocate.rollout.sample import Sample
 from colocate.trainer.memory import ACTOR_OPTIM, PARAMS, STATE
-from tests.helpers import capture_grads, write_hf_model
+from tests.helpers import bf16_copy, capture_grads, exact_fp32_matmuls, hf_logprobs, write_hf_model
+from tests.tolerances import assert_grads_within_noise, assert_mean_within_noise, error_stats
 
 pytestmark = pytest.mark.gpu
 
@@ -52,14 +53,15 @@ def _samples(vocab: int, num_groups: int = 4, seed: int = 0) -> list[Sample]:
     return out
 
 
-def _behaviour_logprobs(path, samples, temperature):
-    model = from_pretrained(path, dtype="float32", device="cuda")
-    with torch.no_grad():
-        for s in samples:
-            logits = model(torch.tensor(s.tokens, device="cuda")) / temperature  # (L, V)
-            logp = torch.log_softmax(logits, dim=-1)[len(s.prompt_ids) - 1:-1]
-            ids = torch.tensor(s.response_ids, device="cuda")[:, None]
-            s.rollout_logprobs = logp.gather(1, ids).squeeze(1).tolist()
+def _behaviour_logprobs(hf, samples, temperature) -> float:
+    """Set every sample's rollout log-probs to transformers' fp32 ones of its tokens (an exact
+    behaviour policy); return transformers' bf16 mean error against them on the same tokens."""
+    sequences = [(s.prompt_ids, s.response_ids) for s in samples]
+    hf32 = hf.cuda()
+    reference = hf_logprobs(hf32, sequences, temperature)
+    for s, logprobs in zip(samples, reference.split([len(s.response_ids) for s in samples])):
+        s.rollout_logprobs = logprobs.tolist()
+    return error_stats(hf_logprobs(bf16_copy(hf32), sequences, temperature), reference).mean
 
 
 def _weights(trainer) -> dict:
@@ -69,16 +71,20 @@ def _weights(trainer) -> dict:
 def test_bf16_kernel_path_step_matches_the_fp32_behaviour_policy(tmp_path, info):
     from colocate.trainer import Trainer
 
-    path, _ = write_hf_model(tmp_path, "qwen2", **SMALL)
+    path, hf = write_hf_model(tmp_path, "qwen2", bf16_weights=True, **SMALL)
     samples = _samples(SMALL["vocab_size"])
-    _behaviour_logprobs(path, samples, temperature=0.8)
+    baseline = _behaviour_logprobs(hf, samples, temperature=0.8)
     trainer = Trainer(_config(path, **{"rollout.temperature": 0.8, "model.gradient_checkpointing": True}), info)
     assert trainer.compute_dtype == torch.bfloat16
     before = _weights(trainer)
     m = trainer.train(samples, rollout_id=0)
     assert m["train/ppo_kl"] == 0.0 and m["train/pg_clipfrac"] == 0.0
-    # bf16 compute against the fp32 engine-side definition: close, not equal.
-    assert 0.0 < m["train/train_rollout_logprob_abs_diff"] < 2e-2
+    # bf16 compute against transformers' fp32 forward: not equal, and no further than
+    # transformers' own bf16 forward is on the same tokens (a mean: the metric is one).
+    diff = m["train/train_rollout_logprob_abs_diff"]
+    print(f"\n|trainer bf16 - fp32| mean {diff:.2e}; |transformers bf16 - fp32| mean {baseline:.2e}")
+    assert diff > 0.0
+    assert_mean_within_noise(diff, baseline, "trainer bf16 log-probs")
     assert math.isfinite(m["train/grad_norm"]) and m["train/grad_norm"] > 0 and m["train/skipped_steps"] == 0
     after = _weights(trainer)
     assert any((after[n] - before[n]).abs().max() > 0 for n in before)
@@ -215,29 +221,35 @@ def test_partial_onload_brings_back_just_the_chosen_tensors():
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_compiled_blocks_train_like_eager_ones(tmp_path, info, family):
     """model.compile (inductor, dynamic shapes) with half the blocks recomputed and the rest
-    recomputing their element-wise ops: same metrics and gradients as eager blocks, to bf16
-    rounding (inductor fuses the element-wise work, so the roundings differ)."""
+    recomputing their element-wise ops: gradients and log-probs as eager bf16 blocks give, to
+    within bf16 noise (inductor fuses the element-wise work, so the roundings differ). The noise
+    is measured on the same weights and tokens: eager bf16 against eager fp32, per parameter."""
     from torch._dynamo.utils import counters
 
     from colocate.trainer import Trainer
     from colocate.trainer.parallelize import ActivationCheckpointing
 
-    path, _ = write_hf_model(tmp_path, family, **SMALL)
+    path, hf = write_hf_model(tmp_path, family, bf16_weights=True, **SMALL)
     samples = _samples(SMALL["vocab_size"])
-    grads, metrics = [], []
-    for compiled in (False, True):
-        trainer = Trainer(_config(path, **{"model.compile": compiled}), info,
+    _behaviour_logprobs(hf, samples, temperature=Config().rollout.temperature)
+    grads, metrics = {}, {}
+    for run, overrides in (("fp32", {"model.dtype": "float32"}), ("eager", {}), ("compiled", {"model.compile": True})):
+        # No clipping: the gradients themselves are compared, not a rescaling by each run's norm.
+        trainer = Trainer(_config(path, **{"train.grad_clip": 1e9, **overrides}), info,
                           checkpointing=ActivationCheckpointing(0.5, "ops"))
-        grads.append(capture_grads(trainer))  # fp32: the gradients of the fp32 master weights
+        assert trainer.compute_dtype == (torch.float32 if run == "fp32" else torch.bfloat16)
+        grads[run] = capture_grads(trainer)  # fp32: the gradients of the fp32 master weights
         graphs = counters["stats"]["unique_graphs"]
-        metrics.append(trainer.train(samples, rollout_id=0))
-        assert (counters["stats"]["unique_graphs"] > graphs) == compiled
-    eager, compiled = metrics
-    assert abs(compiled["train/grad_norm"] - eager["train/grad_norm"]) <= 2e-2 * eager["train/grad_norm"]
-    assert abs(compiled["train/entropy_loss"] - eager["train/entropy_loss"]) <= 1e-2 * abs(eager["train/entropy_loss"])
-    flat = [torch.cat([g[n].flatten() for n in sorted(g)]) for g in grads]
-    assert torch.nn.functional.cosine_similarity(flat[0], flat[1], dim=0) > 0.99
-    # Per parameter, relative to its own gradient, with a floor for gradients that are zero in
-    # exact arithmetic (the key bias: softmax ignores a shift shared by all keys).
-    for name, g in grads[0].items():
-        assert (grads[1][name] - g).norm() <= 0.1 * g.norm() + 1e-2 * flat[0].norm(), name
+        with exact_fp32_matmuls():
+            metrics[run] = trainer.train(samples, rollout_id=0)
+        assert (counters["stats"]["unique_graphs"] > graphs) == (run == "compiled")
+        del trainer
+        torch.cuda.empty_cache()
+    # Output: the log-probs of the step's first pass, as a mean distance to transformers' fp32.
+    diff = {run: m["train/train_rollout_logprob_abs_diff"] for run, m in metrics.items()}
+    print(f"\n|log-probs - transformers fp32| mean: {diff}")
+    assert diff["fp32"] <= 0.1 * diff["eager"]  # the noise reference really computes in fp32
+    assert_mean_within_noise(diff["compiled"], diff["eager"], "compiled log-probs")
+    ratios = assert_grads_within_noise(grads["compiled"], grads["eager"], grads["fp32"], f"compiled {family}")
+    worst = max(ratios, key=ratios.get)
+    print(f"gradients: worst {worst} at {ratios[worst]:.2f} of its bound")
