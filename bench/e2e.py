@@ -265,6 +265,8 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "build_s": build_s,
+        "startup_s": {k[len("perf/startup/"):-len("_s")]: v for k, v in rows[0].items()
+                      if k.startswith("perf/startup/")} if rows else {},
         "steps_s": steps,
         "step_median_s": median(steps),
         "phase_median_s": {p: med(f"perf/{p}_time") for p in phases},

@@ -91,6 +91,7 @@ def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(
         assert rollout["partial_rollout"] == name.endswith("_on") and "custom_generate" not in rollout
         assert 0 < run["decode_utilization"] <= 1 and run["step_median_s"] > 0, name
         assert (run["partial_per_step"] is None) == name.endswith("_off"), name
+        assert {"inputs", "trainer", "engine", "first_sync"} <= set(run["startup_s"]), name
     # Two steps of 4 groups each; with partial rollout 16 are drawn first (4x in flight), 4 more
     # for the second step, and 12 stay in flight.
     off, on = ours["offload_on_partial_off"]["groups"], ours["offload_on_partial_on"]["groups"]
