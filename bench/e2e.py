@@ -26,7 +26,9 @@ Both sides train fp32 master weights with bf16 compute and take one optimizer st
   and the engine's KV-cache capacity in tokens.
 - TRL: GRPOTrainer with transformers' generate (no vLLM), 32-completion micro-batches with 4
   accumulation steps (one generation of 128 completions per optimizer step), gradient
-  checkpointing off as in ours, `min_new_tokens` = max_completion_length for exact lengths.
+  checkpointing off as in ours, `min_new_tokens` = max_completion_length for exact lengths, in
+  each configuration of e2e_trl.CONFIGS (`--trl-configs`; the default one, and bf16 weights with
+  Liger's kernels, without and with torch.compile); ratios against the fastest that ran.
   Runs in its own process; `--trl-site DIR` puts DIR (where trl and datasets were installed)
   first on that process's PYTHONPATH only. If it fails, the reason is recorded in the JSON.
 
@@ -35,14 +37,15 @@ Each variant runs in a child process (one CUDA context each; the native engine's
 needs torch_memory_saver's preload hook set before the process starts, as launch.sh does).
 
 Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
-                         [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trace-dir DIR]
+                         [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trl-configs A,B] [--trace-dir DIR]
                          [--lora-rank N [--lora-only]] [--shape 0.5b|1.5b|8b]
      python bench/e2e.py --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
      python bench/e2e.py --tail [--partial both] [--cpu-smoke]   (bench/e2e_tail.py: long-tailed
                          lengths on a Qwen3-4B shape, partial rollout off and on; no TRL)
 Writes bench/results/e2e.json (--tail: e2e_tail.json; --cpu-smoke: a file in its temporary
-directory unless --out) and prints one summary line. On a cold H200 both of our variants and TRL take 5-6 minutes in all
-(each of our processes compiles and captures the engine's graphs before its first step).
+directory unless --out) and prints one summary line. On a cold H200 both of our variants and one
+TRL configuration took 5-6 minutes in all (each of our processes compiles and captures the engine's
+graphs before its first step).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import time
 from pathlib import Path
 
 import e2e_tail
+import e2e_trl
 from e2e_trl import median, run_trl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,7 +324,8 @@ def _child_env(extra_path: str | None = None, preload: bool = False, cpu: bool =
 
 def _write(results: dict, out: Path) -> None:
     """Ratios from what has run so far, then the JSON (after each run: a cut-short run keeps its data)."""
-    trl_s = results["trl"].get("step_median_s")
+    results["trl_fastest"] = e2e_trl.fastest(results["trl"])
+    trl_s = results["trl_fastest"] and results["trl"][results["trl_fastest"]]["step_median_s"]
     ours = results["ours"]
     results["ratio_trl_over_ours"] = {name: trl_s / e["step_median_s"] for name, e in ours.items()
                                       if trl_s and e.get("step_median_s")}
@@ -394,9 +399,12 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
         _write(results, out)
     if not (args.skip_trl or args.tail):
         env = _child_env(extra_path=args.trl_site, cpu=args.cpu_smoke)
-        results["trl"] = _child(["--worker", "trl", "--model-dir", str(model_dir), "--prompts", str(prompts),
-                                 "--worker-shape", shape, "--steps", str(steps), "--warmup", str(warmup),
-                                 "--result", str(workdir / "result_trl.json")], env, TRL_TIMEOUT_S)
+        for name in args.trl_configs:
+            results["trl"][name] = _child(["--worker", "trl", "--trl-config", name, "--model-dir", str(model_dir),
+                                           "--prompts", str(prompts), "--worker-shape", shape, "--steps", str(steps),
+                                           "--warmup", str(warmup),
+                                           "--result", str(workdir / f"result_trl_{name}.json")], env, TRL_TIMEOUT_S)
+            _write(results, out)
     shutil.rmtree(model_dir)  # the largest file by far; configs and metrics stay for inspection
     results["total_s"] = time.perf_counter() - start
     _write(results, out)
@@ -422,14 +430,9 @@ def summary(results: dict) -> str:
             g = e["groups"]
             parts.append(f"[utilization {_fmt(e['decode_utilization'], '.2f')}; groups {g['trained']} trained, "
                          f"{g['in_flight_at_end']} in flight, {'nothing lost' if g['nothing_lost'] else 'LOST'}]")
-    trl = results["trl"]
-    if "error" in trl:
-        parts.append(f"| TRL FAILED ({trl['error']})")
-    elif trl.get("step_median_s") is not None:
-        gen, length = trl.get("generate_median_s"), trl.get("response_len_mean")
-        parts.append(f"| TRL {trl['step_median_s']:.3f} s (generate {_fmt(gen)}; len {_fmt(length, '.0f')})")
+    parts += e2e_trl.summary(results["trl"])
     for name, r in results["ratio_trl_over_ours"].items():
-        parts.append(f"| TRL/ours {name} {r:.2f}x")
+        parts.append(f"| TRL {results['trl_fastest']}/ours {name} {r:.2f}x")
     for name, r in results["ratio_full_over_lora"].items():
         parts.append(f"| full/LoRA {name} {r:.2f}x")
     return " ".join(parts)
@@ -450,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile one extra step of each of our runs (not timed) into DIR")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--trl-site", default=None, help="directory with trl and datasets, for the TRL process")
+    parser.add_argument("--trl-configs", type=lambda v: v.split(","), default=list(e2e_trl.CONFIGS),
+                        help="comma-separated TRL configurations, from: " + ", ".join(e2e_trl.CONFIGS))
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and batch on CPU")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="also run each of our variants with LoRA adapters of this rank (default shape 1.5b)")
@@ -461,13 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partial", choices=tuple(CHOICES), default="both", help="--tail: partial rollout")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/e2e.json)")
     for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--result", "--trace", "--tail-shape",
-                   "--worker-shape", "--num-prompts", "--workdir"):
+                   "--worker-shape", "--num-prompts", "--workdir", "--trl-config"):
         parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if set(args.trl_configs) - set(e2e_trl.CONFIGS):
+        raise ValueError(f"--trl-configs: unknown {args.trl_configs}; known: {', '.join(e2e_trl.CONFIGS)}")
     if args.lora_rank < 0 or (args.lora_only and not args.lora_rank):
         raise ValueError(f"--lora-rank must be >= 1 with --lora-only and >= 0 otherwise, got {args.lora_rank}")
     if args.worker == "ours":
@@ -477,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"model_dir": str(model_dir), "prompts": str(prompts)}
     elif args.worker == "trl":
         result = run_trl(Path(args.model_dir), Path(args.prompts), BATCHES[args.worker_shape], args.steps, args.warmup,
-                         LR, vowel_reward)
+                         LR, vowel_reward, args.trl_config)
     else:
         workdir = Path(tempfile.mkdtemp(prefix="colocate_e2e_"))
         if args.trace_dir is not None:

@@ -2,7 +2,13 @@
 
 transformers' generate (no vLLM), 32-completion micro-batches accumulated to one optimizer step
 per generation, gradient checkpointing off, `min_new_tokens` = the response length for exact
-lengths. Imported only in the child process that runs TRL, so trl and datasets are needed there only.
+lengths, in each of CONFIGS. Imported only in the child process that runs TRL, so trl and datasets
+are needed there only (liger-kernel too, for the configurations that use it).
+
+TRL 1.16's GRPOTrainer already takes its log-probs through a chunked LM head (no full logits) and
+its GRPOConfig has no Liger loss: `use_liger_kernel` swaps in Liger's layer kernels (RMSNorm, RoPE,
+SwiGLU) and keeps that head. Generation runs on the weights as loaded: fp32 under bf16 autocast
+unless the model is loaded in bf16, which then also trains in bf16 (no fp32 master weights).
 """
 
 from __future__ import annotations
@@ -14,16 +20,45 @@ from pathlib import Path
 from typing import Callable
 
 TRL_MICRO_BATCH = 32
+CONFIGS = {
+    "default": {},
+    "bf16_liger": {"model_init_kwargs": {"dtype": "bfloat16"}, "use_liger_kernel": True},
+    "bf16_liger_compile": {"model_init_kwargs": {"dtype": "bfloat16"}, "use_liger_kernel": True,
+                           "torch_compile": True},
+}
+"""GRPOConfig settings over the default one: "default" loads fp32 weights (trained as fp32 masters
+under bf16 autocast, generation casting them at every step); the others load bf16 weights, add
+Liger's kernels and, last, torch.compile of the model (TrainingArguments.torch_compile)."""
 
 
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def fastest(trl: dict) -> str | None:
+    """The configuration with the shortest median step among those that ran."""
+    ran = {name: r["step_median_s"] for name, r in trl.items() if isinstance(r, dict) and r.get("step_median_s")}
+    return min(ran, key=ran.get) if ran else None
+
+
+def summary(trl: dict) -> list[str]:
+    parts = []
+    for name, r in trl.items():
+        if not isinstance(r, dict):
+            continue
+        if "error" in r:
+            parts.append(f"| TRL {name} FAILED ({r['error']})")
+        elif r.get("step_median_s") is not None:
+            gen, length = r.get("generate_median_s"), r.get("response_len_mean")
+            parts.append(f"| TRL {name} {r['step_median_s']:.3f} s (generate "
+                         f"{'-' if gen is None else f'{gen:.3f}'}; len {'-' if length is None else f'{length:.0f}'})")
+    return parts
+
+
 def run_trl(model_dir: Path, prompts: Path, batch: dict, steps: int, warmup: int, lr: float,
-            reward_fn: Callable) -> dict:
+            reward_fn: Callable, config_name: str) -> dict:
     """TRL's GRPOTrainer (transformers generate) on the same model, prompts and batch, with
-    `reward_fn(prompts, responses, labels, metadata)` as its reward."""
+    `reward_fn(prompts, responses, labels, metadata)` as its reward, in CONFIGS[config_name]."""
     import datasets
     import torch
     import transformers
@@ -87,6 +122,7 @@ def run_trl(model_dir: Path, prompts: Path, batch: dict, steps: int, warmup: int
         max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, dataloader_num_workers=0, seed=1,
     )
+    config.update(CONFIGS[config_name])
     clock = StepClock()
     trainer = TimedGRPOTrainer(model=str(model_dir), reward_funcs=reward, args=GRPOConfig(**config),
                                train_dataset=train, processing_class=AutoTokenizer.from_pretrained(model_dir),
@@ -96,6 +132,7 @@ def run_trl(model_dir: Path, prompts: Path, batch: dict, steps: int, warmup: int
     return {
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                      "datasets": datasets.__version__, "torch": torch.__version__},
+        "config_name": config_name,
         "config": {k: v for k, v in config.items() if k != "output_dir"},
         "steps_s": timed,
         "step_median_s": median(timed),

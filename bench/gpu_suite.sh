@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
-#   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train kernels units
+#   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train train_small
+#                                          kernels units
 #                                          (and, asked for by name: tail e2e_tail startup; multigpu, on a machine
 #                                          of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
 shift
-steps=${*:-loop default engine e2e rollout colocation train kernels units}
+steps=${*:-loop default engine e2e rollout colocation train train_small kernels units}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
@@ -26,13 +27,14 @@ for step in $steps; do
     default) run default 60 python -m colocate.train --config configs/default.yaml \
                --output-dir "$out/default_run" --logging.console False ;;
     engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
-    e2e) run e2e 330 python bench/e2e.py --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
+    e2e) run e2e 590 python bench/e2e.py --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
     e2e_tail) run e2e_tail 3000 python bench/e2e.py --tail --steps 2 --warmup 1 ;;
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
     startup) run startup 400 python bench/startup.py ;;
-    train) run train 480 python bench/train.py ;;
+    train) run train 590 python bench/train.py --models 1.5b --budget-s 560 ;;
+    train_small) run train_small 330 python bench/train.py --models 0.5b --budget-s 300 ;;
     kernels) run kernels 60 python bench/kernels.py ;;
     units) run units 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
     multigpu) run multigpu 560 python -m pytest -q -s -rA -m multigpu -p no:cacheprovider tests/integration/test_multigpu.py \

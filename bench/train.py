@@ -1,5 +1,5 @@
 """Trainer throughput on one GPU: tokens/s, MFU and peak memory of our FSDP2 trainer on packed
-mixed-length sequences, side by side with transformers + FSDP2 on a padded batch, in one run; the
+mixed-length sequences, side by side with transformers + FSDP2 on padded batches, in one run; the
 trainer's offload/onload bandwidth for both methods, beside one plain pinned copy of the same bytes
 (what this host's copies reach); with --profile, where the device time goes (by kernel category, by
 op, and matmuls by input shape).
@@ -11,20 +11,25 @@ Ours: GRPO steps through `Trainer.train` (Qwen2.5-0.5B / -1.5B shapes, random in
 the Triton log-prob kernel, FlashAttention-4 where installed (else torch's varlen kernel; the JSON's
 `attention` names it), compiled blocks, over a grid of activation-checkpointing plans x micro-batch
 token budgets (keeping the gathered parameters through a step or not; the optimizer state resident
-or, as in the colocated loop, on the host between steps). Baseline (run first):
-AutoModelForCausalLM (sdpa) + FSDP2, fused AdamW, micro-batches of 8 x 2048 padded with fp32
-logits, accumulated over the same tokens a step; a 1.5B plan counts only within MEMORY_FRACTION of
-the baseline's peak memory.
+or, as in the colocated loop, on the host between steps). Peers (bench/train_peers.py, run
+first): AutoModelForCausalLM (sdpa) + FSDP2, fused AdamW, padded micro-batches accumulated over the
+same tokens a step. The default peer: 8 x 2048 with fp32 logits, eager; a 1.5B plan of ours counts
+only within MEMORY_FRACTION of its peak memory. The tuned peer: a plan grid of its own (every
+decoder layer recomputed or none, micro-batch size, compiled layers, liger-kernel's fused linear
+cross-entropy or a chunked one, so no full logits). The best peer is the fastest configuration that
+ran. torchtitan is not run (train_peers.TORCHTITAN says why; the JSON's `torchtitan` too).
 
 MFU counts model FLOPs, never recomputation (checkpointing, the log-prob kernel's backward), the
 same way for both: 6 per parameter per token, the tied embedding once, as the lm_head matmul, only
-where logits are formed (ours: response tokens; baseline: every position); attention as PaLM,
+where logits are formed (ours: response tokens; peers: every position, or all but each sequence's
+last with the fused loss); attention as PaLM,
 12 * layers * heads * head_dim * L per token of a length-L sequence (`mfu`, the targets'
 convention), or half that (`mfu_causal`, what a causal kernel computes); 989 TFLOP/s bf16 peak.
 Peak memory: max_memory_allocated over the measured steps. Warm-up (compilation) is never timed.
 
-Run: python bench/train.py [--models 1.5b,0.5b] [--plans 0,4] [--steps 3] [--step-tokens 131072]
-[--profile] [--trace DIR] [--budget-s 420]
+Run: python bench/train.py [--models 1.5b,0.5b] [--plans 0,4] [--peer-plans 0,1] [--steps 3]
+[--step-tokens 131072] [--profile] [--trace DIR] [--budget-s 420]
+     python bench/train.py --cpu-smoke [--out PATH]   (the peers only, on a tiny shape in fp32 on CPU)
 Writes bench/results/train.json (entries of models not run are kept) and, with --profile,
 train_profile.txt; prints one summary line per model.
 """
@@ -38,10 +43,10 @@ import json
 import pathlib
 import random
 import statistics
+import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 from colocate import dist
 from colocate.config import Config
@@ -51,19 +56,21 @@ from colocate.trainer.packing import pack_micro_batches
 from colocate.trainer.parallelize import ActivationCheckpointing
 from trace_report import PHASES, busy_us, device_spans, matmul_shapes, timeline, trace_events
 from train_plans import GRID, GROUP, SHAPES, Plan, make_samples, model_config, model_flops, num_params
+import train_peers
 
 START = time.monotonic()
 RESULTS = pathlib.Path(__file__).parent / "results" / "train.json"
 PROFILE = RESULTS.with_name("train_profile.txt")
 PEAK_TFLOPS = 989.0
 STEP_TOKENS = 131072
-HF_BATCH = (8, 2048)
-"""The baseline's micro-batch (sequences x length); a step accumulates step_tokens / 16384 of them."""
 MEMORY_FRACTION = 0.4
 MEMORY_TARGET = ("1.5b",)
 """Models whose plans must fit in MEMORY_FRACTION of the baseline's peak (the others: speed only)."""
 SECONDS_PER_PLAN = 25
 """Rough cost of one more plan whose blocks are already compiled (build, warm-up, measure)."""
+SECONDS_PER_PEER_PLAN = 45
+"""Rough cost of one tuned peer plan (build, compile, warm-up, measure): one runs only while this
+much is left beyond what our plans and the models still to run are given."""
 
 
 def _mfu(flops: float, seconds: float) -> float:
@@ -178,51 +185,6 @@ def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None,
                 grad_norm=metrics.get("train/grad_norm"), offload_s=offload_s), trainer
 
 
-def bench_hf(name: str, steps: int, step_tokens: int) -> dict:
-    """The transformers + FSDP2 baseline: steps of step_tokens / 16384 accumulated 8 x 2048 batches."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from colocate.trainer.optim import clip_grad_norm
-
-    mcfg = model_config(name)
-    hf_cfg = Qwen2Config(vocab_size=mcfg.vocab_size, hidden_size=mcfg.hidden_size,
-                         intermediate_size=mcfg.intermediate_size, num_hidden_layers=mcfg.num_hidden_layers,
-                         num_attention_heads=mcfg.num_attention_heads, num_key_value_heads=mcfg.num_key_value_heads,
-                         tie_word_embeddings=True, max_position_embeddings=32768)
-    base = torch.cuda.memory_allocated()
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, mcfg.vocab_size, HF_BATCH, device="cuda", generator=gen)
-    accumulate = max(1, step_tokens // ids.numel())
-
-    def step():
-        for _ in range(accumulate):
-            logits = model(input_ids=ids).logits.float()  # (8, 2048, V) fp32
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, mcfg.vocab_size), ids[:, 1:].reshape(-1))
-            (loss / accumulate).backward()
-        clip_grad_norm(list(model.parameters()), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(2):
-        _timed(step)
-    torch.cuda.reset_peak_memory_stats()
-    seconds = sum(_timed(step) for _ in range(steps))
-    peak = torch.cuda.max_memory_allocated() - base
-    palm, causal = model_flops(mcfg, [HF_BATCH[1]] * HF_BATCH[0], ids.numel())
-    micro_batches = accumulate * steps
-    return dict(micro_batches_per_step=accumulate, tokens_per_s=ids.numel() * micro_batches / seconds,
-                mfu=_mfu(palm * micro_batches, seconds), mfu_causal=_mfu(causal * micro_batches, seconds),
-                peak_gib=peak / 2**30)
-
-
 def bench_offload(trainer, rounds: int = 2) -> list[dict]:
     """Offload everything, then onload, `rounds` times."""
     out = []
@@ -312,15 +274,39 @@ def _time_left(budget_s: float) -> float:
     return budget_s - (time.monotonic() - START)
 
 
+def run_peers(label: str, mcfg, plans: list, args, device: torch.device, dtype: torch.dtype,
+              reserve_s: float, chunk_rows: int = train_peers.CHUNK_ROWS) -> list[dict]:
+    """The default peer (plans[0]), then the tuned peer's plans while more than reserve_s is left."""
+    peers = []
+    for k, plan in enumerate(plans):
+        record = {"peer": "tuned" if k else "default", **plan.fields()}
+        if k and _time_left(args.budget_s) < reserve_s + SECONDS_PER_PEER_PLAN:
+            peers.append(dict(record, skipped="time budget"))
+            continue
+        run = _guarded(train_peers.bench_peer, mcfg, plan, args.steps, args.step_tokens, PEAK_TFLOPS, device,
+                       dtype, chunk_rows)
+        peers.append({**record, **run})
+        if "mfu" in run:
+            print(f"  {label} peer {plan.label()} ({run['loss_kind']}): {run['mfu']:.1%} MFU, "
+                  f"{run['tokens_per_s'] / 1e3:.1f}k tok/s"
+                  + ("" if run["peak_gib"] is None else f", {run['peak_gib']:.1f} GiB"),
+                  flush=True)
+        _free()
+    return peers
+
+
 def run_model(name: str, args, info, entry: dict) -> None:
-    hf = entry["hf_fsdp2"] = _guarded(bench_hf, name, args.steps, args.step_tokens)
-    _free()
-    limit = MEMORY_FRACTION * hf["peak_gib"] if "peak_gib" in hf and name in MEMORY_TARGET else None
-    entry["memory_limit_gib"] = limit
     models = args.models.split(",")
     later = 120 * len(models[models.index(name) + 1:])  # seconds kept for the models still to run
     reserve = later + (30 if args.profile else 0)
     plans = [int(i) for i in args.plans.split(",")] if args.plans else range(len(GRID[name]))
+    peer_plans = [int(i) for i in args.peer_plans.split(",")] if args.peer_plans else range(len(train_peers.GRID[name]))
+    peers = entry["peers"] = run_peers(name, model_config(name),
+                                       [train_peers.DEFAULT, *(train_peers.GRID[name][i] for i in peer_plans)],
+                                       args, info.device, torch.bfloat16, reserve + SECONDS_PER_PLAN * len(plans))
+    default = peers[0]
+    limit = MEMORY_FRACTION * default["peak_gib"] if "peak_gib" in default and name in MEMORY_TARGET else None
+    entry["memory_limit_gib"] = limit
     for k, plan in enumerate(GRID[name][i] for i in plans):
         if k and _time_left(args.budget_s) < reserve + SECONDS_PER_PLAN:
             entry["ours"].append(dict(plan.fields(), skipped="time budget"))
@@ -367,19 +353,40 @@ def _best(entry: dict) -> dict | None:
     return max(runs, key=lambda r: r["mfu"]) if runs else None
 
 
+def _peer(run: dict) -> str:
+    if "mfu" not in run:
+        return f"FAILED ({run.get('error') or run.get('skipped')})"
+    peak = "" if run["peak_gib"] is None else f", {run['peak_gib']:.1f} GiB"
+    return (f"{run['mfu']:.1%} MFU ({run['mfu_causal']:.1%} causal), {run['tokens_per_s'] / 1e3:.1f}k tok/s{peak} "
+            f"({train_peers.PeerPlan.of(run).label()}, {run['micro_batches_per_step']} mb, loss: {run['loss_kind']})")
+
+
+def _peers_summary(peers: list[dict]) -> str:
+    ran = sum("mfu" in p for p in peers)
+    return (f"default peer {_peer(peers[0])} | best peer of {ran}/{len(peers)} configurations "
+            f"{_peer(train_peers.best(peers) or peers[0])}")
+
+
+def _ratios(ours: dict, peer: dict, which: str) -> str:
+    if "mfu" not in peer:
+        return ""
+    return (f" | vs the {which} peer: tok/s ratio {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}, "
+            f"memory ratio {ours['peak_gib'] / peer['peak_gib']:.2f}")
+
+
 def _summary(name: str, entry: dict) -> str:
-    hf, best = entry["hf_fsdp2"], _best(entry)
+    peers, best = entry["peers"], _best(entry)
     runs = [r for r in entry["ours"] if "mfu" in r]
-    if not runs or "error" in hf:
-        return f"{name}: ours {best or entry['ours']} | hf+fsdp2 {hf}"
+    best_peer = train_peers.best(peers)
+    if not runs or best_peer is None:
+        return f"{name}: ours {best or entry['ours']} | peers {peers}"
     note = ""
     if best is None:
         best, note = max(runs, key=lambda r: r["mfu"]), " [no plan fits]"
     line = (f"{name}: ours{note} {best['mfu']:.1%} MFU ({best['mfu_causal']:.1%} causal), "
             f"{best['tokens_per_s'] / 1e3:.1f}k tok/s, {best['peak_gib']:.1f} GiB peak "
-            f"({Plan.of(best).label()}, {best['num_micro_batches']} mb) | hf+fsdp2 {hf['mfu']:.1%} MFU ({hf['mfu_causal']:.1%} causal), "
-            f"{hf['tokens_per_s'] / 1e3:.1f}k tok/s, {hf['peak_gib']:.1f} GiB ({hf['micro_batches_per_step']} mb) | memory ratio "
-            f"{best['peak_gib'] / hf['peak_gib']:.2f} | tok/s ratio {best['tokens_per_s'] / hf['tokens_per_s']:.2f} | "
+            f"({Plan.of(best).label()}, {best['num_micro_batches']} mb) | {_peers_summary(peers)}"
+            f"{_ratios(best, peers[0], 'default')}{_ratios(best, best_peer, 'best')} | "
             + (f"{sum(bool(r['fits']) for r in runs)}/{len(runs)} plans fit {entry['memory_limit_gib']:.1f} GiB"
                if entry.get("memory_limit_gib") is not None else "no memory limit"))
     for key in ("offload_pinned", "offload_tms"):  # pinned: buffers reserved beforehand (offload_pinned_reserve_s)
@@ -400,13 +407,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="1.5b,0.5b", help="comma-separated, from: " + ", ".join(SHAPES))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
-                        help="tokens of one optimizer step, for ours and the baseline")
+                        help="tokens of one optimizer step, for ours and the peers")
     parser.add_argument("--profile", action="store_true", help="profile each model's best plan")
     parser.add_argument("--trace", default=None, help="directory for gzipped chrome traces of the profiles")
     parser.add_argument("--plans", default=None, help="comma-separated indices into each model's GRID (default all)")
+    parser.add_argument("--peer-plans", default=None,
+                        help="comma-separated indices into each model's tuned peer grid (train_peers.GRID; "
+                             "default all)")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-clock budget: optional plans are skipped when it runs short")
+    parser.add_argument("--cpu-smoke", action="store_true", help="the peers only, on a tiny shape in fp32 on CPU")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default bench/results/train.json)")
     args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        return _cpu_smoke(args)
     for name in args.models.split(","):
         if name not in SHAPES:
             raise ValueError(f"--models: unknown model {name!r}; known: {', '.join(SHAPES)}")
@@ -416,10 +430,11 @@ def main(argv: list[str] | None = None) -> None:
     attention = "flash-attn-4" if flash.usable(probe) else "torch varlen (flash-attn 2)"
     print(f"our attention kernel: {attention}", flush=True)
     results = {"device": torch.cuda.get_device_name(), "peak_tflops": PEAK_TFLOPS, "attention": attention,
-               "models": {}}
-    if RESULTS.exists():  # a run over some models keeps the other models' last entries
-        results["models"] = json.loads(RESULTS.read_text()).get("models", {})
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+               "torchtitan": f"not run: {train_peers.TORCHTITAN}", "models": {}}
+    out = args.out or RESULTS
+    if out.exists():  # a run over some models keeps the other models' last entries
+        results["models"] = json.loads(out.read_text()).get("models", {})
+    out.parent.mkdir(parents=True, exist_ok=True)
     if args.profile:
         PROFILE.write_text("")
     for name in args.models.split(","):
@@ -428,8 +443,23 @@ def main(argv: list[str] | None = None) -> None:
         run_model(name, args, info, entry)
         entry["elapsed_s"] = time.monotonic() - START
         print(_summary(name, entry), flush=True)
-        RESULTS.write_text(json.dumps(results, indent=2))  # after each model: a cut-short run keeps its data
+        out.write_text(json.dumps(results, indent=2))  # after each model: a cut-short run keeps its data
     dist.destroy()
+
+
+def _cpu_smoke(args) -> None:
+    """The default and tuned peers' code on a tiny shape in fp32 on CPU (ours needs CUDA): one
+    step each of 512 tokens; the JSON lists every configuration, the line the default and the best."""
+    dist.init(backend="gloo")
+    args.steps, args.step_tokens = 1, 512
+    peers = run_peers("tiny", train_peers.SMOKE_SHAPE, [train_peers.SMOKE_DEFAULT, *train_peers.SMOKE_GRID], args,
+                      torch.device("cpu"), torch.float32, reserve_s=0.0, chunk_rows=train_peers.SMOKE_CHUNK_ROWS)
+    dist.destroy()
+    out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="colocate_train_")) / "train.json"
+    out.write_text(json.dumps({"device": "cpu", "torchtitan": f"not run: {train_peers.TORCHTITAN}",
+                               "models": {"tiny": {"step_tokens": args.step_tokens, "peers": peers}}}, indent=2))
+    print(f"tiny (cpu): {_peers_summary(peers)}", flush=True)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

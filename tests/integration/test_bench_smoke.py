@@ -1,10 +1,12 @@
 """The benchmark scripts that have a CPU mode run end to end on CPU, so they cannot rot between
-GPU sessions: the GRPO-step bench writes per-phase timings for every variant it was asked for, and
-the rollout bench's long-tail case its lengths, utilization and decode roofline probes."""
+GPU sessions: the GRPO-step bench writes per-phase timings for every variant it was asked for, the
+rollout bench's long-tail case its lengths, utilization and decode roofline probes, and the trainer
+bench's peers every configuration, the tuned ones with the default's loss."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +114,32 @@ def test_e2e_bench_cpu_smoke_runs_full_and_lora_side_by_side(tmp_path):
         assert run["step_median_s"] > 0 and run["kv_cache_tokens"] == 65536 and run["peak_device_used_gib"] > 0
     assert set(results["ratio_full_over_lora"]) == {"lora4_offload_off"}
     assert "full/LoRA lora4_offload_off" in stdout
+
+
+@pytest.mark.slow
+def test_train_bench_cpu_smoke_tuned_peers_match_the_default_peers_loss(tmp_path):
+    out = tmp_path / "train.json"
+    # bench/ goes last on the path: its kernels.py would shadow the hub-kernels package that
+    # transformers imports where it is installed.
+    code = "import sys; sys.path.append('bench'); import train; train.main(sys.argv[1:])"
+    done = subprocess.run([sys.executable, "-c", code, "--cpu-smoke", "--out", str(out)], capture_output=True,
+                          text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    results = json.loads(out.read_text())
+    assert results["torchtitan"].startswith("not run: torchtitan 0.3.0 has no Qwen2 model")
+    peers = results["models"]["tiny"]["peers"]
+    assert [(p["peer"], p["recompute"], p["num_sequences"], p["compile"], p["fused_loss"], p["loss_kind"])
+            for p in peers] == [("default", False, 8, False, False, "fp32 logits"),
+                                ("tuned", False, 8, False, True, "chunked (plain torch)"),
+                                ("tuned", True, 8, True, True, "chunked (plain torch)"),
+                                ("tuned", True, 4, False, True, "chunked (plain torch)")]
+    default = peers[0]
+    assert default["first_loss"] == pytest.approx(math.log(512), abs=0.05)  # random init: about uniform
+    # Same weights and batch: the chunked loss (six chunks) and its gradients are the full fp32
+    # logits', with and without recompute and compile.
+    for p in peers[1:3]:
+        assert p["first_loss"] == pytest.approx(default["first_loss"], abs=1e-4)
+        assert p["first_grad_norm"] == pytest.approx(default["first_grad_norm"], rel=1e-4)
+    assert [p["micro_batches_per_step"] for p in peers] == [1, 1, 1, 2]  # 512 tokens a step
+    assert all(p["tokens_per_s"] > 0 and p["mfu"] > 0 and p["peak_gib"] is None for p in peers)
+    assert "best peer of 4/4 configurations" in done.stdout
