@@ -22,8 +22,7 @@ Both sides train fp32 master weights with bf16 compute and take one optimizer st
   Qwen3-8B shape (hidden 4096, 36 layers, 32 heads, 8 kv heads, intermediate 12288, untied, q/k
   norms) on 32 prompts x 8 x 1024 response tokens with every block recomputed: training all of
   its weights (fp32 masters and AdamW state, 128 GB) does not fit beside the engine on one GPU.
-  Each run also reports the peak device memory (the ledger's device-used and allocated bytes)
-  and the engine's KV-cache capacity in tokens.
+  Each run reports its peak device memory (the ledger's) and the KV-cache capacity in tokens.
 - TRL: GRPOTrainer with transformers' generate (no vLLM), 32-completion micro-batches with 4
   accumulation steps (one generation of 128 completions per optimizer step), gradient
   checkpointing off as in ours, `min_new_tokens` = max_completion_length for exact lengths, in
@@ -426,10 +425,7 @@ def summary(results: dict) -> str:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in e["phase_median_s"].items() if v is not None)
         parts.append(f"ours {name} {_fmt(e['step_median_s'])} s ({phases}; len {_fmt(e['response_len_mean'], '.0f')}; "
                      f"peak {_fmt(e['peak_device_used_gib'], '.1f')} GiB; KV {e['kv_cache_tokens']} tok)")
-        if e.get("groups"):
-            g = e["groups"]
-            parts.append(f"[utilization {_fmt(e['decode_utilization'], '.2f')}; groups {g['trained']} trained, "
-                         f"{g['in_flight_at_end']} in flight, {'nothing lost' if g['nothing_lost'] else 'LOST'}]")
+        parts += e2e_tail.summary(e)
     parts += e2e_trl.summary(results["trl"])
     for name, r in results["ratio_trl_over_ours"].items():
         parts.append(f"| TRL {results['trl_fastest']}/ours {name} {r:.2f}x")

@@ -114,3 +114,12 @@ def groups_report(record: dict, loop) -> dict:
             "in_flight_at_end": sum(in_flight.values()),
             "trained_beyond_drawn": sum((trained - drawn).values()),
             "nothing_lost": trained + in_flight == drawn}
+
+
+def summary(run: dict) -> list[str]:
+    """The tail's part of e2e.py's summary line for one variant (nothing for other runs)."""
+    g = run.get("groups")
+    if not g:
+        return []
+    return [f"[utilization {run['decode_utilization']:.2f}; groups {g['trained']} trained, "
+            f"{g['in_flight_at_end']} in flight, {'nothing lost' if g['nothing_lost'] else 'LOST'}]"]
