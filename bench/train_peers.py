@@ -41,8 +41,7 @@ class PeerPlan(NamedTuple):
     sequence_length: int = 2048
 
     def fields(self) -> dict:
-        return dict(recompute=self.recompute, num_sequences=self.num_sequences, sequence_length=self.sequence_length,
-                    compile=self.compile, fused_loss=self.fused_loss)
+        return self._asdict()
 
     def label(self) -> str:
         return (f"{self.num_sequences} x {self.sequence_length}, "
@@ -51,8 +50,7 @@ class PeerPlan(NamedTuple):
 
     @staticmethod
     def of(run: dict) -> "PeerPlan":
-        return PeerPlan(run["recompute"], run["num_sequences"], run["compile"], run["fused_loss"],
-                        run["sequence_length"])
+        return PeerPlan(**{name: run[name] for name in PeerPlan._fields})
 
 
 DEFAULT = PeerPlan(recompute=False, num_sequences=8, compile=False, fused_loss=False)
