@@ -120,7 +120,7 @@ def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, bloc
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: q (N, Hq, D), k/v (M, Hk, D) with Hk | Hq, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype != k.dtype or v.dtype != k.dtype or min(t.stride(-1) for t in (q, k, v)) != 1:
+    if q.dtype != k.dtype or v.dtype != k.dtype or any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("attention: q, k, v must share one dtype and be contiguous in head_dim")
     if tiles.dtype != torch.int32 or keys.dtype != torch.int32:
         raise ValueError("attention: tiles and block tables / sequence starts must be int32")
