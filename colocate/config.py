@@ -218,7 +218,8 @@ class AlgorithmConfig:
     """Rollout steps at the start that train the critic only (gae)."""
     true_on_policy: bool = False
     """Batch-invariant numerics in the engine and the trainer, so that every sampled token's
-    rollout log-prob equals the trainer's bit for bit (CPU fp32 for now; slower)."""
+    rollout log-prob equals the trainer's bit for bit (CPU fp32, CUDA bf16; slower). Needs the
+    native engine and model.compile off; the engine's decode then runs uncompiled."""
 
     @property
     def use_critic(self) -> bool:

@@ -99,6 +99,9 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
          f"must be in (0, rollout.max_response_len={r.max_response_len})", a.overlong_buffer_len),
         ("algorithm.true_on_policy", not (a.true_on_policy and r.engine != "native"),
          "needs rollout.engine=native (the SGLang engine's kernels are its own)", a.true_on_policy),
+        ("model.compile", not (a.true_on_policy and cfg.model.compile),
+         "must be off with algorithm.true_on_policy (inductor's kernels would replace the mode's "
+         "batch-invariant ones)", cfg.model.compile),
         ("algorithm.num_critic_only_steps", a.num_critic_only_steps == 0 or a.use_critic,
          "needs algorithm.advantage_estimator=gae (no critic otherwise)", a.num_critic_only_steps),
         ("train.num_rollout", t.num_rollout > 0 or (e.interval is not None and bool(e.datasets)),

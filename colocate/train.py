@@ -96,6 +96,9 @@ class Loop:
             from colocate.kernels import batch_invariant
 
             batch_invariant.enable(info.device)
+            if cfg.rollout.compile_decode and info.device.type == "cuda":
+                self.log.info("algorithm.true_on_policy: the engine's decode runs uncompiled "
+                              "(rollout.compile_decode is ignored in the mode)")
         with timed(startup, "perf/startup/trainer_s", info.device):  # load, shard, reserve pinned buffers
             self.trainer = Trainer(cfg, info)
         with timed(startup, "perf/startup/resume_s", info.device):

@@ -9,20 +9,29 @@ other rows are, in the same order of floating-point operations:
 - matrix products: BLAS picks its kernel by shape, and a product of 1-7 rows takes another path
   than one of many (the results differ in the last bits). `enable` replaces the CPU kernels of
   aten::mm and aten::addmm with one fixed-shape path: rows padded to a multiple of 16 (at least
-  16) through one batched GEMM, whose result for a row depends on that row alone;
+  16) through one batched GEMM, whose result for a row depends on that row alone; on CUDA, with
+  one Triton GEMM of a fixed tile config and no split-K (kernels/batch_invariant_cuda.py). The
+  lm_head's fp32 logits come from `logits`, one function for the engine and the trainer;
 - attention: `attention` walks each query's keys in fixed chunks of CHUNK positions from position
   0, with an online softmax, whatever the query count or where the keys come from (a packed
   sequence, a prefill chunk, the paged cache). Chunks past a query's position are fully masked and
-  change nothing (their update is an exact no-op: a factor of 1 and a sum of zeros);
+  change nothing (their update is an exact no-op: a factor of 1 and a sum of zeros). On CUDA one
+  Triton kernel does the same in blocks of its own (kernels/invariant_attention.py);
 - the log-prob itself: `kernels.sampling.sampled_logprobs`, one function for the sampler and
   the trainer;
 - SiLU: the CPU's vectorised sigmoid rounds a vector's tail elements otherwise than the others;
-  `enable` computes it from exp (which rounds alike everywhere) instead;
-- row-wise reductions of a fixed length (RMSNorm's mean, logsumexp) and the other elementwise work
-  (exp, cos, sin, rsqrt, products) already give each element the same result in any batch.
+  `enable` computes it from exp (which rounds alike everywhere) instead. CUDA's elementwise kernels
+  apply one scalar formula to every element;
+- row-wise reductions: on the CPU, those of a fixed length (RMSNorm's mean, logsumexp) already give
+  each row the same result in any batch. On CUDA torch's reduction kernels shape their thread
+  blocks by the number of rows, so RMSNorm (and qk-norm) and the log-prob's logsumexp run as Triton
+  row kernels with a fixed reduction order;
+- the rotary embedding: the engine rotates q/k with the trainer's op (`kernels.rotary.rotate`),
+  whose CUDA kernel rounds once where the engine's plain ops round after each product.
 
-CPU (fp32) only for now: CUDA needs batch-invariant GEMM, norm and attention kernels, which are
-not written yet; `enable` refuses it.
+The CPU path is fp32; CUDA takes bf16 (fp16, fp32) with fp32 accumulation. torch.compile is off in
+the mode (inductor would generate its own kernels around these): the engine's decode is not
+compiled, and the trainer's `model.compile` is refused by the config validation.
 """
 
 from __future__ import annotations
@@ -46,9 +55,9 @@ def enabled() -> bool:
 def enable(device: torch.device) -> None:
     """Switch this process to batch-invariant numerics (idempotent)."""
     global _library
-    if device.type != "cpu":
-        raise ValueError("algorithm.true_on_policy: bitwise-equal log-probs are implemented for the CPU "
-                         "(fp32) path only; CUDA needs batch-invariant GEMM, norm and attention kernels")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"algorithm.true_on_policy: bitwise-equal log-probs are implemented for the CPU "
+                         f"and CUDA paths, not {device.type}")
     if _library is not None:
         return
     library = torch.library.Library("aten", "IMPL")
@@ -57,6 +66,11 @@ def enable(device: torch.device) -> None:
         library.impl("mm", _mm, "CPU")
         library.impl("addmm", _addmm, "CPU")
         library.impl("silu", _silu, "CPU")
+        if device.type == "cuda":
+            from colocate.kernels import batch_invariant_cuda
+
+            library.impl("mm", batch_invariant_cuda.mm, "CUDA")
+            library.impl("addmm", batch_invariant_cuda.addmm, "CUDA")
     _library = library
 
 
@@ -65,6 +79,17 @@ def disable() -> None:
     if _library is not None:
         _library._destroy()
         _library = None
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The lm_head's logits (T, V) fp32 from hidden (T, H) and weight (V, H), as the engine and the
+    trainer both compute them in the mode: accumulated in fp32 and never rounded to half precision
+    on CUDA."""
+    if hidden.is_cuda:
+        from colocate.kernels import batch_invariant_cuda
+
+        return batch_invariant_cuda.logits(hidden, weight)
+    return torch.nn.functional.linear(hidden, weight).float()
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from colocate.kernels import batch_invariant
@@ -93,8 +92,8 @@ def token_logprobs(
 def _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy):
     """The engine's computation of the same quantity, op for op (colocate/kernels/batch_invariant.py):
     full fp32 logits from the lm_head's matrix product, scaled and read by the sampler's function.
-    Autograd keeps the (T, V) logits; the mode is for the CPU, where that is affordable."""
-    logits = F.linear(hidden, weight).float()  # (T, V)
+    Autograd keeps the (T, V) logits: the mode trades memory for exactness."""
+    logits = batch_invariant.logits(hidden, weight)  # (T, V)
     scaled = scale_logits(logits, torch.full((hidden.shape[0],), float(temperature), device=hidden.device))
     entropy = None
     if with_entropy:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from colocate.kernels import batch_invariant
+
 MASK32 = 0xFFFFFFFF
 VOCAB_SALT = 0x9E3779B9
 _PROGRAMS_PER_SM = 16
@@ -73,7 +75,11 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
 
 def sampled_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log_softmax(scaled)[id] per row: the protocol's log-prob, as the sampler computes it (and
-    the trainer too, in batch-invariant mode)."""
+    the trainer too, in batch-invariant mode, where CUDA sums each row in one fixed order)."""
+    if scaled.is_cuda and batch_invariant.enabled():
+        from colocate.kernels import batch_invariant_cuda
+
+        return scaled.gather(1, ids[:, None]).squeeze(1) - batch_invariant_cuda.logsumexp(scaled)
     return scaled.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
 
 
@@ -93,8 +99,11 @@ def gumbel_sample(logits, temperature, seed, counter, suppress_ids=None, suppres
     _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left)
     if not logits.is_cuda:
         return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
-    return _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left,
-                                 sample_config(logits.shape[0], logits.shape[1], logits.device))
+    ids, logprobs = _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left,
+                                          sample_config(logits.shape[0], logits.shape[1], logits.device))
+    if batch_invariant.enabled():  # the kernel splits a row's sum by the batch size: the trainer's function
+        return ids, sampled_logprobs(scale_logits(logits, temperature), ids)
+    return ids, logprobs
 
 
 def _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left) -> None:

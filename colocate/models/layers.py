@@ -18,6 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and batch_invariant.enabled():  # torch's mean picks its reduction order by shape
+            from colocate.kernels import batch_invariant_cuda
+
+            return batch_invariant_cuda.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, as the HF implementations do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -61,9 +65,14 @@ def packed_causal_attention(
 
     CUDA uses FlashAttention-4 where `flash.usable` (Hopper, Blackwell), else torch's varlen flash
     attention (GQA native; head_dim zero-padded to a multiple of 8); elsewhere one causal SDPA per
-    sequence; in batch-invariant mode, the engine's fixed-chunk attention per sequence.
+    sequence; in batch-invariant mode, the engine's fixed-block attention (one Triton kernel for
+    all sequences on CUDA, the fixed-chunk one per sequence elsewhere).
     """
     scale = q.shape[-1] ** -0.5
+    if batch_invariant.enabled() and q.is_cuda:
+        from colocate.kernels import invariant_attention
+
+        return invariant_attention.packed_attention(q, k, v, cu_seqlens, scale)
     if batch_invariant.enabled():
         return _per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: batch_invariant.attention(
             qs, ks, vs, torch.arange(qs.shape[0], device=qs.device), scale))

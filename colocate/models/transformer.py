@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colocate.models.config import ModelConfig
+from colocate.kernels import batch_invariant
 from colocate.kernels.rotary import reference_rotate, rotate
 from colocate.models.layers import RMSNorm, Rotary, packed_causal_attention
 
@@ -66,7 +67,10 @@ class Attention(nn.Module):
             q, k = rotate(q, k, cos, sin)
             out = packed_causal_attention(q, k, v, cu_seqlens, max_seqlen)
         else:  # the engine: plain ops, which its compiled decode step fuses with the cos/sin math
-            q, k = reference_rotate(q, cos, sin), reference_rotate(k, cos, sin)
+            if batch_invariant.enabled():  # the trainer's rounding (one per output, not per product)
+                q, k = rotate(q, k, cos, sin)
+            else:
+                q, k = reference_rotate(q, cos, sin), reference_rotate(k, cos, sin)
             out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, -1))
 

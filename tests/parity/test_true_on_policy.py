@@ -1,4 +1,4 @@
-"""True on-policy mode (CPU fp32): the engine's log-prob of every sampled token equals, bit for bit,
+"""True on-policy mode (CPU fp32; tests/parity/test_true_on_policy_gpu.py has CUDA bf16): the engine's log-prob of every sampled token equals, bit for bit,
 the trainer's, whatever the batch, the packing, prefix sharing or preemption."""
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def test_greedy_logprobs_are_bitwise_equal_too(tmp_path, invariant):
     assert torch.equal(_trainer_logprobs(model, _samples(outs, PROMPTS), 0.0, 4096), rollout)
 
 
-def test_the_mode_is_refused_on_cuda_and_can_be_left():
-    with pytest.raises(ValueError, match="algorithm.true_on_policy: .* CPU \\(fp32\\) path only"):
-        batch_invariant.enable(torch.device("cuda"))
+def test_the_mode_is_refused_off_cpu_and_cuda_and_can_be_left():
+    with pytest.raises(ValueError, match="algorithm.true_on_policy: .* CPU and CUDA paths, not meta"):
+        batch_invariant.enable(torch.device("meta"))
     batch_invariant.enable(torch.device("cpu"))
     batch_invariant.enable(torch.device("cpu"))  # idempotent
     a, b = torch.randn(3, 56), torch.randn(56, 72)

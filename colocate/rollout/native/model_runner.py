@@ -14,6 +14,10 @@ cache and attends over it, so the model never knows about paging:
   to the next, and the host reads all of them at once.
 
 Logits are computed for the sampled positions only, in fp32 (the trainer's log-prob definition).
+
+In batch-invariant mode (algorithm.true_on_policy) on CUDA, prefill and decode attend through
+`kernels.invariant_attention`, reading every key from the paged cache, and the decode forward is
+not compiled.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from colocate.kernels import batch_invariant
+from colocate.kernels import batch_invariant, invariant_attention
 from colocate.kernels.paged_attention import paged_decode_attention, store_kv
 from colocate.models import CausalLM
 from colocate.rollout.native.cuda_graphs import DecodeGraphs
@@ -42,6 +46,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torc
     attend over it. An opaque op to torch.compile, which fuses everything around it."""
     k_cache, v_cache = kv[0, layer], kv[1, layer]
     store_kv(k, v, k_cache, v_cache, slot_mapping)
+    if batch_invariant.enabled() and q.is_cuda:
+        return invariant_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     if batch_invariant.enabled():
         return _batch_invariant_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
@@ -60,6 +66,7 @@ class _PrefillContext:
     cu_seq_q: torch.Tensor  # (S+1,) int32
     cu_seq_k: torch.Tensor  # (S+1,) int32
     gather_slots: torch.Tensor | None = None  # (M,) int64 slots of all keys, when some prefix is cached
+    block_tables: torch.Tensor | None = None  # (S, max_blocks) int32, for the batch-invariant CUDA kernel
 
 
 class ModelRunner:
@@ -88,7 +95,7 @@ class ModelRunner:
         # Eager, a decode step is ~40 small kernels per layer; compiled, the elementwise work
         # between the GEMMs and the attention op fuses (the graphs then replay fewer launches).
         self._decode_fn = self._decode_logits
-        if compile_decode:
+        if compile_decode and not batch_invariant.enabled():  # inductor would bypass the mode's kernels
             self._decode_fn = torch.compile(self._decode_logits, dynamic=True, fullgraph=True)
         self.graphs = None
         if cuda_graph_max_bs and self.device.type == "cuda":
@@ -116,6 +123,8 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, H) -> (R, V) fp32, accumulated in fp32 as the trainer computes them."""
         weight = self.model.lm_head.weight
+        if batch_invariant.enabled():
+            return batch_invariant.logits(hidden, weight)
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             return torch.mm(hidden, weight.T, out_dtype=torch.float32)
         return F.linear(hidden, weight).float()
@@ -143,7 +152,11 @@ class ModelRunner:
         to = dict(device=self.device)
         ctx = _PrefillContext(slot_mapping=torch.tensor(slots, dtype=torch.int64, **to), q_lens=q_lens,
                               k_lens=k_lens, cu_seq_q=_cumsum(q_lens, **to), cu_seq_k=_cumsum(k_lens, **to))
-        if k_lens != q_lens:
+        if batch_invariant.enabled() and self.device.type == "cuda":
+            width = max(len(c.seq.block_table) for c in chunks)
+            ctx.block_tables = torch.tensor([c.seq.block_table + [-1] * (width - len(c.seq.block_table))
+                                             for c in chunks], dtype=torch.int32, **to)
+        elif k_lens != q_lens:
             gather = [s for c in chunks for s in _slots(c.seq.block_table, 0, c.end, bs)]
             ctx.gather_slots = torch.tensor(gather, dtype=torch.int64, **to)
         self._prefill = ctx
@@ -162,6 +175,9 @@ class ModelRunner:
         ctx = self._prefill
         k_cache, v_cache = self.kv[0, layer], self.kv[1, layer]
         store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.block_tables is not None:  # every key read from the cache, the new ones included
+            return invariant_attention.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.q_lens,
+                                                               ctx.k_lens, self.scale)
         if ctx.gather_slots is not None:
             k = k_cache.flatten(0, 1)[ctx.gather_slots]  # (M, Hk, D): cached prefix + new keys
             v = v_cache.flatten(0, 1)[ctx.gather_slots]

@@ -1,0 +1,230 @@
+"""Batch-invariant matrix products and row reductions on CUDA (colocate/kernels/batch_invariant.py).
+
+A row's result must not depend on how many other rows share the call, nor on where the row sits.
+cuBLAS and torch's reduction kernels choose their tiling, split-K and reduction tree from the
+shape, so a token computed beside 1 or 255 others comes out with different last bits. The kernels
+here fix every choice that decides the order of floating-point operations:
+
+- `matmul` (aten::mm and aten::addmm on CUDA, and the fp32 logits of the lm_head): one tile
+  config per input dtype (MATMUL_CONFIGS), never chosen by M; no split-K: each output element is
+  accumulated in fp32 over K in BLOCK_K steps from k = 0, and the kernel is not specialised on M.
+  Bias and alpha/beta are applied in fp32 before the one cast to the output dtype;
+- `rms_norm`: one program per row (a token, or a token's head for qk-norm), the whole row in one
+  block, its sum of squares by one fixed reduction tree;
+- `logsumexp`: one program per row, the row walked in LSE_BLOCK columns from column 0, per-lane
+  maxima then per-lane sums of exp, merged by one fixed tree.
+
+The row kernels are autograd functions whose backward differentiates the plain-torch formula (the
+gradient needs no invariance); matrix products get theirs from aten, whose derivatives are matrix
+products again.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MATMUL_CONFIGS = {  # dtype: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    torch.bfloat16: (64, 128, 64, 4, 3),
+    torch.float16: (64, 128, 64, 4, 3),
+    torch.float32: (32, 64, 32, 4, 2),
+}
+"""The one tile config per input dtype; fp32 inputs are multiplied in full precision (no TF32)."""
+LSE_BLOCK = 1024
+"""Columns per step of the log-sum-exp kernel."""
+RMS_WARPS = 4
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """aten::mm on CUDA in the mode."""
+    return matmul(a, b)
+
+
+def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    """aten::addmm on CUDA in the mode: beta * bias + alpha * (a @ b)."""
+    return matmul(a, b, bias if beta != 0 else None, alpha=alpha, beta=beta)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, alpha=1.0, beta=1.0,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a (M, K) @ b (K, N) [+ bias broadcast to (M, N)] -> (M, N) in out_dtype (default a's dtype).
+    Any strides (linear's transposed weight is a (K, N) view with strides (1, K))."""
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not multiply")
+    if a.dtype != b.dtype or a.dtype not in MATMUL_CONFIGS:
+        raise ValueError(f"batch-invariant matmul takes one dtype of {list(MATMUL_CONFIGS)}, "
+                         f"got {a.dtype} and {b.dtype}")
+    (m, k), n = a.shape, b.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype or a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if bias is not None:
+        bias = bias.expand(m, n)
+    block_m, block_n, block_k, warps, stages = MATMUL_CONFIGS[a.dtype]
+    _kernels()[0][(_cdiv(m, block_m), _cdiv(n, block_n))](
+        a, b, bias if bias is not None else out, out, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        out.stride(0), out.stride(1), float(alpha), float(beta),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def _cdiv(x: int, y: int) -> int:
+    return -(-x // y)
+
+
+class _Logits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        return matmul(hidden, weight.T, out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        grad = grad.to(hidden.dtype)
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.T @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden (T, H) @ weight (V, H).T -> (T, V) fp32, accumulated in fp32 (the lm_head's logits)."""
+    return _Logits.apply(hidden, weight)
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """models.layers.RMSNorm's formula in plain torch."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _rms_norm_triton(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            grad_x, grad_w = torch.autograd.grad(reference_rms_norm(x, weight, ctx.eps), (x, weight), grad)
+        return grad_x, grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (N, D) or (N, H, D) over its last dimension, one row per program."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.ndim not in (2, 3) or x.stride(-1) != 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: x must be (N, D) or (N, H, D) contiguous in D with weight (D,), "
+                         f"got {tuple(x.shape)} strides {x.stride()} and weight {tuple(weight.shape)}")
+    import triton
+
+    x3 = x if x.ndim == 3 else x[:, None]  # (N, H, D)
+    n, heads, dim = x3.shape
+    out = torch.empty(x3.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if n and heads:
+        _kernels()[1][(n * heads,)](x3, weight.contiguous(), out, heads, dim, x3.stride(0), x3.stride(1), eps,
+                                   BLOCK_D=triton.next_power_of_2(dim), num_warps=RMS_WARPS)
+    return out.view(x.shape)
+
+
+class _LogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        lse = _logsumexp_triton(x)
+        ctx.save_for_backward(x, lse)
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse = ctx.saved_tensors
+        return grad[:, None] * torch.exp(x - lse[:, None])
+
+
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(x))) of each row of x (B, V) fp32 -> (B,) fp32."""
+    return _LogSumExp.apply(x)
+
+
+def _logsumexp_triton(x: torch.Tensor) -> torch.Tensor:
+    if x.ndim != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError(f"logsumexp: x must be (B, V) fp32 contiguous in V, got {tuple(x.shape)} {x.dtype}")
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _kernels()[2][(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=LSE_BLOCK, num_warps=4)
+    return out
+
+
+@functools.cache
+def _kernels():
+    """Define the Triton kernels on first CUDA use, so CPU installs never import triton."""
+    global triton, tl  # the kernels resolve `tl` as a module global, as Triton expects
+    import triton
+    import triton.language as tl
+
+    # M (and the row counts below) are not specialised on: a batch of 1 compiles the same kernel.
+    @triton.jit(do_not_specialize=["m"])
+    def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, m, n, k, s_am, s_ak, s_bk, s_bn, s_biasm, s_biasn,
+                      s_cm, s_cn, alpha, beta, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok, col_ok = rows < m, cols < n
+        a_rows = a_ptr + rows.to(tl.int64)[:, None] * s_am
+        b_cols = b_ptr + cols.to(tl.int64)[None, :] * s_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            kk = k0 + ks
+            a = tl.load(a_rows + kk[None, :].to(tl.int64) * s_ak, mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
+            b = tl.load(b_cols + kk[:, None].to(tl.int64) * s_bk, mask=(kk < k)[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = acc * alpha
+        mask = row_ok[:, None] & col_ok[None, :]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows.to(tl.int64)[:, None] * s_biasm + cols[None, :] * s_biasn, mask=mask,
+                           other=0.0)
+            acc = acc + beta * bias.to(tl.float32)
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * s_cm + cols[None, :] * s_cn,
+                 acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def rms_kernel(x_ptr, w_ptr, out_ptr, heads, dim, s_xn, s_xh, eps, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        d = tl.arange(0, BLOCK_D)
+        ok = d < dim
+        x_row = x_ptr + (row // heads).to(tl.int64) * s_xn + (row % heads) * s_xh
+        x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+        normed = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * dim + d, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def lse_kernel(x_ptr, out_ptr, num_cols, s_xb, BLOCK: tl.constexpr):
+        row_ptr = x_ptr + tl.program_id(0).to(tl.int64) * s_xb
+        offs = tl.arange(0, BLOCK)
+        lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
+        for start in range(0, num_cols, BLOCK):
+            cols = start + offs
+            lane_max = tl.maximum(lane_max, tl.load(row_ptr + cols, mask=cols < num_cols, other=-float("inf")))
+        top = tl.max(lane_max, axis=0)
+        lane_sum = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, num_cols, BLOCK):
+            cols = start + offs
+            lane_sum += tl.exp(tl.load(row_ptr + cols, mask=cols < num_cols, other=-float("inf")) - top)
+        tl.store(out_ptr + tl.program_id(0), top + tl.log(tl.sum(lane_sum, axis=0)))
+
+    return matmul_kernel, rms_kernel, lse_kernel

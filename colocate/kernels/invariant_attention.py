@@ -1,0 +1,203 @@
+"""Batch-invariant causal attention on CUDA: one kernel for the trainer's packed sequences, the
+engine's prefill chunks and its decode steps (colocate/kernels/batch_invariant.py).
+
+A query at sequence position p attends over keys 0..p walked in blocks of BLOCK_N keys from
+position 0, with an online softmax in fp32: per block, scores = (q . k) * scale by one tl.dot of a
+(BLOCK_M x D) query tile with a (D x BLOCK_N) key tile, the running max, the rescale factor, the
+running sum, and acc = acc * alpha + p @ v accumulated by one tl.dot into acc; at the end acc / sum,
+cast to q's dtype. Every path runs this same code with the same constants; only the address of a
+key differs:
+
+- packed (`packed_attention`, the trainer): keys of sequence s at rows cu_seqlens[s] + j of k/v;
+- paged (`paged_prefill_attention`, `paged_decode_attention`, the engine): key j of sequence s in
+  cache block block_tables[s, j // block_size] at offset j % block_size.
+
+A program takes one head and a tile of up to BLOCK_M consecutive queries of one sequence (a decode
+step: one query, the other rows inert). The tile walks the blocks up to its last query's position;
+for an earlier query of the tile the blocks past its position are fully masked, and their update
+is an exact no-op (alpha = 1, a sum of zeros), so a query's result does not depend on its tile's
+other queries nor on where the tile starts. Keys past the tile's last position are never loaded
+(an unwritten cache slot may hold anything).
+
+The decode launch reads its sizes from tensor shapes and its context lengths on the device alone,
+so it can be captured in a CUDA graph. The trainer's path is differentiable: its backward
+differentiates torch's attention of each sequence (the gradient needs no invariance).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+BLOCK_M = 16
+"""Queries per program (the smallest tl.dot tile)."""
+BLOCK_N = 64
+"""Keys per step, counted from position 0."""
+NUM_WARPS = 4
+
+
+def reference_attention(q, k, v, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's queries q (Nq, Hq, D) at `positions` over its keys k, v
+    (Nk, Hk, D) at positions 0..Nk-1, in fp32 with dense softmax -> (Nq, Hq, D) fp32 (test oracle)."""
+    group = q.shape[1] // k.shape[1]
+    kf, vf = (t.float().repeat_interleave(group, dim=1) for t in (k, v))  # (Nk, Hq, D)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale  # (Hq, Nq, Nk)
+    future = torch.arange(k.shape[0], device=q.device)[None, :] > positions[:, None]  # (Nq, Nk)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vf)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence: q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D)."""
+    return _PackedAttention.apply(q, k, v, cu_seqlens, scale)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables: torch.Tensor, q_lens: list[int],
+                            k_lens: list[int], scale: float) -> torch.Tensor:
+    """Sequence s's q_lens[s] new queries (packed in q (N, Hq, D)) at positions
+    k_lens[s] - q_lens[s] .. k_lens[s] - 1, over its k_lens[s] cached keys (the new ones stored
+    already); caches (num_blocks, block_size, Hk, D), block_tables (S, max_blocks) int32."""
+    tiles = _tiles(q_lens, k_lens, q.device)
+    return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), tiles, block_tables, scale,
+                   block_size=k_cache.shape[1])
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query per sequence, q (B, Hq, D), at position context_lens - 1 over its cached keys;
+    rows with no context give zeros. No host sync: CUDA-graph capturable."""
+    rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
+    tiles = torch.stack([rows, rows, context_lens - 1, (context_lens > 0).to(torch.int32)])  # (4, B)
+    return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), tiles, block_tables, scale,
+                   block_size=k_cache.shape[1])
+
+
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        bounds = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        ctx.save_for_backward(q, k, v)
+        ctx.bounds, ctx.scale = bounds, scale
+        starts = cu_seqlens[:-1].to(torch.int32).contiguous()
+        return _launch(q, k, v, _tiles(lengths, lengths, q.device), starts, scale, block_size=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            outs = []
+            for a, b in zip(ctx.bounds[:-1], ctx.bounds[1:]):
+                qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=ctx.scale,
+                                                           enable_gqa=True).transpose(0, 1))
+            grads = torch.autograd.grad(torch.cat(outs), (q, k, v), grad)
+        return *grads, None, None
+
+
+def _tiles(q_lens: list[int], k_lens: list[int], device) -> torch.Tensor:
+    """(4, T) int32: per tile of up to BLOCK_M queries of one sequence, the sequence, its first
+    query's row in q, that query's position, and the tile's query count."""
+    seqs, rows, positions, counts = [], [], [], []
+    row = 0
+    for s, (nq, nk) in enumerate(zip(q_lens, k_lens)):
+        for t in range(0, nq, BLOCK_M):
+            seqs.append(s)
+            rows.append(row + t)
+            positions.append(nk - nq + t)
+            counts.append(min(BLOCK_M, nq - t))
+        row += nq
+    return torch.tensor([seqs, rows, positions, counts], dtype=torch.int32).view(4, -1).to(device)
+
+
+def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    """k, v (rows, Hk, D): packed keys (block_size 0; `keys` holds each sequence's first row) or the
+    cache's flat slots (`keys` is the block table)."""
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: q (N, Hq, D), k/v (M, Hk, D) with Hk | Hq, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype != k.dtype or v.dtype != k.dtype or any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("attention: q, k, v must share one dtype and be contiguous in head_dim")
+    if tiles.dtype != torch.int32 or keys.dtype != torch.int32:
+        raise ValueError("attention: tiles and block tables / sequence starts must be int32")
+    import triton
+
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    out = torch.zeros_like(q)  # (N, Hq, D); rows of an empty context stay zero
+    num_tiles = tiles.shape[1]
+    if num_tiles == 0:
+        return out
+    tiles = tiles.contiguous()
+    _kernel()[(num_tiles, num_heads)](
+        q, k, v, out, tiles, num_tiles, keys, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+        out.stride(1), keys.stride(0),
+        GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_SIZE=max(block_size, 1), PAGED=block_size > 0,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=2,
+    )
+    return out
+
+
+@functools.cache
+def _kernel():
+    """Define the Triton kernel on first CUDA use, so CPU installs never import triton."""
+    global triton, tl  # the kernel resolves `tl` as a module global, as Triton expects
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["num_tiles"])
+    def attend(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, num_tiles, keys_ptr, scale,
+               s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_on, s_oh, s_keys,
+               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr):
+        tile = tl.program_id(0)
+        head = tl.program_id(1)
+        kv_head = head // GROUP
+        seq = tl.load(tiles_ptr + tile)
+        row0 = tl.load(tiles_ptr + num_tiles + tile)
+        pos0 = tl.load(tiles_ptr + 2 * num_tiles + tile)
+        count = tl.load(tiles_ptr + 3 * num_tiles + tile)
+        r = tl.arange(0, BLOCK_M)
+        live = r < count
+        pos = tl.where(live, pos0 + r, -1)  # (BM,), inert rows see no key
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        q_rows = (row0 + r).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * s_qn + head * s_qh + d[None, :],
+                    mask=live[:, None] & d_ok[None, :], other=0.0)  # (BM, D)
+        last = pos0 + count - 1
+        m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        if not PAGED:
+            first_key = tl.load(keys_ptr + seq)
+        for start in range(0, last + 1, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            k_ok = j <= last
+            if PAGED:
+                block = tl.load(keys_ptr + seq.to(tl.int64) * s_keys + j // BLOCK_SIZE, mask=k_ok, other=0)
+                kv_rows = block.to(tl.int64) * BLOCK_SIZE + j % BLOCK_SIZE
+            else:
+                kv_rows = (first_key + j).to(tl.int64)
+            kt = tl.load(k_ptr + kv_rows[None, :] * s_kn + kv_head * s_kh + d[:, None],
+                         mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # (D, BN)
+            scores = tl.dot(q, kt, input_precision=PRECISION) * scale  # (BM, BN)
+            scores = tl.where(j[None, :] <= pos[:, None], scores, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(v_ptr + kv_rows[:, None] * s_vn + kv_head * s_vh + d[None, :],
+                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # (BN, D)
+            acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * s_on + head * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & d_ok[None, :])
+
+    return attend

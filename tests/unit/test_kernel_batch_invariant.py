@@ -1,0 +1,110 @@
+"""The batch-invariant CUDA kernels in bf16: each row's bits independent of the rows beside it,
+and the values within rounding of an fp32 reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from colocate.kernels import batch_invariant, batch_invariant_cuda, invariant_attention
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def invariant():
+    batch_invariant.enable(torch.device("cuda"))
+    yield
+    batch_invariant.disable()
+
+
+def _bf16(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).bfloat16()
+
+
+def test_linear_rows_do_not_depend_on_the_batch(invariant):
+    torch.manual_seed(0)
+    x, weight, bias = _bf16(64, 1536), _bf16(8960, 1536, scale=0.02), _bf16(8960)
+    full = F.linear(x, weight, bias)  # aten::addmm with the transposed weight view
+    ref = x.float() @ weight.float().T + bias.float()
+    torch.testing.assert_close(full.float(), ref, rtol=1e-2, atol=1e-2)
+    for m in (1, 3, 16, 17, 64):
+        for start in sorted({0, 5, 64 - m}):
+            assert torch.equal(F.linear(x[start:start + m], weight, bias), full[start:start + m]), (m, start)
+            assert torch.equal(F.linear(x[start:start + m], weight), F.linear(x, weight)[start:start + m])
+    # A column does not depend on the other columns either (packed gate/up vs separate projections).
+    assert torch.equal(F.linear(x, weight[:4480]), F.linear(x, weight)[:, :4480])
+    logits = batch_invariant.logits(x, weight)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x.float() @ weight.float().T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(batch_invariant.logits(x[7:8], weight), logits[7:8])
+
+
+def test_row_reductions_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    x, w = _bf16(300, 12, 128, scale=3), _bf16(128) + 1
+    full = batch_invariant_cuda.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(full.float(), batch_invariant_cuda.reference_rms_norm(x, w, 1e-6).float(),
+                               rtol=2e-2, atol=2e-2)
+    for m in (1, 3, 16, 17, 64):
+        assert torch.equal(batch_invariant_cuda.rms_norm(x[100:100 + m], w, 1e-6), full[100:100 + m])
+    z = torch.randn(256, 151936, device="cuda") * 4
+    lse = batch_invariant_cuda.logsumexp(z)
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-5, atol=1e-5)
+    for m in (1, 3, 17, 64):
+        assert torch.equal(batch_invariant_cuda.logsumexp(z[9:9 + m]), lse[9:9 + m])
+
+
+def test_packed_prefill_and_decode_attention_agree_bitwise():
+    torch.manual_seed(0)
+    lens, heads, kv_heads, dim, block_size = [7, 300, 1, 129, 64], 12, 2, 128, 16
+    n, scale = sum(lens), dim ** -0.5
+    q, k, v = _bf16(n, heads, dim), _bf16(n, kv_heads, dim), _bf16(n, kv_heads, dim)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    packed = invariant_attention.packed_attention(q, k, v, cu, scale)
+    for s in range(len(lens)):
+        a, b = cu[s].item(), cu[s + 1].item()
+        ref = invariant_attention.reference_attention(q[a:b], k[a:b], v[a:b], torch.arange(b - a, device="cuda"),
+                                                      scale)
+        torch.testing.assert_close(packed[a:b].float(), ref, rtol=2e-2, atol=2e-2)
+    # The cache: every sequence in shuffled blocks, unwritten slots NaN.
+    k_cache = torch.full((64, block_size, kv_heads, dim), float("nan"), device="cuda").bfloat16()
+    v_cache = k_cache.clone()
+    free = torch.randperm(64).tolist()
+    tables = torch.full((len(lens), 32), -1, dtype=torch.int32, device="cuda")
+    for s, length in enumerate(lens):
+        for j in range(0, length, block_size):
+            tables[s, j // block_size] = block = free.pop()
+            rows = slice(cu[s].item() + j, cu[s].item() + min(j + block_size, length))
+            k_cache[block, : rows.stop - rows.start], v_cache[block, : rows.stop - rows.start] = k[rows], v[rows]
+    chunks = {0: [3, 4], 1: [100, 1, 199], 2: [1], 3: [64, 65], 4: [10, 20, 34]}
+    prefilled = torch.zeros_like(q)
+    for step in range(3):
+        live = [s for s in chunks if step < len(chunks[s])]
+        starts = [sum(chunks[s][:step]) for s in live]
+        q_lens = [chunks[s][step] for s in live]
+        rows = [torch.arange(cu[s].item() + a, cu[s].item() + a + m) for s, a, m in zip(live, starts, q_lens)]
+        out = invariant_attention.paged_prefill_attention(
+            q[torch.cat(rows)], k_cache, v_cache, tables[live], q_lens, [a + m for a, m in zip(starts, q_lens)], scale)
+        prefilled[torch.cat(rows)] = out
+    assert torch.equal(prefilled, packed)
+    decoded = torch.zeros_like(q)
+    batch = len(lens) + 3  # three padded rows of no context, as in a captured graph's bucket
+    q_static = torch.zeros(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+    lens_static = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    tables_static = torch.cat([tables, torch.full((3, 32), -1, dtype=torch.int32, device="cuda")])
+    invariant_attention.paged_decode_attention(q_static, k_cache, v_cache, tables_static, lens_static, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = invariant_attention.paged_decode_attention(q_static, k_cache, v_cache, tables_static,
+                                                                lens_static, scale)
+    for j in range(max(lens)):
+        live = [s for s in range(len(lens)) if j < lens[s]]
+        rows = torch.tensor([cu[s].item() + j for s in live])
+        q_static.zero_()
+        lens_static.zero_()
+        q_static[torch.tensor(live)] = q[rows]
+        lens_static[torch.tensor(live)] = j + 1
+        graph.replay()
+        decoded[rows] = out_static[torch.tensor(live)]
+        assert not out_static[len(lens):].any()
+    assert torch.equal(decoded, packed)
