@@ -1,5 +1,5 @@
 """True on-policy mode on CUDA in bf16, with the engine's decode graphs on: every sampled token's
-engine log-prob equals, bit for bit, the trainer's first forward's (issue 23's acceptance test)."""
+engine log-prob equals, bit for bit, the trainer's first forward's."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from colocate.rollout.sample import Sample
 from colocate.trainer.actor import response_logprobs
 from colocate.trainer.batch import RolloutBatch, build_micro_batch
 from colocate.trainer.packing import pack_micro_batches
+from tests.integration.test_engine_gpu import SMALL
 
 pytestmark = pytest.mark.gpu
 
@@ -21,9 +22,6 @@ QWEN25_15B = ModelConfig(
     model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
     num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
     tie_word_embeddings=True, attention_bias=True, eos_token_id=151643)
-SMALL_QWEN3 = ModelConfig(
-    model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=32, qk_norm=True, eos_token_id=1)
 
 
 @pytest.fixture
@@ -61,7 +59,7 @@ def _trainer_logprobs(model, samples: list[Sample], temperature: float, max_toke
 
 
 @pytest.mark.parametrize("cfg, num_prompts, max_new_tokens", [
-    pytest.param(SMALL_QWEN3, 16, 64, id="qwen3-small"),
+    pytest.param(SMALL, 16, 64, id="qwen3-small"),
     pytest.param(QWEN25_15B, 64, 256, id="qwen2-1.5b-shape", marks=pytest.mark.slow),
 ])
 def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(invariant, cfg, num_prompts, max_new_tokens):
