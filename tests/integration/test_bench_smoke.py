@@ -1,5 +1,5 @@
 """The benchmark scripts that have a CPU mode run end to end on CPU, so they cannot rot between
-GPU sessions: the GRPO-step bench writes per-phase timings for every variant it was asked for, the
+GPU runs: the GRPO-step bench writes per-phase timings for every variant it was asked for, the
 rollout bench's long-tail case its lengths, utilization and decode roofline probes, and the trainer
 bench's peers every configuration, the tuned ones with the default's loss."""
 
