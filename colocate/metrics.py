@@ -108,6 +108,19 @@ def _json_safe(value: int | float | None) -> int | float | None:
     return value
 
 
+def plain_metrics(metrics: dict[str, Any]) -> dict[str, int | float | None]:
+    """The metrics as JSON numbers (tensors read, non-finite floats null), e.g. for a checkpoint."""
+    return {key: _json_safe(_to_number(key, value)) for key, value in metrics.items()}
+
+
+def logged_steps(output_dir: str | os.PathLike) -> set[int]:
+    """Steps with a record in OUTPUT_DIR/metrics.jsonl (none when there is no file yet)."""
+    try:
+        return {r["step"] for r in read_metrics(output_dir)}
+    except FileNotFoundError:
+        return set()
+
+
 def _wandb_mode() -> str:
     """`WANDB_MODE` when the user set it; else online if an API key is known, offline if not.
 

@@ -138,21 +138,36 @@ class Loop:
         self.inputs.data.load_state_dict(extra["data"])
         self.start_rollout_id = extra["rollout_id"] + 1
         self.weight_version = extra["weight_version"]
+        self._log_lost_record(extra)
         if self.cfg.rollout.partial_rollout:
             self.resumed_rollouts = extra.get("partial_rollout")
         elif any(extra.get("partial_rollout") or []):
             self.log.info("rollout.partial_rollout is off: the checkpoint's groups in flight are dropped")
         self.log.info(f"resumed from {path} at rollout {self.start_rollout_id}")
 
+    def _log_lost_record(self, extra: dict) -> None:
+        """The checkpointed step's record, from the checkpoint, if the run died before writing it
+        (marked resume/record_from_checkpoint; it lacks what came after the save)."""
+        from colocate.metrics import logged_steps
+
+        step, saved = extra["rollout_id"], extra.get("metrics")
+        if saved is not None and self.info.is_main and step not in logged_steps(self.out):
+            self.log.log(step, {**saved, "resume/record_from_checkpoint": 1})
+            self.log.info(f"step {step}'s metrics record was lost with the run: written from the checkpoint")
+
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         with self.phase("eval"):
             return self.rollout.evaluate(self.inputs.eval_sets, rollout_id, self.cfg.eval)
 
-    def save(self, rollout_id: int):
+    def save(self, rollout_id: int, step_metrics: dict):
+        """A checkpoint after the step's training. It also holds the step's metrics so far: the
+        record is written after to_rollout and eval, and a run that dies in between gets it back
+        on resume (`_maybe_resume`)."""
         from colocate.checkpoint import save_checkpoint
+        from colocate.metrics import plain_metrics
 
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
-                 "data": self.inputs.data.state_dict()}
+                 "data": self.inputs.data.state_dict(), "metrics": plain_metrics(step_metrics)}
         if self.cfg.rollout.partial_rollout:  # the groups in flight, carried into the next step
             extra["partial_rollout"] = self.rollout.state_dict()
         save_checkpoint(self.cfg.checkpoint_dir, rollout_id, self.trainer.checkpoint_states(), extra=extra,
@@ -184,7 +199,7 @@ class Loop:
             interval = cfg.checkpoint.save_interval
             if interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end or last):
                 with self.phase("save"):
-                    self.save(rollout_id)
+                    self.save(rollout_id, {**metrics, **rollout_metrics, **train_metrics, **to_train.metrics()})
             self.weight_version += 1
             with self.phase("to_rollout"):
                 to_rollout = self.colocation.to_rollout(self.weight_version)

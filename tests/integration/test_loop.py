@@ -108,11 +108,11 @@ def by_step(out: Path) -> dict[int, dict]:
 
 
 def assert_every_step_logged(out: Path, logged_before_kill: list[int]) -> None:
-    """Steps 0-5 logged over the killed and the resumed run. One exception: the kill can land after
-    checkpoint 1 is saved but before step 1's row is written; resume then starts at step 2 and that
-    row is never written (the checkpoint itself is complete)."""
-    expected = list(range(6)) if 1 in logged_before_kill else [0, *range(2, 6)]
-    assert sorted(by_step(out)) == expected, ([r["step"] for r in read_metrics(out)], logged_before_kill)
+    """Steps 0-5 logged over the killed and the resumed run. When the kill landed after checkpoint 1
+    was saved but before step 1's record was written, resume writes that record from the checkpoint."""
+    rows = by_step(out)
+    assert sorted(rows) == list(range(6)), ([r["step"] for r in read_metrics(out)], logged_before_kill)
+    assert (rows[1].get("resume/record_from_checkpoint") == 1) == (1 not in logged_before_kill)
 
 
 DETERMINISTIC = ("rollout/raw_reward", "rollout/response_len/mean", "train/pg_loss", "train/grad_norm",
@@ -153,6 +153,23 @@ def test_two_ranks_train_save_kill_and_resume_like_uninterrupted(tmp_path):
     for step in range(2, 6):
         for key in DETERMINISTIC:
             assert resumed[step][key] == pytest.approx(rows[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+@pytest.mark.slow
+def test_resume_writes_the_record_a_dead_run_lost(tmp_path):
+    # A run that died after saving checkpoint 1 but before writing step 1's record.
+    out = tmp_path / "run"
+    torchrun(toy_config(tmp_path, train={"num_rollout": 2}), out, nproc=1)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1] and (out / "checkpoints" / "rollout_000001").is_dir()
+    lost = rows[1]
+    (out / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    torchrun(toy_config(tmp_path, train={"num_rollout": 3}), out, nproc=1)
+    resumed = by_step(out)
+    assert sorted(resumed) == [0, 1, 2] and resumed[1]["resume/record_from_checkpoint"] == 1
+    for key in DETERMINISTIC:  # what the step measured up to its checkpoint, as it measured it
+        assert resumed[1][key] == lost[key], key
+    assert "resume/record_from_checkpoint" not in resumed[2]
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 from colocate.config import Config
 from colocate.metrics import read_metrics
 from tests.distributed import run_ranks
-from tests.integration.test_resume_state import _assert_equal, _compared, run_loop
+from tests.integration.test_resume_state import _assert_equal, _compared, assert_record_from_checkpoint, run_loop
 
 BEFORE = [
     {"rollout/raw_reward": 0.0796875, "rollout/response_len/mean": 7.75, "rollout/truncated_ratio": 0.8125,
@@ -138,8 +138,9 @@ def test_resume_continues_carried_samples_and_every_group_trains_once(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     full = {r["step"]: r for r in read_metrics(tmp_path / "full")}
     stopped = read_metrics(tmp_path / "stopped")
-    assert [r["step"] for r in stopped] == [*range(STOP_AFTER), *range(STOP_AFTER + 1, NUM_ROLLOUT)]
-    resumed_rows = stopped[STOP_AFTER:]
+    assert [r["step"] for r in stopped] == list(range(NUM_ROLLOUT))  # step 1's record from the checkpoint
+    assert_record_from_checkpoint(stopped[STOP_AFTER], full[STOP_AFTER])
+    resumed_rows = stopped[STOP_AFTER + 1:]
     assert sum(r["rollout/partial/resumed_samples"] for r in resumed_rows) > 0
     assert any(r["rollout/partial/staleness_1"] > 0 for r in resumed_rows)
     for row in resumed_rows:

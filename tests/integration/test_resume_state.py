@@ -82,8 +82,8 @@ def run_loop(cfg, stop: bool, prepare=None):
         if stop:
             save = loop.save
 
-            def save_and_stop(rollout_id):
-                save(rollout_id)
+            def save_and_stop(rollout_id, step_metrics):
+                save(rollout_id, step_metrics)
                 raise _Stopped
 
             loop.save = save_and_stop
@@ -122,6 +122,15 @@ def runs(tmp_path_factory):
     return root, torch.load(root / "result.pt")
 
 
+def assert_record_from_checkpoint(row: dict, full: dict) -> None:
+    """A record resume wrote from the checkpoint: marked, and what it holds (the step's rollout
+    and training, not what came after the save) as the uninterrupted run logged it."""
+    assert row["resume/record_from_checkpoint"] == 1
+    got = _compared(row)
+    assert {"train/pg_loss", "train/grad_norm", "rollout/raw_reward"} <= set(got)
+    assert got == {k: v for k, v in _compared(full).items() if k in got}
+
+
 def _compared(row: dict) -> dict:
     """A step's logged values that do not depend on timing or memory."""
     return {k: v for k, v in row.items() if k.split("/")[0] in ("train", "critic", "rollout")
@@ -144,9 +153,10 @@ def test_resumed_run_matches_the_uninterrupted_one(runs):
     assert result["start"] == STOP_AFTER + 1
     full = {r["step"]: r for r in read_metrics(root / "full")}
     stopped = read_metrics(root / "stopped")
-    # Stopped between its save and its log: step 1 is logged only by the uninterrupted run.
-    assert [r["step"] for r in stopped] == [*range(STOP_AFTER), *range(STOP_AFTER + 1, NUM_ROLLOUT)]
-    for row in stopped[STOP_AFTER:]:
+    # Stopped between its save and its log: resume writes step 1's record from the checkpoint.
+    assert [r["step"] for r in stopped] == list(range(NUM_ROLLOUT))
+    assert_record_from_checkpoint(stopped[STOP_AFTER], full[STOP_AFTER])
+    for row in stopped[STOP_AFTER + 1:]:
         expected, got = _compared(full[row["step"]]), _compared(row)
         assert {"train/lr", "critic/lr", "train/kl_loss", "critic/value_loss", "rollout/raw_reward"} <= set(got)
         assert got == expected, row["step"]
