@@ -225,7 +225,7 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
 
     from colocate import dist
     from colocate.config import load_config
-    from colocate.metrics import read_metrics
+    from colocate.metrics import read_metrics, startup_phases
     from colocate.train import Loop
 
     cfg = load_config(["--config", str(config_path)])
@@ -268,8 +268,7 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
         "build_s": build_s,
-        "startup_s": {k[len("perf/startup/"):-len("_s")]: v for k, v in rows[0].items()
-                      if k.startswith("perf/startup/")} if rows else {},
+        "startup_s": startup_phases(rows[0]) if rows else {},
         "steps_s": steps,
         "step_median_s": median(steps),
         "phase_median_s": {p: med(f"perf/{p}_time") for p in phases},

@@ -111,23 +111,25 @@ def make_prompts(num: int, length: int, seed: int = 0,
     return torch.randint(0, vocab_size, (num, length), generator=g).tolist()
 
 
+def kv_bytes_per_token(engine: NativeEngine) -> int:
+    """K and V of one token in every layer, in the engine's dtype."""
+    cfg = engine.model.config
+    itemsize = next(engine.model.parameters()).dtype.itemsize
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
 def ideal_decode_step_s(engine: NativeEngine, batch: int, mean_context: float, bytes_per_s: float) -> float:
     """A decode step that reads every weight and the batch's KV cache once at `bytes_per_s`."""
-    cfg = engine.model.config
     weight_bytes = engine.memory_stats()["weights_bytes"]
-    itemsize = next(engine.model.parameters()).dtype.itemsize
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
-    return (weight_bytes + batch * mean_context * kv_bytes_per_token) / bytes_per_s
+    return (weight_bytes + batch * mean_context * kv_bytes_per_token(engine)) / bytes_per_s
 
 
 def decode_floor_s(engine: NativeEngine, prompt_len: int, lengths: list[int], steps: int) -> float:
     """The HBM floor of decoding `lengths` after `prompt_len`-token prompts in `steps` decode
     steps: every step reads the weights once, every token reads its sequence's KV once."""
-    cfg = engine.model.config
-    itemsize = next(engine.model.parameters()).dtype.itemsize
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
     kv_reads = sum(prompt_len * n + n * (n - 1) // 2 for n in lengths)
-    return (steps * engine.memory_stats()["weights_bytes"] + kv_reads * kv_bytes_per_token) / HBM_PEAK_BYTES_PER_S
+    weight_bytes = engine.memory_stats()["weights_bytes"]
+    return (steps * weight_bytes + kv_reads * kv_bytes_per_token(engine)) / HBM_PEAK_BYTES_PER_S
 
 
 def tail_floors(engine: NativeEngine, prompt_len: int, lengths: list[int], seats: int) -> dict:

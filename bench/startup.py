@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from colocate.metrics import read_metrics, startup_phases
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "startup.json"
 TOY_STEPS = 10
@@ -69,8 +71,8 @@ def run_toy(work: pathlib.Path, env: dict, label: str) -> dict:
            "--train.num_rollout", str(TOY_STEPS), "--logging.console", "False"]
     start = time.time()
     wall = timed_run(cmd, memory_saver_preload(config, env), work / f"toy_{label}.log")
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    startup = {k[len("perf/startup/"):-len("_s")]: v for k, v in rows[0].items() if k.startswith("perf/startup/")}
+    rows = read_metrics(out_dir)
+    startup = startup_phases(rows[0])
     top = sum(v for k, v in startup.items() if not k.startswith("engine_"))
     return {"wall_s": wall, "startup_s": top, "phases_s": startup,
             "first_step_done_s": rows[0]["time"] - start, "steps_s": rows[-1]["time"] - rows[0]["time"],

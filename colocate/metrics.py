@@ -113,6 +113,12 @@ def plain_metrics(metrics: dict[str, Any]) -> dict[str, int | float | None]:
     return {key: _json_safe(_to_number(key, value)) for key, value in metrics.items()}
 
 
+def startup_phases(record: dict[str, Any]) -> dict[str, float]:
+    """The `perf/startup/<part>_s` values of a record (the first step's), keyed by part."""
+    prefix, suffix = "perf/startup/", "_s"
+    return {k[len(prefix):-len(suffix)]: v for k, v in record.items() if k.startswith(prefix)}
+
+
 def logged_steps(output_dir: str | os.PathLike) -> set[int]:
     """Steps with a record in OUTPUT_DIR/metrics.jsonl (none when there is no file yet)."""
     try:

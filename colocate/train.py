@@ -52,7 +52,9 @@ class Phases:
 
 def _startup_line(startup: dict[str, float]) -> str:
     """'start-up 4.4 s: inputs 3.8, trainer 0.5, ..., engine 0.1 (weights 0.0, ...), first sync 0.0'."""
-    parts = {k[len("perf/startup/"):-len("_s")]: v for k, v in startup.items()}
+    from colocate.metrics import startup_phases
+
+    parts = startup_phases(startup)
     engine = ", ".join(f"{k[len('engine_'):].replace('_', ' ')} {v:.1f}" for k, v in parts.items()
                        if k.startswith("engine_"))
     top = [(k, v) for k, v in parts.items() if not k.startswith("engine_")]
