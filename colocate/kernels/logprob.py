@@ -26,6 +26,7 @@ import functools
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 from colocate.kernels import batch_invariant
 from colocate.kernels.sampling import sampled_logprobs, scale_logits
@@ -35,6 +36,9 @@ MAX_CHUNK_ELEMENTS = 1 << 26
 half-precision gradient is the peak extra memory. Smaller tiles launch more kernels per token: a
 profile of 0.5B-shape training (16k-token micro-batches, 64 MiB tiles) found this backward
 host-bound, its launches taking twice its device time."""
+INVARIANT_CHUNK_ELEMENTS = 1 << 29
+"""Logits per chunk (2 GiB in fp32) in algorithm.true_on_policy's log-prob, whose matrix product
+wants many rows at a time."""
 
 _INIT_MAX = -1e30
 """Running-max start value: finite, so merging an empty accumulator never forms inf - inf."""
@@ -91,9 +95,22 @@ def token_logprobs(
 
 def _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy):
     """The engine's computation of the same quantity, op for op (colocate/kernels/batch_invariant.py):
-    full fp32 logits from the lm_head's matrix product, scaled and read by the sampler's function.
-    Autograd keeps the (T, V) logits: the mode trades memory for exactness."""
-    logits = batch_invariant.logits(hidden, weight)  # (T, V)
+    fp32 logits from the lm_head's matrix product, scaled and read by the sampler's function. A
+    token's result depends on its row alone, so the rows go through in chunks of about
+    INVARIANT_CHUNK_ELEMENTS logits, each recomputed in the backward: one chunk's (rows, V) logits
+    are alive at a time, not the whole (T, V)."""
+    rows = max(1, INVARIANT_CHUNK_ELEMENTS // weight.shape[0])
+    parts = [checkpoint(_invariant_chunk, h, weight, t, temperature, with_entropy, use_reentrant=False)
+             if torch.is_grad_enabled() else _invariant_chunk(h, weight, t, temperature, with_entropy)
+             for h, t in zip(hidden.split(rows), targets.split(rows))]
+    if not parts:
+        return _invariant_chunk(hidden, weight, targets, temperature, with_entropy)
+    logprobs = torch.cat([p[0] for p in parts])
+    return logprobs, (torch.cat([p[1] for p in parts]) if with_entropy else None)
+
+
+def _invariant_chunk(hidden, weight, targets, temperature, with_entropy):
+    logits = batch_invariant.logits(hidden, weight)  # (rows, V)
     scaled = scale_logits(logits, torch.full((hidden.shape[0],), float(temperature), device=hidden.device))
     entropy = None
     if with_entropy:

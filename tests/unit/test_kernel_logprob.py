@@ -78,6 +78,25 @@ def test_token_chunks_give_the_same_result_and_bound_the_tile(monkeypatch):
     assert len(tiles) >= 9 * 7
 
 
+def test_true_on_policy_row_chunks_change_no_bit_and_train_like_the_reference(monkeypatch):
+    """algorithm.true_on_policy's log-prob goes through the rows in recomputed chunks: the values
+    equal those of one chunk bit for bit, and values and gradients match the reference."""
+    from colocate.kernels import batch_invariant
+
+    inputs = _inputs(45, 210, 4)
+    batch_invariant.enable(torch.device("cpu"))
+    try:
+        whole = _values_and_grads(token_logprobs, *inputs, 0.9, True)
+        monkeypatch.setattr(logprob, "INVARIANT_CHUNK_ELEMENTS", 210 * 8)  # 6 chunks of 8 rows (the last 5)
+        chunked = _values_and_grads(token_logprobs, *inputs, 0.9, True)
+    finally:
+        batch_invariant.disable()
+    want = _values_and_grads(reference_token_logprobs, *inputs, 0.9, True)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+    for name, g, w in zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), chunked, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_uniform_logits_by_hand():
     """A zero lm_head gives every token probability 1/V: logprob = -log V, entropy = log V."""
     hidden = torch.randn(4, 8)
