@@ -21,9 +21,11 @@ K_P99 = 2.0
 """As K_MEAN for the 99th percentile, which a few thousand tokens estimate less steadily."""
 EPS = 1e-6
 """Absolute slack on every bound (nats): below it fp32 accumulation order alone differs."""
-MAX_BASELINE_MEAN = 0.2
+MAX_BASELINE_MEAN = 1.0
 """The baseline's own mean error must stay under this (nats): a larger one means the reference is
-a different model or the inputs are misaligned, and every bound derived from it is vacuous."""
+a different model or the inputs are misaligned, and every bound derived from it is vacuous. bf16
+rounding alone reaches 0.23 nats on a 24-layer random model at temperature 1 (H200, Qwen2.5-0.5B
+shape); log-probs of another model differ by several nats."""
 MIN_TOKENS = 2000
 """Tokens needed before a 99th percentile is more than the few largest errors."""
 K_GRAD = 3.0
