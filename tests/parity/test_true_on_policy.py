@@ -103,20 +103,25 @@ def test_attention_matches_sdpa_and_ignores_chunks_past_the_query():
     assert torch.equal(first, got[:1])
 
 
-@pytest.mark.slow
-def test_a_toy_run_in_the_mode_logs_no_mismatch_at_all(tmp_path):
-    """5 GRPO steps of the toy task: the rollout and the trainer's first forward agree exactly."""
+def assert_toy_run_has_no_mismatch(tmp_path, steps: int, env: dict) -> None:
+    """`steps` GRPO steps of the toy task in the mode: the rollout and the trainer's first forward agree
+    exactly at every step."""
     out = tmp_path / "run"
-    env = {"COLOCATE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"}
+    env = {**env, "COLOCATE_CACHE": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-m", "colocate.train", "--config", "configs/default.yaml",
-                           "--output-dir", str(out), "--train.num-rollout", "5", "--algorithm.true-on-policy", "True",
-                           "--logging.console", "False"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "--output-dir", str(out), "--train.num-rollout", str(steps),
+                           "--algorithm.true-on-policy", "True", "--logging.console", "False"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/ppo_kl" in r]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows] == list(range(steps))
     for r in rows:
         assert r["train/train_rollout_logprob_abs_diff"] == 0.0 and r["train/ppo_kl"] == 0.0, r["step"]
         assert r["train/mismatch/abs_diff_max"] == 0.0 and r["train/mismatch/nonzero_frac"] == 0.0
         assert r["train/mismatch/kl_k3"] == 0.0 and r["train/mismatch/ppl_ratio"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_toy_run_in_the_mode_logs_no_mismatch_at_all(tmp_path):
+    assert_toy_run_has_no_mismatch(tmp_path, 5, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"})

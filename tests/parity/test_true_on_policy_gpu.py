@@ -3,6 +3,8 @@ engine log-prob equals, bit for bit, the trainer's first forward's."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from colocate.trainer.actor import response_logprobs
 from colocate.trainer.batch import RolloutBatch, build_micro_batch
 from colocate.trainer.packing import pack_micro_batches
 from tests.integration.test_engine_gpu import SMALL
+from tests.parity.test_true_on_policy import assert_toy_run_has_no_mismatch
 
 pytestmark = pytest.mark.gpu
 
@@ -81,3 +84,8 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(invariant, cfg, n
     alone = engine.generate(prompts[:3], sampling)  # a smaller batch: other decode buckets and prefill mixes
     assert torch.equal(torch.tensor([lp for c in alone for lp in c.logprobs]),
                        torch.tensor([lp for c in outs[:24] for lp in c.logprobs]))
+
+
+def test_a_20_step_grpo_run_on_cuda_logs_no_mismatch_at_all(tmp_path):
+    """The toy task in bf16 on the GPU (the default config's dtype there), decode graphs on."""
+    assert_toy_run_has_no_mismatch(tmp_path, 20, dict(os.environ))
