@@ -2,8 +2,8 @@
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train train_small
 #                                          kernels units
-#                                          (and, asked for by name: tail e2e_tail startup; multigpu, on a machine
-#                                          of 2 or more GPUs)
+#                                          (and, asked for by name: tail e2e_tail startup on_policy; multigpu,
+#                                          on a machine of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
@@ -33,6 +33,7 @@ for step in $steps; do
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
     startup) run startup 400 python bench/startup.py ;;
+    on_policy) run on_policy 560 python bench/true_on_policy.py ;;
     train) run train 590 python bench/train.py --models 1.5b --budget-s 560 ;;
     train_small) run train_small 330 python bench/train.py --models 0.5b --budget-s 300 ;;
     kernels) run kernels 60 python bench/kernels.py ;;

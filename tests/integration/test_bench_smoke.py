@@ -1,7 +1,8 @@
 """The benchmark scripts that have a CPU mode run end to end on CPU, so they cannot rot between
 GPU runs: the GRPO-step bench writes per-phase timings for every variant it was asked for, the
-rollout bench's long-tail case its lengths, utilization and decode roofline probes, and the trainer
-bench's peers every configuration, the tuned ones with the default's loss."""
+rollout bench's long-tail case its lengths, utilization and decode roofline probes, the trainer
+bench's peers every configuration, the tuned ones with the default's loss, and the true on-policy
+bench the mode's cost with bitwise-equal log-probs."""
 
 from __future__ import annotations
 
@@ -143,3 +144,28 @@ def test_train_bench_cpu_smoke_tuned_peers_match_the_default_peers_loss(tmp_path
     assert [p["micro_batches_per_step"] for p in peers] == [1, 1, 1, 2]  # 512 tokens a step
     assert all(p["tokens_per_s"] > 0 and p["mfu"] > 0 and p["peak_gib"] is None for p in peers)
     assert "best peer of 4/4 configurations" in done.stdout
+
+
+@pytest.mark.slow
+def test_true_on_policy_bench_cpu_smoke_reports_both_modes_and_bitwise_equal_logprobs(tmp_path):
+    out = tmp_path / "true_on_policy.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "true_on_policy.py"), "--cpu-smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    results = json.loads(out.read_text())
+    assert results["device"] == "cpu" and results["torch"]
+    r = results["models"]["tiny"]
+    assert r["bitwise_equal_frac"] == 1.0
+    rollout, train = r["rollout"], r["train"]
+    assert set(train) == {"off", "off_uncompiled", "on", "slowdown", "slowdown_vs_uncompiled"}
+    for run in (rollout["off"], rollout["on"], train["off"], train["off_uncompiled"], train["on"]):
+        assert run["tokens_per_s"] > 0, run
+    assert not rollout["on"]["compile_decode"] and not train["on"]["compile"]
+    assert len(rollout["on"]["runs_tokens_per_s"]) == len(train["on"]["step_s"]) == results["reps"] == 3
+    assert train["off"]["step_tokens"] == train["on"]["step_tokens"]  # the same batches in every case
+    assert rollout["slowdown"] == pytest.approx(rollout["off"]["tokens_per_s"] / rollout["on"]["tokens_per_s"])
+    assert train["slowdown"] == pytest.approx(train["off"]["tokens_per_s"] / train["on"]["tokens_per_s"])
+    assert r["targets"] == {"rollout_slowdown": 1.3, "train_slowdown": 1.15}
+    assert r["met"] == {"rollout": rollout["slowdown"] <= 1.3, "train": train["slowdown"] <= 1.15}
+    assert r["plan"]["label"] and r["plan"]["source"]
+    assert done.stdout.startswith("tiny: rollout ") and "bitwise equal log-probs 100.00% of tokens" in done.stdout
