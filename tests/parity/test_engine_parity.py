@@ -299,6 +299,7 @@ def test_generate_cli_writes_completions_in_input_order(tmp_path, capsys):
                  "--temperature", "0", "--max-new-tokens", "5", "--ignore-eos", "--max-kv-tokens", "256"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert "start-up " in capsys.readouterr().err
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(str(model_dir)).encode("a b c say d :")

@@ -1,8 +1,11 @@
-"""Start-up: the decode graphs a run can reach, and the start-up line."""
+"""Start-up: the decode graphs a run can reach, the start-up lines, and when generate compiles decode."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from colocate.config import Config
+from colocate.generate import COMPILE_DECODE_MIN_STEPS, compile_decode, decode_steps, startup_line
 from colocate.rollout.factory import reachable_batch_size
 from colocate.train import _startup_line
 
@@ -24,3 +27,20 @@ def test_startup_line_sums_the_top_level_parts():
                           "perf/startup/engine_cuda_graphs_s": 1.5, "perf/startup/first_sync_s": 0.25})
     assert line == ("start-up 6.5 s: inputs 1.2, trainer 2.0, engine 3.0 (weights 1.0, cuda graphs 1.5), "
                     "first sync 0.2")
+
+
+def test_generate_compiles_decode_only_for_jobs_long_enough_to_pay_for_it():
+    assert decode_steps(256, 1, 256) == 256  # one wave of 256 sequences
+    assert decode_steps(257, 1, 256) == 512
+    assert decode_steps(64, 8, 1024) == 2 * 1024
+    assert compile_decode("auto", decode_steps(256, 1, 256)) is False
+    assert compile_decode("auto", COMPILE_DECODE_MIN_STEPS - 1) is False
+    assert compile_decode("auto", COMPILE_DECODE_MIN_STEPS) is None  # the engine's default: on CUDA only
+    assert compile_decode("on", 1) is True and compile_decode("off", 10**9) is False
+
+
+def test_generate_startup_line_names_the_engine_parts_and_the_compile():
+    engine = SimpleNamespace(startup_seconds={"weights": 0.4, "runner": 0.25, "cuda_graphs": 1.75},
+                             runner=SimpleNamespace(compiled_decode=False))
+    assert startup_line(3.125, engine) == ("start-up 3.1 s: engine 2.4 (weights 0.4, runner 0.2, cuda graphs 1.8), "
+                                           "decode not compiled")

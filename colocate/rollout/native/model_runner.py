@@ -94,9 +94,10 @@ class ModelRunner:
         self._prefill: _PrefillContext | None = None
         # Eager, a decode step is ~40 small kernels per layer; compiled, the elementwise work
         # between the GEMMs and the attention op fuses (the graphs then replay fewer launches).
-        self._decode_fn = self._decode_logits
-        if compile_decode and not batch_invariant.enabled():  # inductor would bypass the mode's kernels
-            self._decode_fn = torch.compile(self._decode_logits, dynamic=True, fullgraph=True)
+        # Never in the batch-invariant mode: inductor would bypass the mode's kernels.
+        self.compiled_decode = bool(compile_decode) and not batch_invariant.enabled()
+        self._decode_fn = (torch.compile(self._decode_logits, dynamic=True, fullgraph=True)
+                           if self.compiled_decode else self._decode_logits)
         self.graphs = None
         if cuda_graph_max_bs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_num_seqs))
