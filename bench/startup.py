@@ -1,12 +1,14 @@
 """Start-up time, cold and warm: the 1-GPU smoke run and offline generation, each a fresh process.
 
-    python bench/startup.py [--cases toy,generate] [--out PATH] [--cpu-smoke]
+    python bench/startup.py [--cases toy,generate,generate_compiled] [--out PATH] [--cpu-smoke]
 
 Cases:
   toy       `python -m colocate.train` on configs/default.yaml for 10 steps (`./launch.sh test-gpu`'s
             loop): wall time, the `perf/startup/*` phases it logs, and the steps after start-up.
   generate  `python -m colocate.generate` on a Qwen2.5-0.5B shape (random bf16 weights), 256 prompts
-            of 128 token ids x 256 new tokens (ignore_eos): wall time.
+            of 128 token ids x 256 new tokens (ignore_eos): wall time and its start-up line. Its
+            default --compile-decode auto leaves this short job's decode uncompiled;
+  generate_compiled  the same with --compile-decode on, for the compile's cost beside it.
 
 Each case runs twice in one set of empty cache directories (Triton, inductor, colocate's toy
 model and data): "cold" is the first run, as on a fresh CI machine, "warm" the second, caches
@@ -33,7 +35,7 @@ GENERATE = dict(prompts=256, prompt_tokens=128, new_tokens=256)
 SMOKE_GENERATE = dict(prompts=8, prompt_tokens=16, new_tokens=8)
 SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
-CASES = ("toy", "generate")
+CASES = ("toy", "generate", "generate_compiled")
 
 
 def cache_env(root: pathlib.Path) -> dict:
@@ -69,8 +71,9 @@ def run_toy(work: pathlib.Path, env: dict, label: str) -> dict:
     out_dir = work / f"toy_{label}"
     cmd = [sys.executable, "-m", "colocate.train", "--config", str(config), "--output-dir", str(out_dir),
            "--train.num_rollout", str(TOY_STEPS), "--logging.console", "False"]
+    env = memory_saver_preload(config, env)  # before the clock starts: it runs a process of its own
     start = time.time()
-    wall = timed_run(cmd, memory_saver_preload(config, env), work / f"toy_{label}.log")
+    wall = timed_run(cmd, env, work / f"toy_{label}.log")
     rows = read_metrics(out_dir)
     startup = startup_phases(rows[0])
     top = sum(v for k, v in startup.items() if not k.startswith("engine_"))
@@ -99,16 +102,19 @@ def write_generate_inputs(work: pathlib.Path, smoke: bool) -> tuple[pathlib.Path
     return model_dir, prompts
 
 
-def run_generate(work: pathlib.Path, env: dict, label: str, inputs, new_tokens: int) -> dict:
+def run_generate(work: pathlib.Path, env: dict, label: str, inputs, new_tokens: int, compile_decode: str) -> dict:
     model_dir, prompts = inputs
     cmd = [sys.executable, "-m", "colocate.generate", "--model", str(model_dir), "--prompts", str(prompts),
-           "--out", str(work / f"generate_{label}.jsonl"), "--max-new-tokens", str(new_tokens), "--ignore-eos"]
-    wall = timed_run(cmd, env, work / f"generate_{label}.log")
+           "--out", str(work / f"generate_{label}.jsonl"), "--max-new-tokens", str(new_tokens), "--ignore-eos",
+           "--compile-decode", compile_decode]
+    log = work / f"generate_{label}.log"
+    wall = timed_run(cmd, env, log)
     rows = [json.loads(line) for line in (work / f"generate_{label}.jsonl").read_text().splitlines()]
     num_prompts = sum(1 for _ in prompts.open())
     if len(rows) != num_prompts or any(len(r["output_ids"]) != new_tokens for r in rows):
         raise RuntimeError(f"generate wrote {len(rows)} rows for {num_prompts} prompts, or short outputs")
-    return {"wall_s": wall, "output_tokens": float(len(rows) * new_tokens)}
+    line = next((x for x in log.read_text().splitlines() if x.startswith("start-up ")), None)
+    return {"wall_s": wall, "output_tokens": float(len(rows) * new_tokens), "startup_line": line}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,11 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="colocate_startup_") as tmp:
         work = pathlib.Path(tmp)
         env = cache_env(work / "caches")
-        inputs = write_generate_inputs(work, args.cpu_smoke) if "generate" in cases else None
+        inputs = write_generate_inputs(work, args.cpu_smoke) if any(c != "toy" for c in cases) else None
         for case in cases:
             for label in ("cold", "warm"):
                 r = (run_toy(work, env, label) if case == "toy"
-                     else run_generate(work, env, label, inputs, result["generate"]["new_tokens"]))
+                     else run_generate(work, env, f"{case}_{label}", inputs, result["generate"]["new_tokens"],
+                                       "on" if case == "generate_compiled" else "auto"))
                 result[f"{case}_{label}"] = r
                 print(f"{case} {label} -> " + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if isinstance(v, float)),
                       flush=True)

@@ -67,7 +67,7 @@ def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(t
 
 
 @pytest.mark.slow
-def test_startup_bench_cpu_smoke_times_both_cases_cold_and_warm(tmp_path):
+def test_startup_bench_cpu_smoke_times_every_case_cold_and_warm(tmp_path):
     out = tmp_path / "startup.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--cpu-smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -79,6 +79,8 @@ def test_startup_bench_cpu_smoke_times_both_cases_cold_and_warm(tmp_path):
         assert {"inputs", "trainer", "engine", "first_sync"} <= set(toy["phases_s"])
         assert 0 < toy["startup_s"] < toy["first_step_done_s"] < toy["wall_s"], toy
         assert gen["output_tokens"] == 8 * 8 and gen["wall_s"] > 0
+        assert gen["startup_line"].startswith("start-up ") and gen["startup_line"].endswith("not compiled")
+        assert r[f"generate_compiled_{label}"]["startup_line"].endswith(", decode compiled")  # on CPU too when asked
 
 
 def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(tmp_path):
