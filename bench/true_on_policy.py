@@ -17,6 +17,7 @@ Per shape (bench/train_plans.py's Qwen2.5-0.5B / -1.5B shapes, random bf16 weigh
 Slowdowns are off / on tok/s; targets: rollout <= 1.3, train <= 1.15 (against the compiled default).
 
 Run: python bench/true_on_policy.py [--models 0.5b,1.5b] [--reps 3] [--step-tokens 131072] [--out PATH]
+                                    [--profile PATH]   (op tables of every case, per shape)
      python bench/true_on_policy.py --cpu-smoke [--out PATH]   (a tiny shape in fp32 on CPU)
 Each shape runs in a process of its own (an engine's CUDA-graph and memory-saver pools stay reserved in
 its process after shutdown). Writes bench/results/true_on_policy.json (after each shape); prints one
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import pathlib
 import random
@@ -104,7 +106,22 @@ def bitwise_equal_frac(model, prompts: list[list[int]], outs, device: torch.devi
     return (trainer.cpu() == engine).float().mean().item()
 
 
-def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtype: torch.dtype) -> dict:
+def kernel_table(fn, device: torch.device, label: str, tables: list[str] | None) -> None:
+    """With `tables` (--profile), run fn once more under torch.profiler and append its op table."""
+    if tables is None:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        _sync(device)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    tables.append(f"== {label}\n" + prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90))
+
+
+def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtype: torch.dtype,
+                tables: list[str] | None = None) -> dict:
     prompts = make_prompts(run["prompts"], run["prompt_tokens"], vocab_size=mcfg.vocab_size)
     sp = SamplingParams(temperature=1.0, max_new_tokens=run["new_tokens"], ignore_eos=True, seed=0)
     sampling = [sp] * len(prompts)  # as bench/rollout.py's run_ours
@@ -116,6 +133,8 @@ def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtyp
                               max_num_seqs=len(prompts), cuda_graph=True, compile_decode=cuda and not on)
         outs = engine.generate(prompts, sampling)  # warm-up
         runs = [timed_generate(engine, prompts, sampling) for _ in range(reps)]
+        kernel_table(functools.partial(engine.generate, prompts, sampling), device, f"generate, mode {'on' if on else 'off'}",
+                     tables)
         result = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
                   "ms_per_decode_step": statistics.median(r["ms_per_decode_step"] for r in runs),
                   "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
@@ -129,7 +148,8 @@ def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtyp
     return result
 
 
-def run_train(mcfg, plan: Plan, on: bool, compiled: bool, info, batches: list[list[Sample]]) -> dict:
+def run_train(mcfg, plan: Plan, on: bool, compiled: bool, info, batches: list[list[Sample]],
+              tables: list[str] | None = None) -> dict:
     device = info.device
     with mode(on, device):
         cfg = _config(len(batches[0]), plan, "pinned", compiled)
@@ -145,6 +165,8 @@ def run_train(mcfg, plan: Plan, on: bool, compiled: bool, info, batches: list[li
             trainer.train(batch, 1)
             _sync(device)
             times.append(time.perf_counter() - start)
+        kernel_table(functools.partial(trainer.train, batches[-1], 1), device,
+                     f"train step, mode {'on' if on else 'off'}, {'compiled' if compiled else 'uncompiled'}", tables)
         del trainer
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     _free()
@@ -168,12 +190,18 @@ def run_shape(name: str, mcfg, plan: Plan, source: str, args, info) -> dict:
     device, smoke = info.device, args.cpu_smoke
     dtype = torch.float32 if smoke else torch.bfloat16
     run = SMOKE_ROLLOUT if smoke else ROLLOUT
-    off = run_rollout(mcfg, False, run, args.reps, device, dtype)
-    on = run_rollout(mcfg, True, run, args.reps, device, dtype)
+    tables = [] if args.profile else None
+    off = run_rollout(mcfg, False, run, args.reps, device, dtype, tables)
+    on = run_rollout(mcfg, True, run, args.reps, device, dtype, tables)
     batches = train_batches(mcfg.vocab_size, args.step_tokens, args.reps, smoke)
-    train = {"off": run_train(mcfg, plan, False, not smoke, info, batches),
-             "off_uncompiled": run_train(mcfg, plan, False, False, info, batches),
-             "on": run_train(mcfg, plan, True, False, info, batches)}
+    train = {"off": run_train(mcfg, plan, False, not smoke, info, batches, tables),
+             "off_uncompiled": run_train(mcfg, plan, False, False, info, batches, tables),
+             "on": run_train(mcfg, plan, True, False, info, batches, tables)}
+    if tables is not None:
+        path = args.profile.with_name(f"{args.profile.stem}.{name}{args.profile.suffix}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(tables) + "\n")
+        print(f"profile -> {path}", flush=True)
     rollout_slowdown = off["tokens_per_s"] / on["tokens_per_s"]
     train_slowdown = train["off"]["tokens_per_s"] / train["on"]["tokens_per_s"]
     return {"rollout_case": run, "plan": {**plan.fields(), "label": plan.label(), "source": source},
@@ -203,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help="tokens of one optimizer step")
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="JSON path (default bench/results/true_on_policy.json; a temporary one with --cpu-smoke)")
+    parser.add_argument("--profile", type=pathlib.Path, default=None,
+                        help="op tables of one more generate and train step per case, to PATH's stem.<shape>.txt")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape in fp32 on CPU, nothing compiled")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
@@ -238,6 +268,8 @@ def run_each(names: list[str], args, out: pathlib.Path) -> None:
         part = out.with_name(f"{out.stem}.{name}.json")
         cmd = [sys.executable, __file__, "--models", name, "--reps", str(args.reps),
                "--step-tokens", str(args.step_tokens), "--out", str(part)]
+        if args.profile:
+            cmd += ["--profile", str(args.profile)]
         if subprocess.run(cmd).returncode != 0:
             raise SystemExit(f"{name}: the bench failed (its output is above)")
         done = json.loads(part.read_text())

@@ -78,6 +78,8 @@ def test_startup_bench_cpu_smoke_times_every_case_cold_and_warm(tmp_path):
         assert toy["steps"] == r["toy_steps"] == 10
         assert {"inputs", "trainer", "engine", "first_sync"} <= set(toy["phases_s"])
         assert 0 < toy["startup_s"] < toy["first_step_done_s"] < toy["wall_s"], toy
+        before, after = toy["outside_s"]["before_startup"], toy["outside_s"]["after_last_step"]
+        assert before > 0.5 and after > 0, toy  # at least the imports of torch come before
         assert gen["output_tokens"] == 8 * 8 and gen["wall_s"] > 0
         assert gen["startup_line"].startswith("start-up ") and gen["startup_line"].endswith("not compiled")
         assert r[f"generate_compiled_{label}"]["startup_line"].endswith(", decode compiled")  # on CPU too when asked
@@ -151,8 +153,9 @@ def test_train_bench_cpu_smoke_tuned_peers_match_the_default_peers_loss(tmp_path
 @pytest.mark.slow
 def test_true_on_policy_bench_cpu_smoke_reports_both_modes_and_bitwise_equal_logprobs(tmp_path):
     out = tmp_path / "true_on_policy.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "true_on_policy.py"), "--cpu-smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "true_on_policy.py"), "--cpu-smoke", "--out", str(out),
+                           "--profile", str(tmp_path / "profile.txt")], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     results = json.loads(out.read_text())
     assert results["device"] == "cpu" and results["torch"]
@@ -170,4 +173,7 @@ def test_true_on_policy_bench_cpu_smoke_reports_both_modes_and_bitwise_equal_log
     assert r["targets"] == {"rollout_slowdown": 1.3, "train_slowdown": 1.15}
     assert r["met"] == {"rollout": rollout["slowdown"] <= 1.3, "train": train["slowdown"] <= 1.15}
     assert r["plan"]["label"] and r["plan"]["source"]
-    assert done.stdout.startswith("tiny: rollout ") and "bitwise equal log-probs 100.00% of tokens" in done.stdout
+    assert "tiny: rollout " in done.stdout and "bitwise equal log-probs 100.00% of tokens" in done.stdout
+    sections = [line for line in (tmp_path / "profile.tiny.txt").read_text().splitlines() if line.startswith("== ")]
+    assert sections == ["== generate, mode off", "== generate, mode on", "== train step, mode off, uncompiled",
+                        "== train step, mode off, uncompiled", "== train step, mode on, uncompiled"]
