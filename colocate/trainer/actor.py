@@ -77,7 +77,8 @@ class Actor:
         shares = {}
         loss_mask = mask
         if a.use_mis:
-            # A dropped sequence adds zero to the loss but still counts in the denominators.
+            # A dropped sequence adds zero to every term of the loss (policy, KL, entropy) but
+            # still counts in the denominators.
             loss_mask, mis = mis_mask(old, rollout, mb.seq_index, mask, a.mis_low, a.mis_high)
             shares["train/mis_dropfrac"] = agg(mis["mis_dropfrac"], mask, mode="token_mean")
         tis = None
@@ -94,7 +95,8 @@ class Actor:
                      mode=a.loss_agg_mode, norm_len=self.norm_len)
             loss = loss + a.kl_loss_coef * kl
             shares["train/kl_loss"] = kl.detach()
-        ent = agg(entropy if a.entropy_coef else entropy.detach(), mask, mode=a.loss_agg_mode, norm_len=self.norm_len)
+        ent = agg(entropy if a.entropy_coef else entropy.detach(), loss_mask, mode=a.loss_agg_mode,
+                  norm_len=self.norm_len)
         if a.entropy_coef:
             loss = loss - a.entropy_coef * ent
         shares["train/entropy_loss"] = ent.detach()

@@ -268,7 +268,7 @@ def _policy_loss(model, inputs: _Inputs, idx: list[int], drop: str | None = None
         kept = 1.0 if drop == "mis" or algo.mis_low <= rho <= algo.mis_high else 0.0
         pg.append(loss * kept)
         kl.append(_kl(lp, inputs.ref[i], algo.kl_estimator) * kept)
-        ent.append(entropy)
+        ent.append(entropy * kept)
         masks.append(m)
     mode = algo.loss_agg_mode
     total = 0.0 if drop == "pg" else _aggregate(pg, masks, mode)
