@@ -16,7 +16,7 @@ here fix every choice that decides the order of floating-point operations:
 
 The row kernels are autograd functions whose backward differentiates the plain-torch formula (the
 gradient needs no invariance); matrix products get theirs from aten, whose derivatives are matrix
-products again.
+products again, which run on cuBLAS: inside a backward pass `mm` and `addmm` leave the fixed tiles.
 """
 
 from __future__ import annotations
@@ -37,13 +37,24 @@ RMS_WARPS = 4
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """aten::mm on CUDA in the mode."""
+    """aten::mm on CUDA in the mode; cuBLAS (through aten::bmm) inside a backward pass."""
+    if in_backward():
+        return torch.bmm(a[None], b[None])[0]
     return matmul(a, b)
 
 
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    """aten::addmm on CUDA in the mode: beta * bias + alpha * (a @ b)."""
+    """aten::addmm on CUDA in the mode: beta * bias + alpha * (a @ b); cuBLAS inside a backward pass."""
+    if in_backward():
+        return torch.baddbmm(bias.expand(a.shape[0], b.shape[1])[None], a[None], b[None], beta=beta, alpha=alpha)[0]
     return matmul(a, b, bias if beta != 0 else None, alpha=alpha, beta=beta)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward node: gradients (and the forward that activation
+    checkpointing recomputes for them) need no invariance, only log-probs do, and cuBLAS is faster
+    than the one fixed tile config."""
+    return torch._C._current_autograd_node() is not None
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, alpha=1.0, beta=1.0,

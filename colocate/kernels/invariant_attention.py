@@ -21,7 +21,8 @@ other queries nor on where the tile starts. Keys past the tile's last position a
 
 The decode launch reads its sizes from tensor shapes and its context lengths on the device alone,
 so it can be captured in a CUDA graph. The trainer's path is differentiable: its backward
-differentiates torch's attention of each sequence (the gradient needs no invariance).
+differentiates the default packed attention (FlashAttention-4 or torch's varlen flash kernel, in
+one call for all sequences; the gradient needs no invariance).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 BLOCK_M = 16
 """Queries per program (the smallest tl.dot tile)."""
@@ -80,22 +80,20 @@ class _PackedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, scale):
         bounds = cu_seqlens.tolist()
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        ctx.save_for_backward(q, k, v)
-        ctx.bounds, ctx.scale = bounds, scale
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.max_seqlen, ctx.scale = max(lengths, default=0), scale
         starts = cu_seqlens[:-1].to(torch.int32).contiguous()
         return _launch(q, k, v, _tiles(lengths, lengths, q.device), starts, scale, block_size=0)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
+        from colocate.models.layers import fast_packed_attention
+
+        q, k, v, cu_seqlens = ctx.saved_tensors
         with torch.enable_grad():
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            outs = []
-            for a, b in zip(ctx.bounds[:-1], ctx.bounds[1:]):
-                qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=ctx.scale,
-                                                           enable_gqa=True).transpose(0, 1))
-            grads = torch.autograd.grad(torch.cat(outs), (q, k, v), grad)
+            out = fast_packed_attention(q, k, v, cu_seqlens, ctx.max_seqlen, ctx.scale)
+            grads = torch.autograd.grad(out, (q, k, v), grad)
         return *grads, None, None
 
 

@@ -76,6 +76,14 @@ def packed_causal_attention(
     if batch_invariant.enabled():
         return _per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: batch_invariant.attention(
             qs, ks, vs, torch.arange(qs.shape[0], device=qs.device), scale))
+    return fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def fast_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          max_seqlen: int, scale: float) -> torch.Tensor:
+    """packed_causal_attention's default path: FlashAttention-4, torch's varlen flash kernel, or on
+    CPU one SDPA per sequence. Also the backward of the batch-invariant kernel (gradients need no
+    invariance)."""
     if flash.usable(q):
         return flash.attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):

@@ -125,3 +125,31 @@ def assert_toy_run_has_no_mismatch(tmp_path, steps: int, env: dict) -> None:
 @pytest.mark.slow
 def test_a_toy_run_in_the_mode_logs_no_mismatch_at_all(tmp_path):
     assert_toy_run_has_no_mismatch(tmp_path, 5, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"})
+
+
+def test_cuda_matrix_products_leave_the_fixed_tiles_only_inside_a_backward_pass():
+    """kernels/batch_invariant_cuda.py's aten::mm and aten::addmm: inside a backward node they are
+    plain cuBLAS products (here on CPU tensors, the same aten ops), outside the fixed-tile kernel."""
+    from colocate.kernels import batch_invariant_cuda
+
+    g = torch.Generator().manual_seed(0)
+    a, b, bias = torch.randn(5, 3, generator=g), torch.randn(3, 4, generator=g), torch.randn(4, generator=g)
+    seen = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen["forward"] = batch_invariant_cuda.in_backward()
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen["backward"] = batch_invariant_cuda.in_backward()
+            seen["mm"] = batch_invariant_cuda.mm(a, b.T.contiguous().T)  # a transposed view, as linear's
+            seen["addmm"] = batch_invariant_cuda.addmm(bias, a, b, beta=0.5, alpha=2.0)
+            return grad
+
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen["forward"] is False and seen["backward"] is True
+    torch.testing.assert_close(seen["mm"], a @ b)
+    torch.testing.assert_close(seen["addmm"], 0.5 * bias + 2.0 * (a @ b))

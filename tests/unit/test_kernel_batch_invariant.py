@@ -108,3 +108,35 @@ def test_packed_prefill_and_decode_attention_agree_bitwise():
         decoded[rows] = out_static[torch.tensor(live)]
         assert not out_static[len(lens):].any()
     assert torch.equal(decoded, packed)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def test_gradients_in_the_mode_leave_the_fixed_tiles_and_match_plain_torch(invariant):
+    """Backward matrix products run on cuBLAS and the packed attention's backward through the
+    default varlen kernel: the gradients match plain torch (fp32 reference) to bf16 rounding."""
+    torch.manual_seed(0)
+    x = _bf16(300, 1536).requires_grad_()
+    weight, bias = _bf16(896, 1536, scale=0.02).requires_grad_(), _bf16(896).requires_grad_()
+    g = _bf16(300, 896)
+    F.linear(x, weight, bias).backward(g)
+    xf, wf, bf = (t.detach().float().requires_grad_() for t in (x, weight, bias))
+    F.linear(xf, wf, bf).backward(g.float())
+    for got, want in ((x.grad, xf.grad), (weight.grad, wf.grad), (bias.grad, bf.grad)):
+        assert _relative_error(got, want) < 1e-2
+
+    lens, heads, kv_heads, dim = [37, 300, 5, 129], 12, 2, 128
+    n, scale = sum(lens), dim ** -0.5
+    q, k, v = (_bf16(n, h, dim).requires_grad_() for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    g = _bf16(n, heads, dim)
+    invariant_attention.packed_attention(q, k, v, cu, scale).backward(g)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = torch.cat([invariant_attention.reference_attention(
+        qf[a:b], kf[a:b], vf[a:b], torch.arange(b - a, device="cuda"), scale)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    ref.backward(g.float())
+    for got, want in ((q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
+        assert _relative_error(got, want) < 2e-2
