@@ -316,25 +316,6 @@ def save_checkpoint(
     return final
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest checkpoint under root that can be resumed from, or None when there is none.
-
-    Temporary directories of unfinished saves are ignored; rollout_* directories holding no
-    checkpoint file are skipped with a warning. A damaged checkpoint (see checkpoint_problem) is
-    skipped with a warning naming the file and the next older one is tried; ValueError naming
-    every damaged one when none is usable."""
-    damaged = []
-    for _, path in reversed(checkpoint_dirs(Path(root), warn=True)):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        warnings.warn(f"{path}: skipped, damaged: {problem}", stacklevel=2)
-        damaged.append(f"{path} ({problem})")
-    if damaged:
-        raise ValueError(f"no usable checkpoint under {root}: {'; '.join(damaged)}")
-    return None
-
-
 def read_meta(path: str | Path) -> dict:
     """meta.json of a checkpoint directory, with clear errors for anything that is not one or is
     damaged."""

@@ -5,6 +5,8 @@ CRC-32 of the small files (meta.json, .metadata, the rng files) that a truncatio
 could damage without changing much. `checkpoint_problem` checks a directory against it in a stat
 per file plus reading the small files, cheap enough to run on every resume and every prune.
 Checkpoints written before the manifest existed (format v1) are trusted as they are.
+`latest_checkpoint` picks the newest intact one. Nothing here imports torch.distributed.checkpoint,
+so a run that has nothing to resume never pays for that import.
 """
 
 from __future__ import annotations
@@ -117,3 +119,22 @@ def verify_checkpoint(path: str | Path) -> None:
     problem = checkpoint_problem(path)
     if problem is not None:
         raise ValueError(f"checkpoint {path} is damaged: {problem}")
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest checkpoint under root that can be resumed from, or None when there is none.
+
+    Temporary directories of unfinished saves are ignored; rollout_* directories holding no
+    checkpoint file are skipped with a warning. A damaged checkpoint (see checkpoint_problem) is
+    skipped with a warning naming the file and the next older one is tried; ValueError naming
+    every damaged one when none is usable."""
+    damaged = []
+    for _, path in reversed(checkpoint_dirs(Path(root), warn=True)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        warnings.warn(f"{path}: skipped, damaged: {problem}", stacklevel=2)
+        damaged.append(f"{path} ({problem})")
+    if damaged:
+        raise ValueError(f"no usable checkpoint under {root}: {'; '.join(damaged)}")
+    return None

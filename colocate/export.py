@@ -32,9 +32,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from safetensors.torch import save_file
 
 from colocate.checkpoint import (
-    ACTOR_STATE, HF_DIR, MODEL_KEY, is_checkpoint, latest_checkpoint, quiet_single_process, read_adapters,
+    ACTOR_STATE, HF_DIR, MODEL_KEY, is_checkpoint, quiet_single_process, read_adapters,
     verify_checkpoint,
 )
+from colocate.checkpoint_manifest import latest_checkpoint
 from colocate.cli import DEBUG_HELP, entry_point
 from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype, save_pretrained
 from colocate.output_dir import check_output_dir, replacing_dir

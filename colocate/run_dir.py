@@ -90,7 +90,7 @@ def _lock(path: Path) -> int:
 
 
 def _check_owner(path: Path, cfg: Config) -> None:
-    from colocate.checkpoint import latest_checkpoint
+    from colocate.checkpoint_manifest import latest_checkpoint
 
     ckpt_dir = cfg.checkpoint_dir
     has_checkpoint = latest_checkpoint(ckpt_dir) is not None

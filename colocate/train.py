@@ -128,7 +128,7 @@ class Loop:
         self.log.info(_startup_line(startup))
 
     def _maybe_resume(self):
-        from colocate.checkpoint import latest_checkpoint, load_checkpoint
+        from colocate.checkpoint_manifest import latest_checkpoint
 
         if not self.cfg.checkpoint.resume:
             return
@@ -136,6 +136,8 @@ class Loop:
         if path is None:
             self.log.info(f"no checkpoint under {self.cfg.checkpoint_dir}: starting from step 0")
             return
+        from colocate.checkpoint import load_checkpoint  # torch.distributed.checkpoint: only when resuming
+
         extra = load_checkpoint(path, self.trainer.checkpoint_states())
         self.inputs.data.load_state_dict(extra["data"])
         self.start_rollout_id = extra["rollout_id"] + 1
