@@ -33,7 +33,7 @@ for step in $steps; do
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
     startup) run startup 400 python bench/startup.py ;;
-    on_policy) run on_policy 560 python bench/true_on_policy.py ;;
+    on_policy) run on_policy 580 python bench/true_on_policy.py --profile "$out/on_policy_profile.txt" ;;
     train) run train 590 python bench/train.py --models 1.5b --budget-s 560 ;;
     train_small) run train_small 330 python bench/train.py --models 0.5b --budget-s 300 ;;
     kernels) run kernels 60 python bench/kernels.py ;;
