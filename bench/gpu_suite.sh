@@ -36,7 +36,7 @@ for step in $steps; do
     on_policy) run on_policy 580 python bench/true_on_policy.py --profile "$out/on_policy_profile.txt" ;;
     train) run train 590 python bench/train.py --models 1.5b --budget-s 560 ;;
     train_small) run train_small 330 python bench/train.py --models 0.5b --budget-s 300 ;;
-    kernels) run kernels 60 python bench/kernels.py ;;
+    kernels) run kernels 60 python bench/kernel_bench.py ;;
     units) run units 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
     multigpu) run multigpu 560 python -m pytest -q -s -rA -m multigpu -p no:cacheprovider tests/integration/test_multigpu.py \
                 tests/integration/test_checkpoint.py ;;

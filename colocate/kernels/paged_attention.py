@@ -13,7 +13,7 @@ tile of at most one cache block needs one block-table lookup; a larger tile look
 per token. The context of a sequence is split across programs (flash-decoding) and a second
 kernel merges the partial softmaxes: a decode step is bound by memory latency, and more, shorter
 programs keep more loads in flight. Tile size, splits, warps and pipeline stages come from
-`DecodeConfig` (`decode_config` picks them from the shapes; bench/kernels.py --decode-sweep
+`DecodeConfig` (`decode_config` picks them from the shapes; bench/kernel_bench.py --decode-sweep
 measures the alternatives). Everything is shaped by (B, max_blocks_per_seq) alone and the launch
 never reads device values back, so both kernels can be captured in a CUDA graph.
 """
@@ -196,7 +196,7 @@ def _kernel_block_size_ok(block_size: int) -> bool:
 
 def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_context: int,
                   device: torch.device) -> DecodeConfig:
-    """The launch shape for these sizes, from the H200 sweep (bench/kernels.py --decode-sweep): big
+    """The launch shape for these sizes, from the H200 sweep (bench/kernel_bench.py --decode-sweep): big
     tiles with a 3-stage pipeline, and the context split only as far as it takes to give each SM
     about four programs. Depends on shapes alone, so one captured graph keeps one choice for every
     replay (the kernel sizes each split from the real context length)."""

@@ -137,7 +137,7 @@ class SampleConfig:
 
 def sample_config(batch: int, vocab_size: int, device: torch.device, programs_per_sm: int = _PROGRAMS_PER_SM
                   ) -> SampleConfig:
-    """About `programs_per_sm` programs per SM, each slice at least one block (bench/kernels.py
+    """About `programs_per_sm` programs per SM, each slice at least one block (bench/kernel_bench.py
     --sample-sweep measures the alternatives)."""
     from colocate.kernels.paged_attention import _sm_count
 

@@ -10,7 +10,7 @@ autograd splits the gradient back). An inference owner may call `CausalLM.pack_p
 q/k/v and gate/up then live in one packed tensor each (their parameters become views of it, so
 names and loading are unchanged), no copy is made, and gate/up run as one GEMM too, which at decode
 batch sizes costs little more than one of the parts. Training keeps gate and up apart: their GEMMs
-are already wide, and a joint one slows the compiled SiLU backward (measured by bench/kernels.py;
+are already wide, and a joint one slows the compiled SiLU backward (measured by bench/kernel_bench.py;
 figures in README.md).
 """
 

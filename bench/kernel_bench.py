@@ -14,7 +14,7 @@
   T=32768 tokens of the 1.5B shape (o_proj 1536 -> 1536, down_proj 8960 -> 1536), with each
   variant's kernel names.
 
-Prints one summary line and writes bench/results/kernels.json. Run: python bench/kernels.py
+Prints one summary line and writes bench/results/kernels.json. Run: python bench/kernel_bench.py
 
 `--decode-sweep` instead times every decode-kernel launch shape (tile, splits, warps, stages) on
 engine-like decode batches: the kernel runs over 24 layers' caches in one CUDA graph, as in a
@@ -311,7 +311,7 @@ def main() -> None:
     parser.add_argument("--sample-sweep", action="store_true", help="time every sampler launch shape")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernels.py needs a CUDA device")
+        raise SystemExit("bench/kernel_bench.py needs a CUDA device")
     if args.decode_sweep:
         return decode_sweep()
     if args.sample_sweep:
