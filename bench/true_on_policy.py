@@ -133,8 +133,8 @@ def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtyp
                               max_num_seqs=len(prompts), cuda_graph=True, compile_decode=cuda and not on)
         outs = engine.generate(prompts, sampling)  # warm-up
         runs = [timed_generate(engine, prompts, sampling) for _ in range(reps)]
-        kernel_table(functools.partial(engine.generate, prompts, sampling), device, f"generate, mode {'on' if on else 'off'}",
-                     tables)
+        kernel_table(functools.partial(engine.generate, prompts, sampling), device,
+                     f"generate, mode {'on' if on else 'off'}", tables)
         result = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
                   "ms_per_decode_step": statistics.median(r["ms_per_decode_step"] for r in runs),
                   "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],

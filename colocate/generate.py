@@ -33,9 +33,10 @@ MAX_NUM_SEQS = 256
 """Sequences the engine decodes at once."""
 COMPILE_DECODE_MIN_STEPS = 8192
 """--compile-decode auto compiles the decode forward (CUDA only) for jobs of at least this many
-decode steps. Compiling and capturing its graphs took ~20 s more start-up than eager capture with
-warm caches on an H200 (~90 s cold), and saves at most ~2.5 ms a step at the 0.5B shape (b256:
-1.99 ms compiled, 4.56 ms for the uncompiled batch-invariant path): a shorter job cannot win it back."""
+decode steps. On an H200 at the 0.5B shape the engine with its decode compiled took 23 s to start
+with warm caches and 111 s cold (bench/rollout.py), mostly compiling and capturing, and compiling
+saves at most ~2.5 ms a step there (b256: 1.99 ms compiled; 4.56 ms for the uncompiled, slower still
+batch-invariant path): a shorter job cannot win the compile back."""
 
 
 def load_tokenizer(model_dir: Path):
@@ -210,7 +211,8 @@ def main(argv: list[str]) -> int:
     steps = decode_steps(len(prompts), args.n, args.max_new_tokens)
     engine = NativeEngine(str(model_dir), dtype=args.dtype, device=args.device, max_kv_tokens=args.max_kv_tokens,
                           eos_token_ids=stop_token_ids(model_dir, tokenizer), seed=args.seed,
-                          max_num_seqs=MAX_NUM_SEQS, cuda_graph_max_bs=max(1, min(MAX_NUM_SEQS, len(prompts) * args.n)),
+                          max_num_seqs=MAX_NUM_SEQS,
+                          cuda_graph_max_bs=max(1, min(MAX_NUM_SEQS, len(prompts) * args.n)),  # the job's batch
                           compile_decode=compile_decode(args.compile_decode, steps))
     budgets = fit_budgets(prompts, args.max_new_tokens, engine.max_model_len, args.prompts)
     for index, ((lineno, ids), budget) in enumerate(zip(prompts, budgets)):
