@@ -28,8 +28,9 @@ Both sides train fp32 master weights with bf16 compute and take one optimizer st
   checkpointing off as in ours, `min_new_tokens` = max_completion_length for exact lengths, in
   each configuration of e2e_trl.CONFIGS (`--trl-configs`; the default one, and bf16 weights with
   Liger's kernels, without and with torch.compile); ratios against the fastest that ran.
-  Runs in its own process; `--trl-site DIR` puts DIR (where trl and datasets were installed)
-  first on that process's PYTHONPATH only. If it fails, the reason is recorded in the JSON.
+  Runs in its own process; `--trl-site DIR` puts DIR (where trl and datasets were installed, e.g.
+  from bench/requirements-trl.txt) first on that process's PYTHONPATH only. If it fails, the reason
+  is recorded in the JSON.
 
 The reward (`vowel_reward`) is cheap and varies within a group, so advantages are not zero.
 Each variant runs in a child process (one CUDA context each; the native engine's graph memory
