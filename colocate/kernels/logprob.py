@@ -103,8 +103,6 @@ def _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy
     parts = [checkpoint(_invariant_chunk, h, weight, t, temperature, with_entropy, use_reentrant=False)
              if torch.is_grad_enabled() else _invariant_chunk(h, weight, t, temperature, with_entropy)
              for h, t in zip(hidden.split(rows), targets.split(rows))]
-    if not parts:
-        return _invariant_chunk(hidden, weight, targets, temperature, with_entropy)
     logprobs = torch.cat([p[0] for p in parts])
     return logprobs, (torch.cat([p[1] for p in parts]) if with_entropy else None)
 
