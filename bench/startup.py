@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from colocate.metrics import read_metrics, startup_phases
+from colocate.metrics import read_metrics, split_startup, startup_phases
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "startup.json"
@@ -76,10 +76,11 @@ def run_toy(work: pathlib.Path, env: dict, label: str) -> dict:
     wall = timed_run(cmd, env, work / f"toy_{label}.log")
     rows = read_metrics(out_dir)
     startup = startup_phases(rows[0])
-    top = sum(v for k, v in startup.items() if not k.startswith("engine_"))
+    top = sum(split_startup(startup)[0].values())
     first_done = rows[0]["time"] - start
-    # What the logged phases leave out: interpreter, imports, process group and output-dir claim
-    # before the timed start-up; the engine's shutdown, process-group teardown and exit after it.
+    # What the logged phases leave out: before step 0, the process's spawn and what its phases do
+    # not cover (where /proc is missing, the interpreter and imports too); after the last step, the
+    # engine's shutdown, the process group's teardown and the exit.
     outside = {"before_startup": first_done - top - rows[0]["perf/step_time"],
                "after_last_step": wall - (rows[-1]["time"] - start)}
     return {"wall_s": wall, "startup_s": top, "phases_s": startup, "outside_s": outside,

@@ -119,6 +119,21 @@ def startup_phases(record: dict[str, Any]) -> dict[str, float]:
     return {k[len(prefix):-len(suffix)]: v for k, v in record.items() if k.startswith(prefix)}
 
 
+def split_startup(parts: dict[str, float]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(top-level parts, {part: its sub-parts}) of `startup_phases`' result: `engine_cuda_graphs` is
+    the sub-part `cuda_graphs` of `engine` when `engine` is a part itself (`first_sync` is not a
+    sub-part: there is no part `first`). The top-level parts add up to the start-up."""
+    top: dict[str, float] = {}
+    subs: dict[str, dict[str, float]] = {}
+    for key, seconds in parts.items():
+        head, _, rest = key.partition("_")
+        if rest and head in parts:
+            subs.setdefault(head, {})[rest] = seconds
+        else:
+            top[key] = seconds
+    return top, subs
+
+
 def logged_steps(output_dir: str | os.PathLike) -> set[int]:
     """Steps with a record in OUTPUT_DIR/metrics.jsonl (none when there is no file yet)."""
     try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -18,3 +20,16 @@ def timed(out: dict[str, float], key: str, device: torch.device | None = None) -
     if torch.cuda.is_available() and (device is None or device.type == "cuda"):
         torch.cuda.synchronize(device)
     out[key] = time.perf_counter() - start
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (to 10 ms: the kernel's clock ticks), read from Linux's
+    /proc; None where /proc is not there. Counts what no timer inside the program can: the
+    interpreter's start and the imports before the first line of `main`."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the fields after ")" start at 3
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)

@@ -18,7 +18,7 @@ import torch
 from colocate import dist
 from colocate.cli import entry_point
 from colocate.config import Config, load_config
-from colocate.timing import timed
+from colocate.timing import process_age_s, timed
 
 
 def seed_everything(seed: int) -> None:
@@ -51,28 +51,35 @@ class Phases:
 
 
 def _startup_line(startup: dict[str, float]) -> str:
-    """'start-up 4.4 s: inputs 3.8, trainer 0.5, ..., engine 0.1 (weights 0.0, ...), first sync 0.0'."""
-    from colocate.metrics import startup_phases
+    """'start-up 4.4 s: process 1.9, inputs 1.2, trainer 0.5 (actor 0.4), ..., first sync 0.0'."""
+    from colocate.metrics import split_startup, startup_phases
 
-    parts = startup_phases(startup)
-    engine = ", ".join(f"{k[len('engine_'):].replace('_', ' ')} {v:.1f}" for k, v in parts.items()
-                       if k.startswith("engine_"))
-    top = [(k, v) for k, v in parts.items() if not k.startswith("engine_")]
-    text = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" + (f" ({engine})" if k == "engine" and engine else "")
-                     for k, v in top)
-    return f"start-up {sum(v for _, v in top):.1f} s: {text}"
+    top, subs = split_startup(startup_phases(startup))
+
+    def part(name: str, seconds: float) -> str:
+        inner = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in subs.get(name, {}).items())
+        return f"{name.replace('_', ' ')} {seconds:.1f}" + (f" ({inner})" if inner else "")
+
+    return f"start-up {sum(top.values()):.1f} s: " + ", ".join(part(k, v) for k, v in top.items())
+
+
+def _add_parts(startup: dict[str, float], part: str, seconds: dict[str, float]) -> None:
+    """Sub-parts of a start-up part (`perf/startup/engine_cuda_graphs_s` under `engine`)."""
+    for name, value in seconds.items():
+        startup[f"perf/startup/{part}_{name}_s"] = value
 
 
 class Loop:
-    def __init__(self, cfg: Config, info: dist.DistInfo):
+    def __init__(self, cfg: Config, info: dist.DistInfo, startup: dict[str, float] | None = None):
         from colocate.colocation.ledger import MemoryLedger
         from colocate.inputs import RunInputs
         from colocate.metrics import MetricsLogger
 
         self.cfg, self.info = cfg, info
         self.out = Path(cfg.output_dir)
-        self.startup: dict[str, float] = {}
-        """perf/startup/<part>_s: where the time before step 0 went, logged with the first step."""
+        self.startup: dict[str, float] = dict(startup or {})
+        """perf/startup/<part>_s: where the time before step 0 went, logged with the first step
+        (`startup`: the parts before the loop, in order)."""
         # Everything that can be wrong with the user's input is checked before any model is built.
         with timed(self.startup, "perf/startup/inputs_s", info.device):
             self.inputs = RunInputs.load(cfg, info)
@@ -103,17 +110,19 @@ class Loop:
                               "(rollout.compile_decode is ignored in the mode)")
         with timed(startup, "perf/startup/trainer_s", info.device):  # load, shard, reserve pinned buffers
             self.trainer = Trainer(cfg, info)
+        _add_parts(startup, "trainer", self.trainer.startup_seconds)
         with timed(startup, "perf/startup/resume_s", info.device):
             self._maybe_resume()
         self.colocation = Colocation(self.trainer, cfg.offload, dtype=resolve_dtype(cfg.model.dtype, info.device),
                                      bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
-        self.colocation.make_room()
+        if cfg.offload.offload_train:
+            with timed(startup, "perf/startup/offload_s", info.device):
+                self.colocation.make_room()
         eval_prompts = max((len(prompts) for _, prompts, _ in self.inputs.eval_sets), default=0)
         with timed(startup, "perf/startup/engine_s", info.device):
             self.engine = build_engine(cfg, info, self.inputs.eos_token_ids,
                                        reachable_batch_size(cfg, info.world_size, eval_prompts))
-        for part, seconds in getattr(self.engine, "startup_seconds", {}).items():
-            startup[f"perf/startup/engine_{part}_s"] = seconds
+        _add_parts(startup, "engine", getattr(self.engine, "startup_seconds", {}))
         self.rollout = RolloutManager(
             self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,
             strict=cfg.train.strict, overlong=self.inputs.overlong,
@@ -238,16 +247,21 @@ def main(argv: list[str]) -> int:
     from colocate.metrics import run_summary
     from colocate.run_dir import RunDir
 
+    age = process_age_s()  # the interpreter's start and the imports so far
     start = time.perf_counter()
     cfg = load_config(argv)
     given = copy.deepcopy(cfg)  # as the user gave it: loading resolves Hub ids to local snapshots
+    config_s = time.perf_counter() - start
     info = dist.init()
     seed_everything(cfg.train.seed)
     loop = run_dir = None
     finished = False
     try:
         run_dir = RunDir.claim(cfg, info)  # one run per output_dir
-        loop = Loop(cfg, info)  # data, rewards, hooks and the model config are checked here
+        startup = {"perf/startup/process_s": age} if age is not None else {}
+        startup["perf/startup/config_s"] = config_s
+        startup["perf/startup/dist_s"] = time.perf_counter() - start - config_s  # process group, output dir
+        loop = Loop(cfg, info, startup)  # data, rewards, hooks and the model config are checked here
         loop.build()
         run_dir.save_config(given)  # once the inputs and the models have loaded
         loop.run()

@@ -77,12 +77,18 @@ class Trainer:
         actor_rollouts = t.num_rollout - (a.num_critic_only_steps if a.use_critic else 0)
         norm_len = r.max_response_len
 
+        self.startup_seconds: dict[str, float] = {}
+        """Where the time of building went: actor (load, shard, optimizer state), reference, critic,
+        pinned host buffers (those that were built)."""
+
         policy_cfg = model_config or ModelConfig.from_dir(m.path)
         self.vocab_size = policy_cfg.vocab_size
         self.lora = LoRASpec.from_config(m)
-        actor_model = self._build(lambda: CausalLM(policy_cfg), m.path, ACTOR_PARAMS, train=True, lora=self.lora)
-        actor_opt, arrival = self._optimizer(actor_model, t.lr, ACTOR_OPTIM,
-                                             max(1, actor_rollouts * steps_per_rollout))
+        with timed(self.startup_seconds, "actor", self.device):
+            actor_model = self._build(lambda: CausalLM(policy_cfg), m.path, ACTOR_PARAMS, train=True,
+                                      lora=self.lora)
+            actor_opt, arrival = self._optimizer(actor_model, t.lr, ACTOR_OPTIM,
+                                                 max(1, actor_rollouts * steps_per_rollout))
         self.actor = Actor(actor_model, actor_opt, arrival, a, temperature=r.temperature, norm_len=norm_len,
                            keep_gathered=self.keep_gathered)
 
@@ -92,23 +98,27 @@ class Trainer:
                                        scope=functools.partial(adapters_disabled, actor_model))
         elif a.needs_ref:
             ref_path = m.ref_path or m.path
-            ref_model = self._build(lambda: CausalLM(model_config or ModelConfig.from_dir(ref_path)),
-                                    ref_path, REFERENCE, train=False)
-            self.reference = Reference(ref_model, self.memory, REFERENCE, temperature=r.temperature)
-            self.memory.offload(REFERENCE)
+            with timed(self.startup_seconds, "reference", self.device):
+                ref_model = self._build(lambda: CausalLM(model_config or ModelConfig.from_dir(ref_path)),
+                                        ref_path, REFERENCE, train=False)
+                self.reference = Reference(ref_model, self.memory, REFERENCE, temperature=r.temperature)
+                self.memory.offload(REFERENCE)
 
         self.critic = None
         if a.use_critic:
             critic_path = m.critic_path or m.path
             critic_cfg = model_config or ModelConfig.from_dir(critic_path)
-            critic_model = self._build(lambda: ValueModel(critic_cfg), critic_path, CRITIC_PARAMS, train=True,
-                                       skip=("lm_head.",), new=("value_head.",), forward_methods=())
-            critic_opt, critic_arrival = self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,
-                                                         max(1, t.num_rollout * steps_per_rollout))
+            with timed(self.startup_seconds, "critic", self.device):
+                critic_model = self._build(lambda: ValueModel(critic_cfg), critic_path, CRITIC_PARAMS,
+                                           train=True, skip=("lm_head.",), new=("value_head.",),
+                                           forward_methods=())
+                critic_opt, critic_arrival = self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,
+                                                             max(1, t.num_rollout * steps_per_rollout))
             self.critic = Critic(critic_model, critic_opt, critic_arrival, a, norm_len=norm_len,
                                  keep_gathered=self.keep_gathered)
         if cfg.offload.offload_train:
-            self.memory.reserve()
+            with timed(self.startup_seconds, "pinned_buffers", self.device):
+                self.memory.reserve()
 
     def _build(self, make, path: str, tag: str, *, train: bool, skip: tuple[str, ...] = (),
                new: tuple[str, ...] = (), forward_methods: tuple[str, ...] = ("hidden_states",),

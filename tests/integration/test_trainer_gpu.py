@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from colocate.config import Config
-from colocate.models import from_pretrained
 from colocate.rollout.sample import Sample
 from colocate.trainer.memory import ACTOR_OPTIM, PARAMS, STATE
 from tests.helpers import bf16_copy, capture_grads, exact_fp32_matmuls, hf_logprobs, write_hf_model

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
+import pytest
+
 from colocate.config import Config
+from colocate.metrics import split_startup
 from colocate.generate import COMPILE_DECODE_MIN_STEPS, compile_decode, decode_steps, startup_line
 from colocate.rollout.factory import reachable_batch_size
 from colocate.train import _startup_line
@@ -22,11 +28,28 @@ def test_graphs_stop_at_the_largest_batch_the_run_decodes():
 
 
 def test_startup_line_sums_the_top_level_parts():
-    line = _startup_line({"perf/startup/inputs_s": 1.25, "perf/startup/trainer_s": 2.0,
+    line = _startup_line({"perf/startup/process_s": 2.0, "perf/startup/inputs_s": 1.25,
+                          "perf/startup/trainer_s": 2.0, "perf/startup/trainer_actor_s": 1.75,
                           "perf/startup/engine_s": 3.0, "perf/startup/engine_weights_s": 1.0,
                           "perf/startup/engine_cuda_graphs_s": 1.5, "perf/startup/first_sync_s": 0.25})
-    assert line == ("start-up 6.5 s: inputs 1.2, trainer 2.0, engine 3.0 (weights 1.0, cuda graphs 1.5), "
-                    "first sync 0.2")
+    assert line == ("start-up 8.5 s: process 2.0, inputs 1.2, trainer 2.0 (actor 1.8), "
+                    "engine 3.0 (weights 1.0, cuda graphs 1.5), first sync 0.2")
+
+
+def test_a_part_is_nested_only_under_a_part_that_exists():
+    top, subs = split_startup({"first_sync": 0.5, "engine": 3.0, "engine_cuda_graphs": 1.0, "dist": 0.25,
+                               "trainer_actor": 2.0})
+    assert top == {"first_sync": 0.5, "engine": 3.0, "dist": 0.25, "trainer_actor": 2.0}
+    assert subs == {"engine": {"cuda_graphs": 1.0}}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_process_age_counts_from_the_process_start():
+    code = "import time; time.sleep(0.5); from colocate.timing import process_age_s; print(process_age_s())"
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    wall = time.perf_counter() - start
+    assert 0.5 <= float(out) <= wall + 0.02, (out, wall)  # the kernel's clock ticks are 10 ms
 
 
 def test_generate_compiles_decode_only_for_jobs_long_enough_to_pay_for_it():
