@@ -24,6 +24,7 @@ from pathlib import Path
 from colocate.cli import DEBUG_HELP, entry_point
 from colocate.output_dir import check_output_file, replacing_file
 from colocate.rollout.protocol import Completion, SamplingParams
+from colocate.timing import process_age_s
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
@@ -172,11 +173,14 @@ def compile_decode(choice: str, steps: int) -> bool | None:
     return choice == "on"
 
 
-def startup_line(seconds: float, engine) -> str:
-    """'start-up 3.1 s: engine 2.4 (weights 0.4, runner 0.3, cuda graphs 1.7), decode compiled'."""
+def startup_line(seconds: float, engine, process_s: float | None = None) -> str:
+    """'start-up 4.5 s: process 1.4, engine 2.4 (weights 0.4, runner 0.3, cuda graphs 1.7), decode
+    compiled': `seconds` since `main` began, plus the `process_s` before it (interpreter, imports)."""
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in engine.startup_seconds.items())
     compiled = engine.runner.compiled_decode
-    return (f"start-up {seconds:.1f} s: engine {sum(engine.startup_seconds.values()):.1f} ({parts}), "
+    before = "" if process_s is None else f"process {process_s:.1f}, "
+    return (f"start-up {seconds + (process_s or 0.0):.1f} s: {before}"
+            f"engine {sum(engine.startup_seconds.values()):.1f} ({parts}), "
             f"decode {'compiled' if compiled else 'not compiled'}")
 
 
@@ -197,6 +201,7 @@ def main(argv: list[str]) -> int:
     from colocate.models.config import stop_token_ids
     from colocate.rollout.native import NativeEngine
 
+    process_s = process_age_s()  # the interpreter's start and the imports so far
     start = time.perf_counter()
     args = parse_args(argv)
     check_output_file(args.out, overwrite=args.overwrite, reading=[args.prompts])  # before any model work
@@ -220,7 +225,7 @@ def main(argv: list[str]) -> int:
             engine.add_request(ids, dataclasses.replace(sampling, max_new_tokens=budget), prompt_index=index)
         except ValueError as e:
             raise ValueError(f"{args.prompts}:{lineno}: {e}") from None
-    print(startup_line(time.perf_counter() - start, engine), file=sys.stderr)
+    print(startup_line(time.perf_counter() - start, engine, process_s), file=sys.stderr)
     completions = []
     columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
                TimeElapsedColumn())

@@ -67,3 +67,5 @@ def test_generate_startup_line_names_the_engine_parts_and_the_compile():
                              runner=SimpleNamespace(compiled_decode=False))
     assert startup_line(3.125, engine) == ("start-up 3.1 s: engine 2.4 (weights 0.4, runner 0.2, cuda graphs 1.8), "
                                            "decode not compiled")
+    assert startup_line(3.125, engine, process_s=1.5) == (
+        "start-up 4.6 s: process 1.5, engine 2.4 (weights 0.4, runner 0.2, cuda graphs 1.8), decode not compiled")
