@@ -94,12 +94,17 @@ if [[ "${1:-}" == "test" ]]; then
   exec "$py" -m pytest -q tests "$@"
 fi
 
-memory_saver_preload() {
-  # The native engine's pausable CUDA graphs need torch_memory_saver's hook preloaded (the SGLang
-  # backend preloads it into its own scheduler process instead and refuses a second copy).
-  local preload
-  preload=$("$py" -m colocate.memory_saver "$@" 2>/dev/null || true)
-  [[ -n "$preload" ]] && export LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}"
+probe() {
+  # One Python process, as importing torch takes seconds on a GPU machine: sets `gpus` (the CUDA
+  # devices torch sees) and preloads torch_memory_saver's hook when the run's native engine needs it
+  # for pausable CUDA graphs (the SGLang backend preloads it into its own scheduler process and
+  # refuses a second copy). A config the probe cannot read leaves the error to the run itself.
+  local out lines
+  out=$("$py" -m colocate.memory_saver --gpus "$@" 2>/dev/null) ||
+    out=$("$py" -c "import torch; print(torch.cuda.device_count())")
+  readarray -t lines <<< "$out"
+  gpus=${lines[0]}
+  [[ -n "${lines[1]:-}" ]] && export LD_PRELOAD="${lines[1]}${LD_PRELOAD:+:$LD_PRELOAD}"
   return 0
 }
 
@@ -108,7 +113,7 @@ if [[ "${1:-}" == "test-gpu" ]]; then
   smoke_dir=$(mktemp -d)
   trap 'rm -rf "$smoke_dir"' EXIT
   start=$SECONDS
-  (memory_saver_preload configs/default.yaml
+  (probe configs/default.yaml
    "$py" -m colocate.train --config configs/default.yaml --train.num_rollout 10 --output-dir "$smoke_dir/run")
   loop_s=$((SECONDS - start))
   rc=0
@@ -122,12 +127,9 @@ if [[ $# -gt 0 && "$1" != -* ]]; then
   config=$1
   shift
 fi
-gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
+probe "$config" "$@"
 nproc=${NPROC:-$(( gpus > 0 ? gpus : 1 ))}
 nnodes=${NNODES:-1}
-if [[ "$gpus" -gt 0 ]]; then
-  memory_saver_preload "$config" "$@"
-fi
 if [[ "$nproc" -eq 1 && "$nnodes" -eq 1 ]]; then
   # One process needs no torchrun: a user error is then the last line printed.
   exec "$py" -m colocate.train --config "$config" "$@"

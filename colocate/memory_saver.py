@@ -1,6 +1,7 @@
-"""`python -m colocate.memory_saver CONFIG [FLAGS...]` prints the torch_memory_saver hook
-library to put in LD_PRELOAD for this run, or nothing; `handle()` is the library's handle in
-the mode this process can use.
+"""`python -m colocate.memory_saver [--gpus] CONFIG [FLAGS...]` prints the torch_memory_saver hook
+library to put in LD_PRELOAD for this run, or an empty line; with `--gpus`, the number of CUDA
+devices torch sees first, on a line of its own (launch.sh asks both in one process: importing torch
+takes seconds on a GPU machine). `handle()` is the library's handle in the mode this process can use.
 
 The native engine needs the preload hook so that its CUDA-graph memory can be paused too; the SGLang
 backend preloads the hook into its own scheduler process and refuses a second copy, so it gets none.
@@ -80,17 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     from colocate.config import load_config
 
     argv = sys.argv[1:] if argv is None else argv
+    gpus = bool(argv) and argv[0] == "--gpus"
+    argv = argv[1:] if gpus else argv
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
     cfg = load_config(["--config", argv[0], *argv[1:]])
-    if cfg.rollout.engine != "native" or not torch.cuda.is_available():
-        return 0
-    if preload_active():
-        return 0
-    path = preload_library()
-    if path:
-        print(path)
+    count = torch.cuda.device_count()
+    if gpus:
+        print(count)
+    wanted = cfg.rollout.engine == "native" and count > 0 and not preload_active()
+    print((preload_library() or "") if wanted else "")
     return 0
 
 

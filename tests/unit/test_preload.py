@@ -1,6 +1,7 @@
 """The torch_memory_saver glue: the child environment that preloads the hook, and the exit-time
 release of the torch-hook mode's pools (which the library would otherwise end with status 1)."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 from colocate import memory_saver
@@ -45,3 +46,24 @@ def test_child_environment_preloads_the_hook_once(monkeypatch):
     assert with_preload(preloaded) == preloaded
     monkeypatch.setattr(memory_saver, "preload_library", lambda: None)
     assert "LD_PRELOAD" not in with_preload({})
+
+
+def test_one_probe_prints_the_gpus_then_the_hook_the_run_needs(monkeypatch, capsys):
+    import torch
+
+    config = str(Path(__file__).parents[2] / "configs" / "default.yaml")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(memory_saver, "preload_library", lambda: "/lib/hook.so")
+
+    def probe(*argv: str) -> list[str]:
+        assert memory_saver.main(list(argv)) == 0
+        return capsys.readouterr().out.split("\n")[:-1]
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert probe("--gpus", config) == ["0", ""]  # no GPU: nothing to preload
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert probe("--gpus", config) == ["2", "/lib/hook.so"]
+    assert probe(config) == ["/lib/hook.so"]
+    assert probe("--gpus", config, "--rollout.engine", "sglang") == ["2", ""]  # it preloads its own
+    monkeypatch.setenv("LD_PRELOAD", "/x/torch_memory_saver_hook.so")
+    assert probe("--gpus", config) == ["2", ""]  # already there
