@@ -276,7 +276,8 @@ class TrainConfig:
 @dataclass
 class OffloadConfig:
     offload_rollout: bool = False
-    """Release the engine's weights, KV cache and CUDA graphs while training."""
+    """Release the engine's weights, KV cache and CUDA graphs while training (with LoRA the weights
+    stay: only the adapted modules change, and released weights would have to be pushed whole)."""
     offload_train: bool = False
     """Move the trainer's parameters, gradients and optimizer state off the GPU while generating.
     With "pinned", the optimizer state stays on the host through the forward passes too and comes

@@ -1,8 +1,9 @@
 """When GPU memory moves between the trainer and the rollout engine: the loop's two switches.
 
     to_train     release the engine: flush its cache, then release its KV cache, weights and
-                 CUDA graphs -> bring the trainer's parameters (and the critic) back; the optimizer
-                 states come home during the step's last backward ("pinned"), or now ("tms")
+                 CUDA graphs (with LoRA, its weights stay) -> bring the trainer's parameters (and
+                 the critic) back; the optimizer states come home during the step's last backward
+                 ("pinned"), or now ("tms")
     to_rollout   offload what the weight sync does not read (optimizer states, gradients, the
                  critic) -> resume the engine's weights -> push the weights, one FSDP unit at a
                  time -> offload the trainer's parameters -> resume the engine's CUDA graphs and
@@ -14,7 +15,10 @@ temporary buffers must be gone by then. With `offload.offload_rollout` off the e
 memory; with `offload.offload_train` off the trainer keeps its; with both off only the weight push
 remains. An engine that kept its weights since the last push is sent only what can have changed
 (with LoRA: the adapted modules' merged weights); one that released them gets every weight again,
-since released pages come back without their content.
+since released pages come back without their content. With LoRA the engine therefore keeps its
+weights through training even with `offload.offload_rollout`: the modules without adapters never
+move again after the first push, the KV cache (sized while the weights are there) is the same, and
+training has the weights' size less to use.
 
 Where each kind of memory moves:
     engine weights, KV cache, CUDA graphs   `to_train` (release), `to_rollout` (resume)
@@ -86,6 +90,9 @@ class Colocation:
         self.offload_train, self.offload_rollout = offload.offload_train, offload.offload_rollout
         self.dtype, self.bucket_bytes = dtype, bucket_bytes
         self.engine: RolloutEngine | None = None
+        self.engine_keeps_weights = trainer.lora is not None
+        """Released with the rest, the weights would have to be pushed whole again; under LoRA
+        only the adapted modules change, so the engine keeps them."""
         self.engine_holds_last_push = False
         """The engine's weights are those of the last push (none released since): a push may then
         send only what can have changed (with LoRA, the adapted modules' merged weights)."""
@@ -102,15 +109,17 @@ class Colocation:
         """The first weight push, in the order every later one follows."""
         self.engine = engine
         if self.offload_rollout:
-            engine.release_memory()
+            engine.release_memory(self._released())
         self.engine_holds_last_push = False
         return self.to_rollout(version)
 
     def to_train(self) -> Handoff:
         out = Handoff()
         if self.offload_rollout:
-            self._engine(out, "engine_release", lambda: (self.engine.flush_cache(), self.engine.release_memory()))
-            self.engine_holds_last_push = False
+            self._engine(out, "engine_release",
+                         lambda: (self.engine.flush_cache(), self.engine.release_memory(self._released())))
+            if not self.engine_keeps_weights:
+                self.engine_holds_last_push = False
         if self.offload_train:
             self._trainer(out, "trainer_onload", self.memory.onload(*PARAMS, *STATE, stream_state=True))
             out.pending_bytes = self.memory.pending_bytes()
@@ -124,7 +133,7 @@ class Colocation:
             self._trainer(out, "trainer_params_onload", self.memory.onload(*PARAMS))
         elif self.trainer.device.type == "cuda":
             torch.cuda.empty_cache()  # the step's cached activations, for the engine to use
-        if self.offload_rollout:
+        if self.offload_rollout and not self.engine_keeps_weights:
             self._engine(out, "engine_resume_weights", lambda: self.engine.resume_memory(["weights"]))
         out.sync = sync_weights(self.trainer.actor_module, self.engine, version=version, dtype=self.dtype,
                                 bucket_bytes=self.bucket_bytes, since_last=self.engine_holds_last_push)
@@ -135,6 +144,10 @@ class Colocation:
             self._engine(out, "engine_resume_cache",
                          lambda: self.engine.resume_memory(["cuda_graph", "kv_cache"]))
         return out
+
+    def _released(self) -> list[str] | None:
+        """The engine's memory tags that `to_train` releases (None: all of them)."""
+        return ["kv_cache", "cuda_graph"] if self.engine_keeps_weights else None
 
     def _engine(self, out: Handoff, name: str, move: Callable[[], object]) -> None:
         device = self.trainer.device

@@ -35,9 +35,10 @@ class FakeMemory:
 
 
 class FakeTrainer:
-    def __init__(self, events: Events):
+    def __init__(self, events: Events, lora: bool = False):
         self.memory, self.device = FakeMemory(events), torch.device("cpu")
         self.actor_module = torch.nn.Linear(3, 2)
+        self.lora = object() if lora else None
 
 
 class FakeEngine:
@@ -70,10 +71,10 @@ STATE = (ACTOR_OPTIM, CRITIC_PARAMS, CRITIC_OPTIM)
 PUSH = [("engine.begin", False), ("engine.update", ("weight", "bias")), ("engine.end", 2)]
 
 
-def _colocation(offload_train: bool, offload_rollout: bool):
+def _colocation(offload_train: bool, offload_rollout: bool, lora: bool = False):
     events = Events()
-    colocation = Colocation(FakeTrainer(events), OffloadConfig(offload_rollout=offload_rollout,
-                                                               offload_train=offload_train),
+    colocation = Colocation(FakeTrainer(events, lora), OffloadConfig(offload_rollout=offload_rollout,
+                                                                     offload_train=offload_train),
                             dtype=torch.float32, bucket_bytes=1 << 20)
     return colocation, FakeEngine(events), events
 
@@ -108,6 +109,25 @@ def test_both_offloads_follow_the_memory_contract():
     assert moved.metrics()["perf/sync_gib"] == pytest.approx(8 * 4 / (1 << 30))
 
 
+def test_with_lora_the_engine_keeps_its_weights_through_training():
+    colocation, engine, events = _colocation(True, True, lora=True)
+    colocation.start(engine, version=1)
+    assert events[0] == ("engine.release", ["kv_cache", "cuda_graph"])
+    assert [e for e in events if e[0] == "engine.resume"] == [("engine.resume", ("cuda_graph", "kv_cache"))]
+    assert colocation.engine_holds_last_push
+    for version in (2, 3):
+        events.clear()
+        moved = colocation.to_train()
+        assert ("engine.release", ["kv_cache", "cuda_graph"]) in events
+        assert colocation.engine_holds_last_push  # the next push may leave the frozen modules out
+        assert [t.name for t in moved.transfers] == ["engine_release", "trainer_onload"]
+        events.clear()
+        moved = colocation.to_rollout(version)
+        assert [e for e in events if e[0] == "engine.resume"] == [("engine.resume", ("cuda_graph", "kv_cache"))]
+        assert "engine_resume_weights" not in [t.name for t in moved.transfers]
+        assert engine.weight_version == version
+
+
 @pytest.mark.parametrize("offload_train,offload_rollout", [(False, False), (True, False), (False, True)])
 def test_each_offload_switch_moves_only_its_half(offload_train, offload_rollout):
     colocation, engine, events = _colocation(offload_train, offload_rollout)
@@ -127,7 +147,7 @@ def _lora_trainer(events: Events) -> FakeTrainer:
     """A trainer whose model is a frozen base: one adapted projection and one frozen one."""
     from colocate.trainer.lora import LoRALinear, LoRASpec
 
-    trainer = FakeTrainer(events)
+    trainer = FakeTrainer(events, lora=True)
     model = torch.nn.Module()
     model.proj = LoRALinear(torch.nn.Linear(3, 2).requires_grad_(False), LoRASpec(1, 2.0, 0.0, ("proj",)))
     model.head = torch.nn.Linear(2, 2, bias=False).requires_grad_(False)
@@ -141,7 +161,7 @@ def _lora_trainer(events: Events) -> FakeTrainer:
 @pytest.mark.parametrize("offload_rollout", [False, True])
 def test_lora_pushes_only_merged_weights_while_the_engine_keeps_its_own(offload_rollout):
     """The first push sends every weight (adapted ones merged, adapters never); later ones only
-    the merged weights, in a partial session, unless the engine released its weights meanwhile."""
+    the merged weights, in a partial session: the engine keeps its weights under LoRA, offload or not."""
     events = Events()
     colocation = Colocation(_lora_trainer(events), OffloadConfig(offload_rollout=offload_rollout),
                             dtype=torch.float32, bucket_bytes=1 << 20)
@@ -150,8 +170,8 @@ def test_lora_pushes_only_merged_weights_while_the_engine_keeps_its_own(offload_
     for version in (1, 2, 3):
         events.clear()
         moved = colocation.start(engine, version) if version == 1 else colocation.to_rollout(version)
-        if version > 1 and not offload_rollout:
-            assert [e for e in events if e[0].startswith("engine.")] == [
+        if version > 1:
+            assert [e for e in events if e[0] in ("engine.begin", "engine.update", "engine.end")] == [
                 ("engine.begin", True), ("engine.update", ("proj.weight",)), ("engine.end", version)]
             assert moved.sync.partial and moved.sync.num_tensors == 1
         else:
