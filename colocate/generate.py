@@ -174,14 +174,16 @@ def compile_decode(choice: str, steps: int) -> bool | None:
 
 
 def startup_line(seconds: float, engine, process_s: float | None = None) -> str:
-    """'start-up 4.5 s: process 1.4, engine 2.4 (weights 0.4, runner 0.3, cuda graphs 1.7), decode
-    compiled': `seconds` since `main` began, plus the `process_s` before it (interpreter, imports)."""
-    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in engine.startup_seconds.items())
-    compiled = engine.runner.compiled_decode
-    before = "" if process_s is None else f"process {process_s:.1f}, "
-    return (f"start-up {seconds + (process_s or 0.0):.1f} s: {before}"
-            f"engine {sum(engine.startup_seconds.values()):.1f} ({parts}), "
-            f"decode {'compiled' if compiled else 'not compiled'}")
+    """'start-up 4.5 s: process 1.4, inputs 0.7, engine 2.4 (weights 0.4, runner 0.3, cuda graphs
+    1.7), decode compiled': `seconds` since `main` began (inputs: all but the engine), after the
+    `process_s` before it (interpreter, imports)."""
+    from colocate.metrics import startup_line as line
+
+    engine_s = sum(engine.startup_seconds.values())
+    parts = {"process": process_s} if process_s is not None else {}
+    parts.update(inputs=seconds - engine_s, engine=engine_s)
+    parts.update({f"engine_{k}": v for k, v in engine.startup_seconds.items()})
+    return f"{line(parts)}, decode {'compiled' if engine.runner.compiled_decode else 'not compiled'}"
 
 
 def completion_row(c: Completion, tokenizer) -> dict:

@@ -134,6 +134,18 @@ def split_startup(parts: dict[str, float]) -> tuple[dict[str, float], dict[str, 
     return top, subs
 
 
+def startup_line(parts: dict[str, float]) -> str:
+    """'start-up 4.4 s: process 1.9, inputs 1.2, trainer 0.5 (actor 0.4), ..., first sync 0.0' from
+    parts as `startup_phases` gives them: the top-level ones, which add up, with their sub-parts."""
+    top, subs = split_startup(parts)
+
+    def part(name: str, seconds: float) -> str:
+        inner = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in subs.get(name, {}).items())
+        return f"{name.replace('_', ' ')} {seconds:.1f}" + (f" ({inner})" if inner else "")
+
+    return f"start-up {sum(top.values()):.1f} s: " + ", ".join(part(k, v) for k, v in top.items())
+
+
 def logged_steps(output_dir: str | os.PathLike) -> set[int]:
     """Steps with a record in OUTPUT_DIR/metrics.jsonl (none when there is no file yet)."""
     try:

@@ -50,19 +50,6 @@ class Phases:
         return out
 
 
-def _startup_line(startup: dict[str, float]) -> str:
-    """'start-up 4.4 s: process 1.9, inputs 1.2, trainer 0.5 (actor 0.4), ..., first sync 0.0'."""
-    from colocate.metrics import split_startup, startup_phases
-
-    top, subs = split_startup(startup_phases(startup))
-
-    def part(name: str, seconds: float) -> str:
-        inner = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in subs.get(name, {}).items())
-        return f"{name.replace('_', ' ')} {seconds:.1f}" + (f" ({inner})" if inner else "")
-
-    return f"start-up {sum(top.values()):.1f} s: " + ", ".join(part(k, v) for k, v in top.items())
-
-
 def _add_parts(startup: dict[str, float], part: str, seconds: dict[str, float]) -> None:
     """Sub-parts of a start-up part (`perf/startup/engine_cuda_graphs_s` under `engine`)."""
     for name, value in seconds.items():
@@ -95,6 +82,7 @@ class Loop:
 
     def build(self):
         from colocate.colocation.handoff import Colocation
+        from colocate.metrics import startup_line, startup_phases
         from colocate.models import resolve_dtype
         from colocate.rollout.factory import build_engine, reachable_batch_size
         from colocate.rollout.orchestrator import RolloutManager
@@ -134,7 +122,7 @@ class Loop:
         with timed(startup, "perf/startup/first_sync_s", info.device):
             self.colocation.start(self.engine, self.weight_version)
         self.ledger.record(self.start_rollout_id, "start")
-        self.log.info(_startup_line(startup))
+        self.log.info(startup_line(startup_phases(startup)))
 
     def _maybe_resume(self):
         from colocate.checkpoint_manifest import latest_checkpoint

@@ -10,10 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from colocate.config import Config
-from colocate.metrics import split_startup
+from colocate.metrics import split_startup, startup_line as startup_line_of, startup_phases
 from colocate.generate import COMPILE_DECODE_MIN_STEPS, compile_decode, decode_steps, startup_line
 from colocate.rollout.factory import reachable_batch_size
-from colocate.train import _startup_line
 
 
 def test_graphs_stop_at_the_largest_batch_the_run_decodes():
@@ -28,10 +27,10 @@ def test_graphs_stop_at_the_largest_batch_the_run_decodes():
 
 
 def test_startup_line_sums_the_top_level_parts():
-    line = _startup_line({"perf/startup/process_s": 2.0, "perf/startup/inputs_s": 1.25,
-                          "perf/startup/trainer_s": 2.0, "perf/startup/trainer_actor_s": 1.75,
-                          "perf/startup/engine_s": 3.0, "perf/startup/engine_weights_s": 1.0,
-                          "perf/startup/engine_cuda_graphs_s": 1.5, "perf/startup/first_sync_s": 0.25})
+    line = startup_line_of(startup_phases({
+        "perf/startup/process_s": 2.0, "perf/startup/inputs_s": 1.25, "perf/startup/trainer_s": 2.0,
+        "perf/startup/trainer_actor_s": 1.75, "perf/startup/engine_s": 3.0, "perf/startup/engine_weights_s": 1.0,
+        "perf/startup/engine_cuda_graphs_s": 1.5, "perf/startup/first_sync_s": 0.25, "train/loss": 0.5}))
     assert line == ("start-up 8.5 s: process 2.0, inputs 1.2, trainer 2.0 (actor 1.8), "
                     "engine 3.0 (weights 1.0, cuda graphs 1.5), first sync 0.2")
 
@@ -65,7 +64,8 @@ def test_generate_compiles_decode_only_for_jobs_long_enough_to_pay_for_it():
 def test_generate_startup_line_names_the_engine_parts_and_the_compile():
     engine = SimpleNamespace(startup_seconds={"weights": 0.4, "runner": 0.25, "cuda_graphs": 1.75},
                              runner=SimpleNamespace(compiled_decode=False))
-    assert startup_line(3.125, engine) == ("start-up 3.1 s: engine 2.4 (weights 0.4, runner 0.2, cuda graphs 1.8), "
-                                           "decode not compiled")
+    assert startup_line(3.125, engine) == (
+        "start-up 3.1 s: inputs 0.7, engine 2.4 (weights 0.4, runner 0.2, cuda graphs 1.8), decode not compiled")
     assert startup_line(3.125, engine, process_s=1.5) == (
-        "start-up 4.6 s: process 1.5, engine 2.4 (weights 0.4, runner 0.2, cuda graphs 1.8), decode not compiled")
+        "start-up 4.6 s: process 1.5, inputs 0.7, engine 2.4 (weights 0.4, runner 0.2, cuda graphs 1.8), "
+        "decode not compiled")
