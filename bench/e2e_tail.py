@@ -7,8 +7,9 @@ index, with ignore_eos: `TailLengths` sits between the rollout manager and the e
 each request into one request per sample with that sample's max_new_tokens, so a sample continued
 in a later step keeps its length. Partial rollout on keeps 64 groups in flight (four times the
 step's: with twice, a step on the H200 took as long as without partial rollout), with
-max_staleness 8: a sample at the 8192-token cap needs several steps of a full batch to finish,
-and a tighter bound would restart it again and again.
+max_staleness 8: a group then trains about three versions after its first token, and a sample at
+the 8192-token cap needs several steps of a full batch to finish; a bound that close would hold
+steps open for it (validation wants at least 3 for four steps' groups in flight).
 Reported next to the step times: how many groups were drawn, trained and left in flight, and
 whether every drawn prompt's group trained exactly once (the others still in flight at the end).
 `--cpu-smoke` runs a tiny shape on CPU.

@@ -68,6 +68,14 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
         ("rollout.over_sampling_batch_size", not r.partial_rollout or r.over_sampling_batch_size is not None,
          "must be set (>= rollout.rollout_batch_size: the groups in flight) with rollout.partial_rollout",
          r.over_sampling_batch_size),
+        ("rollout.over_sampling_batch_size",
+         not r.partial_rollout or r.over_sampling_batch_size is None
+         or r.over_sampling_batch_size <= (r.max_staleness + 1) * r.rollout_batch_size,
+         f"must be <= (rollout.max_staleness + 1) x rollout.rollout_batch_size = "
+         f"{(r.max_staleness + 1) * r.rollout_batch_size} with rollout.partial_rollout: each step trains "
+         f"rollout_batch_size of the groups in flight, so a group waits over_sampling_batch_size / "
+         f"rollout_batch_size steps, past the staleness bound; raise rollout.max_staleness or "
+         f"over-sample less", r.over_sampling_batch_size),
         ("rollout.partial_rollout", not (r.partial_rollout and r.engine == "sglang"),
          "is not supported by rollout.engine=sglang (the adapter cannot abort a request and keep its "
          "tokens)", r.partial_rollout),

@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 from colocate import dist
 from colocate.config import RolloutConfig
 from colocate.rollout.partial import (
-    ABORT, STALENESS_BUCKETS, InFlightGroup, group_state, load_group, restart_stale, stale_tokens, staleness,
-    staleness_counts,
+    ABORT, STALENESS_BUCKETS, InFlightGroup, by_urgency, group_staleness, group_state, load_group, restart_stale,
+    schedulable, split_trained, stale_tokens, staleness, staleness_counts,
 )
 from colocate.rollout.protocol import Completion, Request, RolloutEngine, SamplingParams
 from colocate.rollout.rewards import RewardFn, RewardInput, compute_rewards
@@ -186,9 +186,10 @@ class RolloutManager:
 
     def _generate_partial(self, data, rollout_id: int, on_progress
                           ) -> tuple[list[Sample], GroupStats, dict[str, float]]:
-        """Continue the groups in flight (oldest first) and start new ones until this rank has
+        """Continue the groups in flight (stalest first) and start new ones until this rank has
         over_sampling_batch_size / world in flight; stop once rollout_batch_size / world are
-        complete and train the oldest complete ones. See colocate/rollout/partial.py."""
+        complete and the groups carried can still train within rollout.max_staleness, and train
+        the stalest complete ones. See colocate/rollout/partial.py."""
         c, world = self.cfg, self.info.world_size
         target, num_in_flight = c.rollout_batch_size // world, c.over_sampling_batch_size // world
         version = self.engine.weight_version
@@ -201,9 +202,21 @@ class RolloutManager:
                 seed = stable_seed(self.seed, rollout_id, 0, p.index)
                 self.in_flight.append(InFlightGroup.new(p, seed, c.n_samples_per_prompt))
             stats.generated_groups = need
+        self.in_flight = by_urgency(self.in_flight, version)
+        stale = {id(g): group_staleness(g, version) for g in self.in_flight}
         requests, owners = self._requests()
         missing = {id(g): len(g.unfinished()) for g in self.in_flight}
         num_complete = sum(g.complete for g in self.in_flight)
+        held = False
+
+        def may_end() -> bool:
+            nonlocal held
+            trained, carried = split_trained(self.in_flight, lambda g: missing[id(g)] == 0, target)
+            if len(trained) < target:
+                return False
+            ok = schedulable([stale[id(g)] for g in carried], target, c.max_staleness)
+            held = held or not ok
+            return ok
 
         def enough(finished: list[Completion]) -> bool:
             nonlocal num_complete
@@ -214,10 +227,10 @@ class RolloutManager:
                 num_complete += missing[owner] == 0
             if on_progress is not None:
                 on_progress(min(num_complete, target) - min(before, target))
-            return num_complete >= target
+            return may_end()
 
         completions = []
-        if num_complete < target:
+        if not may_end():
             stats.num_seqs = sum(r.sampling.n for r in requests)
             completions = self.engine.generate_requests(requests, enough)
         fresh = []
@@ -232,15 +245,12 @@ class RolloutManager:
         finished = [s for s in fresh if s.finish_reason != ABORT]
         if finished:
             stats.reward_errors = self._score(finished, self.reward_fn)
-        trained, carried = [], []
-        for g in self.in_flight:
-            (trained if g.complete and len(trained) < target else carried).append(g)
+        trained, self.in_flight = split_trained(self.in_flight, lambda g: g.complete, target)
         assert len(trained) == target, (len(trained), target)
-        self.in_flight = carried
         stats.seconds = time.perf_counter() - start
         samples = [s for g in trained for s in g.samples]
         resumed = sum(bool(r.output_ids) for r in requests) if completions else 0
-        return samples, stats, self._partial_metrics(samples, version, num_dropped, resumed)
+        return samples, stats, self._partial_metrics(samples, version, num_dropped, resumed, held)
 
     def _requests(self) -> tuple[list[Request], list[InFlightGroup]]:
         """The engine requests that advance the unfinished groups in flight, and each one's group."""
@@ -257,13 +267,13 @@ class RolloutManager:
                 owners.append(g)
         return requests, owners
 
-    def _partial_metrics(self, samples: list[Sample], version: int, num_dropped: int, num_resumed: int
-                         ) -> dict[str, float]:
+    def _partial_metrics(self, samples: list[Sample], version: int, num_dropped: int, num_resumed: int,
+                         held: bool) -> dict[str, float]:
         carried = [s for g in self.in_flight for s in g.unfinished()]
         counts = staleness_counts(samples, version)
         sums = dist.all_reduce_sum([
             len(self.in_flight), len(carried), num_resumed, num_dropped, stale_tokens(samples, version),
-            sum(s.response_len for s in samples), len(samples), *counts,
+            sum(s.response_len for s in samples), len(samples), *counts, held,
             sum(staleness(s, version) for s in samples),
         ]).tolist()
         num_samples = max(sums[6], 1)
@@ -272,6 +282,7 @@ class RolloutManager:
             "rollout/partial/carried_samples": sums[1],
             "rollout/partial/resumed_samples": sums[2],
             "rollout/partial/dropped_stale_samples": sums[3],
+            "rollout/partial/held_for_staleness": sums[-2] / self.info.world_size,
             "rollout/partial/stale_token_ratio": sums[4] / max(sums[5], 1),
             "rollout/partial/staleness_mean": sums[-1] / num_samples,
             "rollout/partial/staleness_max": float(dist.all_reduce_max(max(

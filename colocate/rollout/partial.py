@@ -8,9 +8,14 @@ trains once, when all its samples are complete (group-relative advantages need t
 its finished samples wait with it. Every rank trains the same number of groups per step, so every
 rank carries the same number into the next one and all ranks draw the same number of new prompts.
 
-Staleness of a sample: the engine's weight version minus that of its oldest token. One that would
-exceed rollout.max_staleness restarts from its prompt (its tokens are dropped and counted; its
-group stays whole, so every drawn prompt is still trained exactly once).
+Staleness of a sample: the engine's weight version minus that of its oldest token; of a group, that
+of its stalest sample. A group must train within rollout.max_staleness versions of its first token,
+so a step's generation also goes on until the groups it carries can all still make it, each later
+step training rollout_batch_size of them, the stalest first (`schedulable`): a group at its bound
+is finished this step rather than restarted, and no sample is thrown away in a run whose version
+grows by one a step. A sample past the bound all the same (the bound lowered on resume) restarts
+from its prompt (its tokens are dropped and counted; its group stays whole, so every drawn prompt
+is still trained exactly once).
 
 Pure bookkeeping: no engine, no tensors.
 """
@@ -18,6 +23,7 @@ Pure bookkeeping: no engine, no tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from colocate.rollout.data import PromptSample
 from colocate.rollout.sample import Sample
@@ -65,6 +71,31 @@ def blank_sample(prompt: PromptSample, sample_index: int) -> Sample:
 def staleness(sample: Sample, version: int) -> int:
     """How many weight versions the sample's oldest token lags behind `version` (0 without tokens)."""
     return version - min(sample.versions) if sample.response_ids else 0
+
+
+def group_staleness(group: InFlightGroup, version: int) -> int:
+    return max(staleness(s, version) for s in group.samples)
+
+
+def by_urgency(groups: list[InFlightGroup], version: int) -> list[InFlightGroup]:
+    """The groups in the order they train: stalest first, then as drawn."""
+    return sorted(groups, key=lambda g: -group_staleness(g, version))
+
+
+def split_trained(groups: list[InFlightGroup], is_complete: Callable[[InFlightGroup], bool], target: int
+                  ) -> tuple[list[InFlightGroup], list[InFlightGroup]]:
+    """(trained, carried): the first `target` complete groups in the given order, and the rest."""
+    trained, carried = [], []
+    for g in groups:
+        (trained if len(trained) < target and is_complete(g) else carried).append(g)
+    return trained, carried
+
+
+def schedulable(carried_staleness: list[int], per_step: int, max_staleness: int) -> bool:
+    """Whether groups carried into the next step with these staleness values now (stalest first)
+    can each train within `max_staleness` versions when every later step trains `per_step` of
+    them, stalest first: the i-th trains at the (i // per_step + 1)-th next step at the latest."""
+    return all(s + i // per_step + 1 <= max_staleness for i, s in enumerate(carried_staleness))
 
 
 def restart_stale(groups: list[InFlightGroup], version: int, max_staleness: int) -> int:

@@ -4,6 +4,7 @@ stale-token mask and the config."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from colocate.config import Config
 from colocate.config_checks import validate
 from colocate.rollout.data import PromptSample
 from colocate.rollout.partial import (
-    InFlightGroup, group_state, load_group, restart_stale, stale_tokens, staleness, staleness_counts,
+    InFlightGroup, by_urgency, group_state, load_group, restart_stale, schedulable, split_trained, stale_tokens,
+    staleness, staleness_counts,
 )
 from colocate.rollout.sample import Sample
 from colocate.trainer.batch import RolloutBatch
@@ -49,6 +51,24 @@ def test_staleness_restarts_only_samples_past_the_bound():
     assert not group.complete and not group.unstarted
     assert [s.sample_index for s in group.unfinished()] == [0, 1, 2]
     assert restart_stale([group], version=3, max_staleness=1) == 0
+
+
+def test_groups_train_stalest_first_and_carried_ones_must_fit_the_bound():
+    def group(index: int, versions: list[int], done: bool = True) -> InFlightGroup:
+        prompt = PromptSample(index=index, prompt_ids=[3], prompt_text="c", label="f")
+        return InFlightGroup(prompt, seed=0, samples=[finished(0, versions, "stop" if done else "abort"),
+                                                      finished(1, [])])
+    fresh, old, older, oldest = group(0, []), group(1, [4, 5]), group(2, [3]), group(3, [2, 5], done=False)
+    assert [g.prompt.index for g in by_urgency([fresh, old, older, oldest], 5)] == [3, 2, 1, 0]
+    assert [g.prompt.index for g in by_urgency([old, fresh, group(4, [4])], 5)] == [1, 4, 0]  # ties: as drawn
+    trained, carried = split_trained([oldest, older, old, fresh], lambda g: g.prompt.index != 3, 2)
+    assert [g.prompt.index for g in trained] == [2, 1] and [g.prompt.index for g in carried] == [3, 0]
+    # carried staleness now, stalest first; 2 train a step; each must train at staleness <= 3
+    assert schedulable([2, 2, 1, 1, 0, 0], per_step=2, max_staleness=3)
+    assert not schedulable([3], per_step=2, max_staleness=3)  # it would train at 4
+    assert not schedulable([2, 2, 2], per_step=2, max_staleness=3)  # the third waits two steps
+    assert not schedulable([0] * 7, per_step=2, max_staleness=3)  # the seventh trains in the fourth step
+    assert schedulable([], per_step=2, max_staleness=1)
 
 
 def test_staleness_histogram_and_stale_tokens():
@@ -99,12 +119,14 @@ def _partial_config(**rollout) -> Config:
      "rollout.over_sampling_batch_size must be set (>= rollout.rollout_batch_size"),
     (dict(over_sampling_batch_size=8), "rollout.over_sampling_batch_size must be >= rollout.rollout_batch_size (16)"),
     (dict(max_staleness=0), "rollout.max_staleness must be >= 1, got 0"),
+    (dict(over_sampling_batch_size=48),
+     "rollout.over_sampling_batch_size must be <= (rollout.max_staleness + 1) x rollout.rollout_batch_size = 32"),
     (dict(engine="sglang"), "rollout.partial_rollout is not supported by rollout.engine=sglang"),
     (dict(custom_generate="m:f"), "rollout.partial_rollout cannot be combined with rollout.custom_generate"),
     (dict(dynamic_sampling=True), "rollout.partial_rollout cannot be combined with rollout.dynamic_sampling"),
 ])
 def test_partial_rollout_config_is_validated(rollout, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         validate(_partial_config(**rollout))
 
 
