@@ -69,7 +69,8 @@ class ModelConfig:
     lora_rank: int = _ranged(0, ">= 0")
     """Rank of the LoRA adapters trained on a frozen base (0: off, every weight trains). With LoRA
     the base stays in the compute dtype without optimizer state, the reference policy is the base
-    with the adapters off, and checkpoints hold the adapters only."""
+    with the adapters off, a critic gets adapters too (its value head trains whole), and
+    checkpoints hold the trained parameters only."""
     lora_alpha: float = _ranged(32.0, "> 0")
     """LoRA scaling numerator: the update is (lora_alpha / lora_rank) B A. A fixed alpha (rather
     than one that grows with the rank) keeps the best learning rate nearly the same across ranks."""

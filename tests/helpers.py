@@ -87,9 +87,11 @@ def hf_logprobs(hf, sequences, temperature: float = 1.0) -> torch.Tensor:
     return torch.cat(out).cpu()
 
 
-def capture_grads(trainer) -> dict:
-    """Full gradients at the optimizer step (after clipping, before the update)."""
-    names = {id(p): n for n, p in trainer.actor_module.named_parameters()}
+def capture_grads(trainer, part: str = "actor") -> dict:
+    """Full gradients of the trainer's actor (or critic) at its optimizer step (after clipping,
+    before the update)."""
+    trained = getattr(trainer, part)
+    names = {id(p): n for n, p in trained.model.named_parameters()}
     grads = {}
 
     def hook(optimizer, args, kwargs):
@@ -97,5 +99,5 @@ def capture_grads(trainer) -> dict:
             for p in group["params"]:
                 grads[names[id(p)]] = p.grad.full_tensor().clone()
 
-    trainer.actor.opt.optimizer.register_step_pre_hook(hook)
+    trained.opt.optimizer.register_step_pre_hook(hook)
     return grads

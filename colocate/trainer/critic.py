@@ -3,7 +3,8 @@
 V_t is read at the same position as the policy's log-prob of response token t (the hidden state
 of the prefix before it), so values, log-probs and rewards line up token for token. The value
 head `value_head` (Linear(hidden, 1)) starts at zero — V = 0 everywhere until the critic learns —
-unless the critic's checkpoint already has one.
+unless the critic's checkpoint already has one. With `model.lora_rank` > 0 the critic's backbone
+is a frozen base with adapters, as the actor's, and only the adapters and the value head train.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from colocate.config import AlgorithmConfig
 from colocate.models.config import ModelConfig
 from colocate.models.transformer import Backbone, CausalLM
 from colocate.trainer.batch import MicroBatch, RolloutBatch
+from colocate.trainer.lora import LoRASpec, add_adapters
 from colocate.trainer.memory import StateArrival
 from colocate.trainer.optim import OptimizerStep
 from colocate.trainer.parallelize import local_tensor
@@ -42,6 +44,13 @@ class ValueModel(nn.Module):
         values = self.value_head(hidden.index_select(0, value_index))  # (T, 1)
         # sum over the size-1 dim, not squeeze: FSDP hooks the output and must not get a view.
         return values.float().sum(-1)  # (T,)
+
+
+def add_critic_adapters(model: ValueModel, spec: LoRASpec) -> None:
+    """LoRA on the critic's backbone (colocate/trainer/lora.py); the value head stays trained
+    whole, in fp32 like the adapters."""
+    add_adapters(model, spec)
+    model.value_head.to(torch.float32).requires_grad_(True)
 
 
 @torch.no_grad()

@@ -4,7 +4,8 @@ algorithm needs them, the reference model and the critic, and their memory (`sel
 
 With `model.lora_rank` > 0 the actor is a frozen base (compute dtype, no optimizer state, no
 gradients) with trained fp32 adapters (colocate/trainer/lora.py), and the reference policy is
-that same model with its adapters off.
+that same model with its adapters off. The critic then gets adapters too, and a value head
+trained whole.
 
 Per `train` call: pack the rank's samples into micro-batches agreed over ranks; old log-probs
 (only when needed: several optimizer steps, or KL in the reward), reference log-probs, values;
@@ -28,7 +29,7 @@ from colocate.trainer.actor import Actor
 from colocate.trainer.global_advantages import compute_advantages, global_masked_mean
 from colocate.trainer.batch import RolloutBatch
 from colocate.trainer.lora import LoRASpec, add_adapters, adapters_disabled, init_adapters_, is_adapter
-from colocate.trainer.critic import Critic, ValueModel, zero_value_head_
+from colocate.trainer.critic import Critic, ValueModel, add_critic_adapters, zero_value_head_
 from colocate.trainer.memory import (
     ACTOR_OPTIM, ACTOR_PARAMS, CRITIC_OPTIM, CRITIC_PARAMS, REFERENCE, StateArrival, TrainerMemory,
 )
@@ -111,7 +112,7 @@ class Trainer:
             with timed(self.startup_seconds, "critic", self.device):
                 critic_model = self._build(lambda: ValueModel(critic_cfg), critic_path, CRITIC_PARAMS,
                                            train=True, skip=("lm_head.",), new=("value_head.",),
-                                           forward_methods=())
+                                           forward_methods=(), lora=self.lora, adapt=add_critic_adapters)
                 critic_opt, critic_arrival = self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,
                                                              max(1, t.num_rollout * steps_per_rollout))
             self.critic = Critic(critic_model, critic_opt, critic_arrival, a, norm_len=norm_len,
@@ -122,16 +123,16 @@ class Trainer:
 
     def _build(self, make, path: str, tag: str, *, train: bool, skip: tuple[str, ...] = (),
                new: tuple[str, ...] = (), forward_methods: tuple[str, ...] = ("hidden_states",),
-               lora: LoRASpec | None = None) -> nn.Module:
+               lora: LoRASpec | None = None, adapt=add_adapters) -> nn.Module:
         """Trained models keep fp32 master shards and compute in the compute dtype; the frozen
-        reference, and the frozen base under `lora` adapters (fp32 masters), store their shards in
-        the compute dtype directly."""
+        reference, and the frozen base under `lora` adapters (fp32 masters, added by `adapt`),
+        store their shards in the compute dtype directly."""
         mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
         model, missing = build_sharded(
             make, self.mesh, self.device,
             dtype=torch.float32 if train and lora is None else self.compute_dtype,
             param_dtype=mixed if train else None,
-            adapt=None if lora is None else functools.partial(add_adapters, spec=lora),
+            adapt=None if lora is None else functools.partial(adapt, spec=lora),
             random=lora is not None and lora.dropout > 0,
             weights=None if self.random_config is not None else iter_safetensors(path),
             source=str(path), skip=skip,
@@ -211,13 +212,17 @@ class Trainer:
 
     def checkpoint_states(self) -> dict:
         """Stateful parts for colocate.checkpoint (DCP): the actor as "model", the critic as "critic".
-        With LoRA the actor's part holds its adapters, their optimizer state and which base they fit."""
+        With LoRA each part holds its adapters (and the critic's value head), their optimizer
+        state and which base they fit."""
         from colocate.checkpoint import ACTOR_STATE, ModelOptimizerState
 
+        m = self.cfg.model
+        describe = (lambda base: None) if self.lora is None else self.lora.describe
         opt = self.actor.opt
-        adapters = None if self.lora is None else self.lora.describe(self.cfg.model.path)
-        states = {ACTOR_STATE: ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler, adapters=adapters)}
+        states = {ACTOR_STATE: ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler,
+                                                   adapters=describe(m.path))}
         if self.critic is not None:
             c = self.critic.opt
-            states["critic"] = ModelOptimizerState(self.critic.model, c.optimizer, c.scheduler)
+            states["critic"] = ModelOptimizerState(self.critic.model, c.optimizer, c.scheduler,
+                                                   adapters=describe(m.critic_path or m.path))
         return states

@@ -22,6 +22,7 @@ from tests.integration.test_weight_sync import RecordingEngine
 
 RANK, ALPHA = 4, 8.0
 LORA = {"model.lora_rank": RANK, "model.lora_alpha": ALPHA}
+GAE = {"algorithm.advantage_estimator": "gae", "train.critic_lr": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +157,44 @@ def _resume(path, info, directory) -> dict:
     return out
 
 
+def _critic(path, info, directory) -> dict:
+    """A LoRA critic (gae): what trains, its third rollout's gradients beside those of a full critic
+    holding its merged weights, and its checkpoint, saved after two rollouts and resumed."""
+    from colocate.checkpoint import load_checkpoint, save_checkpoint
+    from colocate.trainer import Trainer
+    from colocate.trainer.parallelize import copy_full_
+
+    samples = _samples(vocab=101)
+    lora = Trainer(_lora(path, **GAE), info)
+    model = lora.critic.model
+    base = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    out = dict(trained=sorted(n for n, p in model.named_parameters() if p.requires_grad),
+               num_state=len(lora.critic.opt.optimizer.state))
+    for rollout_id in range(2):  # the value head moves first, then B, then A
+        lora.train(samples, rollout_id=rollout_id)
+    weights = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    out["base_moved"] = [n for n, t in base.items() if not torch.equal(weights[n], t)]
+    out["saved"] = save_checkpoint(directory / "critic", 1, lora.checkpoint_states(), model_dir=path)
+    out["weights"], out["grads"] = weights, capture_grads(lora, "critic")
+    out["metrics"] = lora.train(samples, rollout_id=2)
+
+    full = Trainer(_config(path, **GAE), info)
+    for name, p in full.critic.model.named_parameters():
+        module = name.removesuffix(".weight")
+        if f"{module}.lora_A.weight" in weights:
+            a, b = weights[f"{module}.lora_A.weight"], weights[f"{module}.lora_B.weight"]
+            copy_full_(p, weights[name] + (ALPHA / RANK) * b @ a)
+        else:
+            copy_full_(p, weights[name])
+    out["full_grads"] = capture_grads(full, "critic")
+    full.train(samples, rollout_id=2)
+
+    resumed = Trainer(_lora(path, **GAE), info)
+    load_checkpoint(out["saved"], resumed.checkpoint_states())
+    out["resumed_metrics"] = resumed.train(samples, rollout_id=2)
+    return out
+
+
 def _one_rank(rank, world_size, path, out_file):
     from colocate import dist
 
@@ -163,7 +202,8 @@ def _one_rank(rank, world_size, path, out_file):
     info = dist.get_info()
     torch.save(dict(two_steps=_two_steps(path, info, _samples(vocab=101)), start=_start_and_push(path, info),
                     reference=_reference(path, info), variants=_recompute_and_compile(path, info, out_file.parent),
-                    resume=_resume(path, info, out_file.parent)), out_file)
+                    resume=_resume(path, info, out_file.parent), critic=_critic(path, info, out_file.parent)),
+               out_file)
 
 
 def _two_ranks(rank, world_size, path, out_file):
@@ -294,6 +334,42 @@ def test_checkpoint_of_another_base_or_kind_is_refused(one_rank, model_path):
                                              "resume it with model.lora_rank 4")
 
 
+def test_critic_trains_adapters_and_value_head_on_a_frozen_base(one_rank):
+    c = one_rank["critic"]
+    assert c["trained"] == sorted([n for n in c["weights"] if is_adapter(n)] + ["value_head.bias", "value_head.weight"])
+    assert len(c["trained"]) == 2 * 7 * 2 + 2 == c["num_state"]
+    assert c["base_moved"] == []
+    assert all(c["weights"][n].abs().max() > 0 for n in c["trained"] if ".lora_B." in n or "value_head" in n)
+
+
+def test_critic_adapter_gradients_follow_the_full_critic_of_the_merged_weights(one_rank):
+    """dL/dB = s G A^T and dL/dA = s B^T G, with G the gradient of the same value loss with
+    respect to the merged weight W + s B A (a full critic holding those weights)."""
+    c = one_rank["critic"]
+    weights, full, scale = c["weights"], c["full_grads"], ALPHA / RANK
+    expected = {n: full[n] for n in ("value_head.weight", "value_head.bias")}
+    for name in c["trained"]:
+        if ".lora_A." in name:
+            module = name.removesuffix(".lora_A.weight")
+            g, a, b = full[f"{module}.weight"], weights[name], weights[f"{module}.lora_B.weight"]
+            expected[name], expected[f"{module}.lora_B.weight"] = scale * b.T @ g, scale * g @ a.T
+    assert set(expected) == set(c["grads"])
+    for name, grad in c["grads"].items():
+        top = float(expected[name].abs().max())
+        assert top > 0 and (grad - expected[name]).abs().max() <= 1e-4 * top, name
+
+
+def test_critic_checkpoint_holds_its_adapters_and_head_and_resumes_exactly(one_rank):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    c = one_rank["critic"]
+    for key in ("critic/value_loss", "critic/grad_norm", "train/pg_loss"):
+        assert c["metrics"][key] == c["resumed_metrics"][key], key
+    keys = FileSystemReader(str(c["saved"])).read_metadata().state_dict_metadata
+    weights = sorted(k.removeprefix("critic.model.") for k in keys if k.startswith("critic.model."))
+    assert weights == c["trained"] and "critic.lora" in keys
+
+
 def test_exports_give_the_trainer_logits_in_transformers_and_peft(one_rank, model_path, tmp_path):
     import transformers
 
@@ -360,7 +436,8 @@ def test_toy_task_learns_with_lora(tmp_path):
 
 
 def _cuda_rank(rank, world_size, path):
-    """bf16 compute, pinned offload and the log-prob kernel on one GPU; a push into a bf16 engine."""
+    """bf16 compute, pinned offload and the log-prob kernel on one GPU, with a LoRA critic; a push
+    into a bf16 engine."""
     from colocate import dist
     from colocate.colocation.weight_sync import sync_weights
     from colocate.rollout.native import NativeEngine
@@ -370,12 +447,15 @@ def _cuda_rank(rank, world_size, path):
 
     info = dist.get_info()
     overrides = {"model.dtype": "auto", "offload.offload_train": True, "model.gradient_checkpointing": True}
-    trainer, full = Trainer(_lora(path, **overrides), info), Trainer(_config(path, **overrides), info)
+    trainer = Trainer(_lora(path, **overrides, **GAE), info)
+    full = Trainer(_config(path, **overrides), info)
     assert trainer.compute_dtype == torch.bfloat16
     ids = torch.tensor(_samples(vocab=101)[0].tokens, device=info.device)
     assert torch.equal(_logits(trainer, ids), _logits(full, ids))
     for name, p in trainer.actor_module.named_parameters():
         assert p.dtype == (torch.float32 if is_adapter(name) else torch.bfloat16), name
+    for name, p in trainer.critic.model.named_parameters():
+        assert p.dtype == (torch.float32 if is_adapter(name) or name.startswith("value_head.") else torch.bfloat16), name
     for rollout_id in range(2):
         trainer.memory.onload(*PARAMS, *STATE, stream_state=True)
         assert torch.isfinite(torch.tensor(trainer.train(_samples(vocab=101), rollout_id)["train/grad_norm"]))
