@@ -2,8 +2,8 @@
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train train_small
 #                                          kernels units
-#                                          (and, asked for by name: tail e2e_tail startup on_policy; multigpu,
-#                                          on a machine of 2 or more GPUs)
+#                                          (and, asked for by name: tail e2e_tail_off e2e_tail_on startup
+#                                          on_policy; multigpu, on a machine of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
@@ -28,7 +28,12 @@ for step in $steps; do
                --output-dir "$out/default_run" --logging.console False ;;
     engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
     e2e) run e2e 590 python bench/e2e.py --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
-    e2e_tail) run e2e_tail 3000 python bench/e2e.py --tail --steps 2 --warmup 1 ;;
+    e2e_tail_off) run e2e_tail_off 590 python bench/e2e.py --tail --partial off --steps 2 --warmup 1 \
+                    --out "$out/e2e_tail_off.json" ;;
+    # Partial rollout reaches its steady state once the first step's 4x groups have drained (about
+    # 4 steps): time the steps after 3 warm-up steps.
+    e2e_tail_on) run e2e_tail_on 590 python bench/e2e.py --tail --partial on --steps 3 --warmup 3 \
+                   --out "$out/e2e_tail_on.json" ;;
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
