@@ -3,7 +3,7 @@
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train train_small
 #                                          kernels units
 #                                          (and, asked for by name: tail e2e_tail_off e2e_tail_on startup
-#                                          on_policy; multigpu, on a machine of 2 or more GPUs)
+#                                          on_policy invariant_sweep; multigpu, on a machine of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
@@ -42,6 +42,7 @@ for step in $steps; do
     train) run train 590 python bench/train.py --models 1.5b --budget-s 560 ;;
     train_small) run train_small 330 python bench/train.py --models 0.5b --budget-s 300 ;;
     kernels) run kernels 60 python bench/kernel_bench.py ;;
+    invariant_sweep) run invariant_sweep 300 python bench/kernel_bench.py --invariant-sweep ;;
     units) run units 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
     multigpu) run multigpu 560 python -m pytest -q -s -rA -m multigpu -p no:cacheprovider tests/integration/test_multigpu.py \
                 tests/integration/test_checkpoint.py ;;

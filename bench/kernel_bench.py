@@ -20,6 +20,12 @@ Prints one summary line and writes bench/results/kernels.json. Run: python bench
 engine-like decode batches: the kernel runs over 24 layers' caches in one CUDA graph, as in a
 decode step, so no layer's K/V is still in L2. Writes bench/results/paged_decode_sweep.json.
 
+`--invariant-sweep` times the batch-invariant matmul of `algorithm.true_on_policy`
+(colocate/kernels/batch_invariant_cuda.py) in candidate tile configs, beside cuBLAS, on every
+projection of the 0.5B and 1.5B shapes at a decode batch (M=256) and a training micro-batch
+(M=16384). The mode may choose a config by (N, K), never by M, so this shows what each weight's
+best config would save at decode and cost in training. Writes bench/results/invariant_matmul_sweep.json.
+
 `--sample-sweep` times every launch shape of the Gumbel-max sampler (programs per SM, block,
 warps) on (B, 151936) fp32 logits, beside the plain-torch reference, and writes
 bench/results/sampling_sweep.json.
@@ -241,6 +247,64 @@ def sample_sweep() -> None:
     SAMPLE_SWEEP_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
 
 
+INVARIANT_SHAPES = {  # (hidden, intermediate, q/k/v width): each projection's (N, K); lm_head apart
+    "0.5b": (896, 4864, 896 + 2 * 128),
+    "1.5b": (1536, 8960, 1536 + 2 * 256),
+}
+INVARIANT_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 64, 64, 4, 3),
+    (64, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 32, 128, 4, 4), (32, 32, 128, 4, 4), (16, 64, 128, 4, 4),
+]
+
+
+def invariant_sweep() -> None:
+    from triton.testing import do_bench
+
+    from colocate.kernels import batch_invariant_cuda as bic
+
+    def ms(fn) -> float:
+        return do_bench(fn, rep=50, return_mode="median")
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = {"device": torch.cuda.get_device_name(), "current": bic.MATMUL_CONFIGS[torch.bfloat16],
+               "shapes": {}}
+    for shape, (hidden, inter, qkv) in INVARIANT_SHAPES.items():
+        rows = []
+        for name, n, k in (("qkv", qkv, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
+                           ("down", hidden, inter), ("lm_head", 151936, hidden)):
+            out_dtype = torch.float32 if name == "lm_head" else None
+            w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
+            row = dict(name=name, n=n, k=k, configs=[])
+            for m in (256, 16384):
+                x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+                want = x.float() @ w.float().T
+                row[f"cublas_ms_m{m}"] = ms(lambda: F.linear(x, w))
+                for config in INVARIANT_CONFIGS:
+                    entry = next((c for c in row["configs"] if c["config"] == list(config)), None)
+                    if entry is None:
+                        entry = dict(config=list(config))
+                        row["configs"].append(entry)
+                    try:
+                        got = bic.matmul(x, w.T, out_dtype=out_dtype, config=config)
+                        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=2e-2)
+                        entry[f"ms_m{m}"] = ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype, config=config))
+                    except Exception as exc:  # a config Triton cannot build (shared memory) is skipped
+                        entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            timed = [c for c in row["configs"] if "error" not in c]
+            current = next(c for c in timed if tuple(c["config"]) == results["current"])
+            row["best_decode"] = min(timed, key=lambda c: c["ms_m256"])
+            row["best_train"] = min(timed, key=lambda c: c["ms_m16384"])
+            rows.append(row)
+            print(f"{shape} {name} N={n} K={k}: M=256 cuBLAS {row['cublas_ms_m256'] * 1e3:.0f} us, current "
+                  f"{current['ms_m256'] * 1e3:.0f} us, best {row['best_decode']['ms_m256'] * 1e3:.0f} us "
+                  f"{row['best_decode']['config']} | M=16384 cuBLAS {row['cublas_ms_m16384']:.2f} ms, current "
+                  f"{current['ms_m16384']:.2f} ms, best {row['best_train']['ms_m16384']:.2f} ms "
+                  f"{row['best_train']['config']}", flush=True)
+        results["shapes"][shape] = rows
+    path = RESULTS.parent / "invariant_matmul_sweep.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def bench_joint_linear(do_bench, num_tokens=32768, hidden_size=1536, widths=None,
                        device="cuda") -> dict:
     """Forward + backward of linear layers sharing their input, separate against joint."""
@@ -309,9 +373,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
     parser.add_argument("--sample-sweep", action="store_true", help="time every sampler launch shape")
+    parser.add_argument("--invariant-sweep", action="store_true",
+                        help="time the true-on-policy matmul's candidate tile configs by (N, K)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernel_bench.py needs a CUDA device")
+    if args.invariant_sweep:
+        return invariant_sweep()
     if args.decode_sweep:
         return decode_sweep()
     if args.sample_sweep:

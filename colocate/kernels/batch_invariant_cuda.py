@@ -58,9 +58,11 @@ def in_backward() -> bool:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, alpha=1.0, beta=1.0,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int, int] | None = None
+           ) -> torch.Tensor:
     """a (M, K) @ b (K, N) [+ bias broadcast to (M, N)] -> (M, N) in out_dtype (default a's dtype).
-    Any strides (linear's transposed weight is a (K, N) view with strides (1, K))."""
+    Any strides (linear's transposed weight is a (K, N) view with strides (1, K)). `config`
+    overrides MATMUL_CONFIGS (bench/kernel_bench.py --invariant-sweep times the candidates)."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not multiply")
     if a.dtype != b.dtype or a.dtype not in MATMUL_CONFIGS:
@@ -72,7 +74,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
         return out
     if bias is not None:
         bias = bias.expand(m, n)
-    block_m, block_n, block_k, warps, stages = MATMUL_CONFIGS[a.dtype]
+    block_m, block_n, block_k, warps, stages = config or MATMUL_CONFIGS[a.dtype]
     _kernels()[0][(_cdiv(m, block_m), _cdiv(n, block_n))](
         a, b, bias if bias is not None else out, out, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
