@@ -24,7 +24,9 @@ decode step, so no layer's K/V is still in L2. Writes bench/results/paged_decode
 (colocate/kernels/batch_invariant_cuda.py) in candidate tile configs, beside cuBLAS, on every
 projection of the 0.5B and 1.5B shapes at a decode batch (M=256) and a training micro-batch
 (M=16384). The mode may choose a config by (N, K), never by M, so this shows what each weight's
-best config would save at decode and cost in training. Writes bench/results/invariant_matmul_sweep.json.
+best config would save at decode and cost in training. It also reports which configs give bits equal
+to the current one: if only BLOCK_K decides them, the mode could choose BLOCK_M and BLOCK_N by M too.
+Writes bench/results/invariant_matmul_sweep.json.
 
 `--sample-sweep` times every launch shape of the Gumbel-max sampler (programs per SM, block,
 warps) on (B, 151936) fp32 logits, beside the plain-torch reference, and writes
@@ -278,6 +280,7 @@ def invariant_sweep() -> None:
             for m in (256, 16384):
                 x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
                 want = x.float() @ w.float().T
+                current = bic.matmul(x, w.T, out_dtype=out_dtype)
                 row[f"cublas_ms_m{m}"] = ms(lambda: F.linear(x, w))
                 for config in INVARIANT_CONFIGS:
                     entry = next((c for c in row["configs"] if c["config"] == list(config)), None)
@@ -287,6 +290,9 @@ def invariant_sweep() -> None:
                     try:
                         got = bic.matmul(x, w.T, out_dtype=out_dtype, config=config)
                         torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=2e-2)
+                        # Bitwise equal to the current tile: then the tile's M and N sizes (and the
+                        # MMA instruction they select) do not change a row's bits, only BLOCK_K does.
+                        entry[f"equal_to_current_m{m}"] = torch.equal(got, current)
                         entry[f"ms_m{m}"] = ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype, config=config))
                     except Exception as exc:  # a config Triton cannot build (shared memory) is skipped
                         entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -295,6 +301,9 @@ def invariant_sweep() -> None:
             row["best_decode"] = min(timed, key=lambda c: c["ms_m256"])
             row["best_train"] = min(timed, key=lambda c: c["ms_m16384"])
             rows.append(row)
+            row["bitwise_equal_to_current"] = [c["config"] for c in timed
+                                               if c["equal_to_current_m256"] and c["equal_to_current_m16384"]]
+            print(f"{shape} {name}: bitwise equal to the current tile: {row['bitwise_equal_to_current']}")
             print(f"{shape} {name} N={n} K={k}: M=256 cuBLAS {row['cublas_ms_m256'] * 1e3:.0f} us, current "
                   f"{current['ms_m256'] * 1e3:.0f} us, best {row['best_decode']['ms_m256'] * 1e3:.0f} us "
                   f"{row['best_decode']['config']} | M=16384 cuBLAS {row['cublas_ms_m16384']:.2f} ms, current "

@@ -475,7 +475,8 @@ def _cuda_rank(rank, world_size, path):
     for name, p in trainer.actor_module.named_parameters():
         assert p.dtype == (torch.float32 if is_adapter(name) else torch.bfloat16), name
     for name, p in trainer.critic.model.named_parameters():
-        assert p.dtype == (torch.float32 if is_adapter(name) or name.startswith("value_head.") else torch.bfloat16), name
+        trained = is_adapter(name) or name.startswith("value_head.")
+        assert p.dtype == (torch.float32 if trained else torch.bfloat16), name
     for rollout_id in range(2):
         trainer.memory.onload(*PARAMS, *STATE, stream_state=True)
         assert torch.isfinite(torch.tensor(trainer.train(_samples(vocab=101), rollout_id)["train/grad_norm"]))
