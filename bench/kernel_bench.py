@@ -25,8 +25,9 @@ decode step, so no layer's K/V is still in L2. Writes bench/results/paged_decode
 projection of the 0.5B and 1.5B shapes at a decode batch (M=256) and a training micro-batch
 (M=16384). The mode may choose a config by (N, K), never by M, so this shows what each weight's
 best config would save at decode and cost in training. It also reports which configs give bits equal
-to the current one: if only BLOCK_K decides them, the mode could choose BLOCK_M and BLOCK_N by M too.
-Writes bench/results/invariant_matmul_sweep.json.
+to the current one: if only BLOCK_K decides them, the mode could choose BLOCK_M and BLOCK_N by M too;
+and the same for the mode's attention, whose trainer path could then take larger query tiles than
+the engine's 16. Writes bench/results/invariant_matmul_sweep.json.
 
 `--sample-sweep` times every launch shape of the Gumbel-max sampler (programs per SM, block,
 warps) on (B, 151936) fp32 logits, beside the plain-torch reference, and writes
@@ -310,8 +311,42 @@ def invariant_sweep() -> None:
                   f"{current['ms_m16384']:.2f} ms, best {row['best_train']['ms_m16384']:.2f} ms "
                   f"{row['best_train']['config']}", flush=True)
         results["shapes"][shape] = rows
+    results["attention"] = invariant_attention_sweep(ms)
     path = RESULTS.parent / "invariant_matmul_sweep.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def invariant_attention_sweep(ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_kv_heads=2, head_dim=128) -> dict:
+    """The mode's packed attention forward (the trainer's) with query tiles of 16 (the engine's
+    decode tile) to 128 rows, on the 1.5B shape's heads: time, and whether a query's bits stay
+    those of the 16-row tile; beside the default packed attention (FlashAttention-4 or varlen)."""
+    from colocate.kernels import invariant_attention
+    from colocate.models.layers import fast_packed_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = num_seqs * seq_len
+    q, k, v = (torch.randn(n, h, head_dim, device="cuda", generator=gen).bfloat16()
+               for h in (num_q_heads, num_kv_heads, num_kv_heads))
+    cu = torch.arange(0, n + 1, seq_len, device="cuda", dtype=torch.int32)
+    scale = head_dim**-0.5
+    default_block_m = invariant_attention.BLOCK_M
+    rows = {}
+    try:
+        for block_m in (16, 32, 64, 128):
+            invariant_attention.BLOCK_M = block_m
+            out = invariant_attention.packed_attention(q, k, v, cu, scale)
+            rows[block_m] = dict(ms=ms(lambda: invariant_attention.packed_attention(q, k, v, cu, scale)),
+                                 equal_to_16=torch.equal(out, rows[16]["out"]) if rows else True, out=out)
+    finally:
+        invariant_attention.BLOCK_M = default_block_m
+    result = {"shape": dict(seqs=num_seqs, seq_len=seq_len, q_heads=num_q_heads, kv_heads=num_kv_heads,
+                            head_dim=head_dim),
+              "default_packed_ms": ms(lambda: fast_packed_attention(q, k, v, cu, seq_len, scale)),
+              "block_m": {m: {key: r[key] for key in ("ms", "equal_to_16")} for m, r in rows.items()}}
+    print(f"invariant attention {num_seqs} x {seq_len}: default packed {result['default_packed_ms']:.2f} ms | "
+          + " | ".join(f"BLOCK_M {m}: {r['ms']:.2f} ms, bits {'=' if r['equal_to_16'] else '!='} 16"
+                       for m, r in result["block_m"].items()), flush=True)
+    return result
 
 
 def bench_joint_linear(do_bench, num_tokens=32768, hidden_size=1536, widths=None,
