@@ -210,9 +210,17 @@ def _two_ranks(rank, world_size, path, out_file):
     from colocate import dist
 
     torch.set_num_threads(1)
+    from colocate.trainer import Trainer
+
     samples = _samples(vocab=101)
     half = len(samples) // world_size
-    result = _two_steps(path, dist.get_info(), samples[rank * half:(rank + 1) * half])
+    mine = samples[rank * half:(rank + 1) * half]
+    result = _two_steps(path, dist.get_info(), mine)
+    critic = Trainer(_lora(path, **GAE), dist.get_info())  # as _critic: grads of the third rollout
+    for rollout_id in range(2):
+        critic.train(mine, rollout_id=rollout_id)
+    result["critic_grads"] = capture_grads(critic, "critic")
+    critic.train(mine, rollout_id=2)
     if rank == 0:
         torch.save(result, out_file)
 
@@ -405,6 +413,10 @@ def test_two_ranks_equal_one_process(model_path, one_rank, tmp_path):
     _assert_close(one["after"], two["after"], 1e-5)
     _assert_close(one["pushed"], two["pushed"], 1e-5)
     assert abs(one["metrics"]["train/grad_norm"] - two["metrics"]["train/grad_norm"]) < 1e-5
+    critic_one, critic_two = one_rank["critic"]["grads"], two["critic_grads"]  # the LoRA critic's, too
+    assert set(critic_one) == set(critic_two)
+    for name, grad in critic_one.items():  # relative: A's gradients are ~1e-8 here
+        assert (grad - critic_two[name]).abs().max() <= 1e-4 * grad.abs().max(), name
 
 
 def _toy_run(tmp_path, *flags: str) -> dict:
