@@ -81,7 +81,8 @@ def test_startup_bench_cpu_smoke_times_every_case_cold_and_warm(tmp_path):
         assert phases["process"] > 0.5, phases  # at least the imports of torch come before main
         assert 0 < toy["startup_s"] < toy["first_step_done_s"] < toy["wall_s"], toy
         before, after = toy["outside_s"]["before_startup"], toy["outside_s"]["after_last_step"]
-        assert -0.1 < before < 1.0 and after > 0, toy  # the phases cover the process from its start
+        # The phases cover the process from its start; records' times are rounded to the millisecond.
+        assert -0.1 < before < 1.0 and after > -1e-3, toy
         assert gen["output_tokens"] == 8 * 8 and gen["wall_s"] > 0
         assert gen["startup_line"].startswith("start-up ") and gen["startup_line"].endswith("not compiled")
         assert r[f"generate_compiled_{label}"]["startup_line"].endswith(", decode compiled")  # on CPU too when asked
