@@ -27,8 +27,16 @@ from colocate.config_mapping import from_mapping
 
 
 def cache_root() -> Path:
-    """Root of colocate's caches (the toy model and task): $COLOCATE_CACHE, else ~/.cache/colocate."""
+    """Root of colocate's caches (the toy model and task, torch.compile's cache): $COLOCATE_CACHE,
+    else ~/.cache/colocate."""
     return Path(os.environ.get("COLOCATE_CACHE") or "~/.cache/colocate").expanduser()
+
+
+def use_compile_cache() -> None:
+    """Keep torch.compile's cache (inductor's graphs and the Triton kernels it builds) under the
+    cache root rather than in the temporary directory, so a rerun starts warm after /tmp is
+    cleared; a TORCHINDUCTOR_CACHE_DIR the user set wins. Call before anything compiles."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 
 def _toy_path(name: str) -> str:

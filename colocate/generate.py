@@ -199,12 +199,14 @@ def completion_row(c: Completion, tokenizer) -> dict:
 def main(argv: list[str]) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from colocate.config import use_compile_cache
     from colocate.hub import resolve_model
     from colocate.models.config import stop_token_ids
     from colocate.rollout.native import NativeEngine
 
     process_s = process_age_s()  # the interpreter's start and the imports so far
     start = time.perf_counter()
+    use_compile_cache()
     args = parse_args(argv)
     check_output_file(args.out, overwrite=args.overwrite, reading=[args.prompts])  # before any model work
     sampling = SamplingParams(

@@ -17,7 +17,7 @@ import torch
 
 from colocate import dist
 from colocate.cli import entry_point
-from colocate.config import Config, load_config
+from colocate.config import Config, load_config, use_compile_cache
 from colocate.timing import process_age_s, timed
 
 
@@ -237,6 +237,7 @@ def main(argv: list[str]) -> int:
 
     age = process_age_s()  # the interpreter's start and the imports so far
     start = time.perf_counter()
+    use_compile_cache()
     cfg = load_config(argv)
     given = copy.deepcopy(cfg)  # as the user gave it: loading resolves Hub ids to local snapshots
     config_s = time.perf_counter() - start

@@ -1,3 +1,4 @@
+import os
 import re
 from pathlib import Path
 
@@ -5,7 +6,9 @@ import pytest
 import torch
 import yaml
 
-from colocate.config import Config, load_config, save_yaml, validate
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+from colocate.config import Config, load_config, save_yaml, use_compile_cache, validate
 from colocate.models import resolve_dtype
 
 REPO = Path(__file__).resolve().parents[2]
@@ -207,3 +210,13 @@ def test_clip_high_may_be_below_a_lower_clip_that_is_off():
     assert cfg.algorithm.eps_clip == 1.0 and cfg.algorithm.eps_clip_high == 0.28
     with pytest.raises(ValueError, match=r"algorithm.eps_clip_high must be >= algorithm.eps_clip \(0.3\)"):
         load_config(["--algorithm.eps-clip", "0.3", "--algorithm.eps-clip-high", "0.28"])
+
+
+def test_compile_cache_lives_under_the_cache_root_unless_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("COLOCATE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    use_compile_cache()
+    assert cache_dir() == str(tmp_path / "inductor")  # where inductor reads and writes
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    use_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
