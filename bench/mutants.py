@@ -38,6 +38,11 @@ SYNC = tuple(f"tests/integration/test_weight_sync.py::{name}" for name in (
     "test_fsdp_sync_hands_over_every_full_tensor_in_engine_dtype", "test_one_rank_hands_over_masters_to_a_casting_engine",
     "test_every_native_engine_parameter_holds_the_cast_master"))
 LOGITS = ("tests/parity/test_models.py::test_logits_match_transformers",)
+LORA_CRITIC = tuple(f"tests/integration/test_lora.py::{name}" for name in (
+    "test_critic_trains_adapters_and_value_head_on_a_frozen_base",
+    "test_critic_checkpoint_holds_its_adapters_and_head_and_resumes_exactly"))
+PARTIAL = ("tests/unit/test_partial_rollout.py",
+           "tests/integration/test_partial_rollout.py::test_a_run_never_exceeds_the_staleness_bound_nor_restarts")
 SAMPLER = ("tests/parity/test_engine_parity.py::test_sampler_truncation_keeps_the_expected_tokens",
            "tests/parity/test_engine_parity.py::test_truncation_to_one_token_equals_greedy")
 
@@ -54,8 +59,8 @@ class Mutant:
 ACTOR, LOSSES, CKPT = "colocate/trainer/actor.py", "colocate/algo/losses.py", "colocate/checkpoint.py"
 TRAINER, SYNC_FILE = "colocate/trainer/trainer.py", "colocate/colocation/weight_sync.py"
 PG_LOSS = "loss = agg(pg_tok, mask,"
-ACTOR_STATE = "ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler, adapters=adapters)"
-CRITIC_STATE = "ModelOptimizerState(self.critic.model, c.optimizer, c.scheduler)"
+ACTOR_STATE = "ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler,"
+CRITIC_STATE = "ModelOptimizerState(self.critic.model, c.optimizer, c.scheduler,"
 WHOLE_TENSORS = "tensors = _unit_tensors(unit, _whole(unit), dtype, not engine_casts, since_last)"
 GATHERED_TENSORS = "tensors = _unit_tensors(unit, _gathered(unit), dtype, True, since_last)"
 
@@ -90,14 +95,23 @@ MUTANTS = [
            OBJECTIVE),
     Mutant("value_clip_optimistic", LOSSES, "loss = 0.5 * torch.maximum(unclipped, clipped)",
            "loss = 0.5 * torch.minimum(unclipped, clipped)", OBJECTIVE),
-    Mutant("checkpoint_drops_actor_optimizer", TRAINER, ACTOR_STATE,
-           "ModelOptimizerState(self.actor.model, adapters=adapters)", RESUME),
+    Mutant("checkpoint_drops_actor_optimizer", TRAINER, ACTOR_STATE, "ModelOptimizerState(self.actor.model,",
+           RESUME),
     Mutant("checkpoint_drops_actor_scheduler", TRAINER, ACTOR_STATE,
-           "ModelOptimizerState(self.actor.model, opt.optimizer, adapters=adapters)", RESUME),
-    Mutant("checkpoint_drops_critic_optimizer", TRAINER, CRITIC_STATE, "ModelOptimizerState(self.critic.model)",
+           "ModelOptimizerState(self.actor.model, opt.optimizer,", RESUME),
+    Mutant("checkpoint_drops_critic_optimizer", TRAINER, CRITIC_STATE, "ModelOptimizerState(self.critic.model,",
            RESUME),
     Mutant("checkpoint_drops_critic_scheduler", TRAINER, CRITIC_STATE,
-           "ModelOptimizerState(self.critic.model, c.optimizer)", RESUME),
+           "ModelOptimizerState(self.critic.model, c.optimizer,", RESUME),
+    Mutant("checkpoint_keeps_lora_critic_whole", TRAINER, "adapters=describe(m.critic_path or m.path))",
+           "adapters=None)", LORA_CRITIC),
+    Mutant("lora_critic_value_head_frozen", "colocate/trainer/critic.py",
+           "model.value_head.to(torch.float32).requires_grad_(True)",
+           "model.value_head.to(torch.float32).requires_grad_(False)", LORA_CRITIC),
+    Mutant("partial_never_held_for_staleness", "colocate/rollout/orchestrator.py",
+           "ok = schedulable([stale[id(g)] for g in carried], target, c.max_staleness)", "ok = True", PARTIAL),
+    Mutant("partial_schedule_ignores_later_steps", "colocate/rollout/partial.py",
+           "return all(s + i // per_step + 1 <= max_staleness", "return all(s + 1 <= max_staleness", PARTIAL),
     Mutant("resume_drops_data_sampler", "colocate/train.py", 'self.inputs.data.load_state_dict(extra["data"])',
            "self.inputs.data.state_dict()", RESUME),
     Mutant("resume_drops_rng", CKPT, "_set_rng_state(torch.load(rng_file, weights_only=True))",
