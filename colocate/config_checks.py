@@ -110,6 +110,9 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
         ("model.compile", not (a.true_on_policy and cfg.model.compile),
          "must be off with algorithm.true_on_policy (inductor's kernels would replace the mode's "
          "batch-invariant ones)", cfg.model.compile),
+        ("model.lora_dropout", not (a.true_on_policy and cfg.model.lora_rank and cfg.model.lora_dropout),
+         "must be 0 with algorithm.true_on_policy (the engine's merged weights have no dropout, so the "
+         "trained forward would not be the rollout's)", cfg.model.lora_dropout),
         ("algorithm.num_critic_only_steps", a.num_critic_only_steps == 0 or a.use_critic,
          "needs algorithm.advantage_estimator=gae (no critic otherwise)", a.num_critic_only_steps),
         ("train.num_rollout", t.num_rollout > 0 or (e.interval is not None and bool(e.datasets)),

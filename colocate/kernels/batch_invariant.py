@@ -62,7 +62,7 @@ def enable(device: torch.device) -> None:
         return
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         library.impl("mm", _mm, "CPU")
         library.impl("addmm", _addmm, "CPU")
         library.impl("silu", _silu, "CPU")

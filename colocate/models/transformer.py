@@ -99,9 +99,10 @@ def joint_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...], weight: torch.Te
     """All `parts` applied to `x` as one GEMM, their outputs side by side. `weight`/`bias` are the
     packed tensors when the parts were packed; otherwise the parts' weights are joined here.
     A part with a `delta(x)` method (a term its own forward adds to the GEMM's output, such as a
-    trainer's low-rank adapter) gets that term added to its slice; None adds nothing."""
+    trainer's low-rank adapter) gets that term added to its slice; None adds nothing. A part with a
+    `forward_weight()` method multiplies what it returns instead of its `weight`."""
     if weight is None:
-        weight = torch.cat([m.weight for m in parts])
+        weight = torch.cat([m.forward_weight() if hasattr(m, "forward_weight") else m.weight for m in parts])
         bias = torch.cat([m.bias for m in parts]) if parts[0].bias is not None else None
     out = F.linear(x, weight, bias)
     deltas = [m.delta(x) if hasattr(m, "delta") else None for m in parts]

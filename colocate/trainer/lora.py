@@ -8,7 +8,10 @@ The adapters live in their block's FSDP unit, so a block's all-gather brings its
 
 Forward: y = x W^T + b + (alpha / rank) B A dropout(x), the standard LoRA compute (the base GEMM
 and a low-rank path beside it; W + BA is never materialised in training). The joint q/k/v GEMM of
-the attention takes part through the `delta` hook of colocate.models.transformer.joint_linear.
+the attention takes part through the `delta` and `forward_weight` hooks of
+colocate.models.transformer.joint_linear. With algorithm.true_on_policy the forward multiplies the
+merged weight instead (differentiably, by `merged_weight`, the function that makes the engine's
+copy): the engine's products are then the trainer's bit for bit, which x W^T + x A^T B^T is not.
 A starts as peft initialises it (Kaiming-uniform) and B at zero, so step 0 is exactly the base
 model. `adapters_disabled` switches every adapter off: the base, which is the reference policy of
 the KL terms, with no second copy of the model.
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from colocate.kernels import batch_invariant
 from colocate.trainer.parallelize import copy_full_
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
@@ -85,16 +89,24 @@ class LoRALinear(nn.Linear):
 
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
         """The low-rank term (..., out), or None while the adapter is disabled. Dropout applies to
-        the passes that train (grad enabled), not to the log-prob passes."""
-        if not self.enabled:
+        the passes that train (grad enabled), not to the log-prob passes. In the true on-policy
+        mode the adapter is inside `forward_weight` instead."""
+        if not self.enabled or batch_invariant.enabled():
             return None
         if self.dropout and self.training and torch.is_grad_enabled():
             x = F.dropout(x, self.dropout)
         low = F.linear(x, self.lora_A.weight) * self.scale  # (..., rank): the cheap side to scale
         return F.linear(low, self.lora_B.weight)
 
+    def forward_weight(self) -> torch.Tensor:
+        """The weight the GEMM multiplies: the base's, or in the true on-policy mode (adapter
+        enabled) the merged weight, rounded to the base's dtype as the engine receives it."""
+        if self.enabled and batch_invariant.enabled():
+            return merged_weight(self.weight, self.lora_A.weight, self.lora_B.weight, self.scale, self.weight.dtype)
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.forward_weight(), self.bias)
         delta = self.delta(x)
         return out if delta is None else out + delta
 
@@ -154,7 +166,8 @@ def adapters_disabled(model: nn.Module):
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """W + scale * B A as a new tensor in `dtype`: A and B in W's dtype, product and sum in fp32,
-    rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank)."""
+    rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank).
+    Differentiable in A and B (the true on-policy mode's forward)."""
     a, b = lora_a.to(weight.dtype).float(), lora_b.to(weight.dtype).float()
     merged = torch.mm(b, a)  # (out, in) fp32
     merged.mul_(scale).add_(weight)

@@ -89,3 +89,9 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(invariant, cfg, n
 def test_a_20_step_grpo_run_on_cuda_logs_no_mismatch_at_all(tmp_path):
     """The toy task in bf16 on the GPU (the default config's dtype there), decode graphs on."""
     assert_toy_run_has_no_mismatch(tmp_path, 20, dict(os.environ))
+
+
+def test_a_lora_run_on_cuda_logs_no_mismatch_at_all(tmp_path):
+    """LoRA in bf16: the trainer multiplies the merged weight the engine receives."""
+    rows = assert_toy_run_has_no_mismatch(tmp_path, 10, dict(os.environ), ("--model.lora-rank", "16"))
+    assert all(r["train/grad_norm"] > 0 for r in rows)

@@ -132,6 +132,8 @@ def test_range_error_message_format(tmp_path):
     ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last must be >= 1"),
     ({"model": {"recompute_fraction": 1.5}}, "model.recompute_fraction must be in [0, 1], got 1.5"),
     ({"model": {"recompute_rest": "all"}}, "model.recompute_rest must be one of ['none', 'ops', 'mlp']"),
+    ({"model": {"lora_rank": 8, "lora_dropout": 0.1}, "algorithm": {"true_on_policy": True}},
+     "model.lora_dropout must be 0 with algorithm.true_on_policy"),
 ])
 def test_impossible_combinations(tmp_path, overrides, field):
     path = write_yaml(tmp_path, overrides)
