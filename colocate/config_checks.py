@@ -107,9 +107,6 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
          f"must be in (0, rollout.max_response_len={r.max_response_len})", a.overlong_buffer_len),
         ("algorithm.true_on_policy", not (a.true_on_policy and r.engine != "native"),
          "needs rollout.engine=native (the SGLang engine's kernels are its own)", a.true_on_policy),
-        ("model.compile", not (a.true_on_policy and cfg.model.compile),
-         "must be off with algorithm.true_on_policy (inductor's kernels would replace the mode's "
-         "batch-invariant ones)", cfg.model.compile),
         ("model.lora_dropout", not (a.true_on_policy and cfg.model.lora_rank and cfg.model.lora_dropout),
          "must be 0 with algorithm.true_on_policy (the engine's merged weights have no dropout, so the "
          "trained forward would not be the rollout's)", cfg.model.lora_dropout),

@@ -29,9 +29,11 @@ other rows are, in the same order of floating-point operations:
 - the rotary embedding: the engine rotates q/k with the trainer's op (`kernels.rotary.rotate`),
   whose CUDA kernel rounds once where the engine's plain ops round after each product.
 
-The CPU path is fp32; CUDA takes bf16 (fp16, fp32) with fp32 accumulation. torch.compile is off in
-the mode (inductor would generate its own kernels around these): the engine's decode is not
-compiled, and the trainer's `model.compile` is refused by the config validation.
+The CPU path is fp32; CUDA takes bf16 (fp16, fp32) with fp32 accumulation. The model calls these
+through opaque custom ops (kernels/invariant_ops.py), so the trainer's compiled blocks
+(`model.compile`) run the same kernels as eager code. The engine's decode is not compiled in the
+mode: it would compute the rotary tables with inductor's own cos/sin, which the trainer computes
+eagerly.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ ROWS = 16
 """Row multiple of every matrix product in the mode."""
 
 _library: torch.library.Library | None = None
+_casts_before: bool = False
+"""inductor's emulate_precision_casts before `enable`, restored by `disable`."""
 
 
 def enabled() -> bool:
@@ -54,7 +58,7 @@ def enabled() -> bool:
 
 def enable(device: torch.device) -> None:
     """Switch this process to batch-invariant numerics (idempotent)."""
-    global _library
+    global _library, _casts_before
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"algorithm.true_on_policy: bitwise-equal log-probs are implemented for the CPU "
                          f"and CUDA paths, not {device.type}")
@@ -71,6 +75,10 @@ def enable(device: torch.device) -> None:
 
             library.impl("mm", batch_invariant_cuda.mm, "CUDA")
             library.impl("addmm", batch_invariant_cuda.addmm, "CUDA")
+    import torch._inductor.config as inductor_config
+
+    _casts_before = inductor_config.emulate_precision_casts
+    inductor_config.emulate_precision_casts = True  # see kernels/invariant_ops.py
     _library = library
 
 
@@ -79,6 +87,9 @@ def disable() -> None:
     if _library is not None:
         _library._destroy()
         _library = None
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = _casts_before
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,10 @@ here fix every choice that decides the order of floating-point operations:
 - `logsumexp`: one program per row, the row walked in LSE_BLOCK columns from column 0, per-lane
   maxima then per-lane sums of exp, merged by one fixed tree.
 
-The row kernels are autograd functions whose backward differentiates the plain-torch formula (the
-gradient needs no invariance); matrix products get theirs from aten, whose derivatives are matrix
-products again, which run on cuBLAS: inside a backward pass `mm` and `addmm` leave the fixed tiles.
+RMSNorm's gradient is kernels.invariant_ops.rms_norm's plain formula and the log-sum-exp's the
+autograd function's here (the gradient needs no invariance); matrix products get theirs from aten,
+whose derivatives are matrix products again, which run on cuBLAS: inside a backward pass `mm` and
+`addmm` leave the fixed tiles.
 """
 
 from __future__ import annotations
@@ -110,35 +111,9 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _Logits.apply(hidden, weight)
 
 
-def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """models.layers.RMSNorm's formula in plain torch."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return _rms_norm_triton(x, weight, eps)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            grad_x, grad_w = torch.autograd.grad(reference_rms_norm(x, weight, ctx.eps), (x, weight), grad)
-        return grad_x, grad_w, None
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x (N, D) or (N, H, D) over its last dimension, one row per program."""
-    return _RMSNorm.apply(x, weight, eps)
-
-
-def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (N, D) or (N, H, D) over its last dimension, one row per program (forward only:
+    the model calls it through kernels.invariant_ops.rms_norm, which has the backward)."""
     if x.ndim not in (2, 3) or x.stride(-1) != 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: x must be (N, D) or (N, H, D) contiguous in D with weight (D,), "
                          f"got {tuple(x.shape)} strides {x.stride()} and weight {tuple(weight.shape)}")

@@ -20,9 +20,9 @@ other queries nor on where the tile starts. Keys past the tile's last position a
 (an unwritten cache slot may hold anything).
 
 The decode launch reads its sizes from tensor shapes and its context lengths on the device alone,
-so it can be captured in a CUDA graph. The trainer's path is differentiable: its backward
-differentiates the default packed attention (FlashAttention-4 or torch's varlen flash kernel, in
-one call for all sequences; the gradient needs no invariance).
+so it can be captured in a CUDA graph. The trainer's gradient (kernels.invariant_ops.attention) is
+the default packed attention's (FlashAttention-4 or torch's varlen flash kernel, in one call for all
+sequences; the gradient needs no invariance).
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ def reference_attention(q, k, v, positions: torch.Tensor, scale: float) -> torch
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Causal attention within each packed sequence: q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D)."""
-    return _PackedAttention.apply(q, k, v, cu_seqlens, scale)
+    """Causal attention within each packed sequence: q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D)
+    (forward only: the model calls it through kernels.invariant_ops.attention, which has the backward)."""
+    lengths = cu_seqlens.diff().tolist()
+    starts = cu_seqlens[:-1].to(torch.int32).contiguous()
+    return _launch(q, k, v, _tiles(lengths, lengths, q.device), starts, scale, block_size=0)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables: torch.Tensor, q_lens: list[int],
@@ -73,28 +76,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor, cont
     tiles = torch.stack([rows, rows, context_lens - 1, (context_lens > 0).to(torch.int32)])  # (4, B)
     return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), tiles, block_tables, scale,
                    block_size=k_cache.shape[1])
-
-
-class _PackedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
-        bounds = cu_seqlens.tolist()
-        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        ctx.save_for_backward(q, k, v, cu_seqlens)
-        ctx.max_seqlen, ctx.scale = max(lengths, default=0), scale
-        starts = cu_seqlens[:-1].to(torch.int32).contiguous()
-        return _launch(q, k, v, _tiles(lengths, lengths, q.device), starts, scale, block_size=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from colocate.models.layers import fast_packed_attention
-
-        q, k, v, cu_seqlens = ctx.saved_tensors
-        with torch.enable_grad():
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            out = fast_packed_attention(q, k, v, cu_seqlens, ctx.max_seqlen, ctx.scale)
-            grads = torch.autograd.grad(out, (q, k, v), grad)
-        return *grads, None, None
 
 
 def _tiles(q_lens: list[int], k_lens: list[int], device) -> torch.Tensor:

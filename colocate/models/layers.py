@@ -1,4 +1,6 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embedding, packed attention."""
+"""Building blocks shared by the model families: linear projections, RMSNorm, rotary embedding,
+SiLU, packed attention. In the true on-policy mode the projections, RMSNorm, SiLU and attention go
+through the mode's custom ops (colocate/kernels/invariant_ops.py), compiled or not."""
 
 from __future__ import annotations
 
@@ -8,7 +10,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colocate.kernels import batch_invariant, flash
+from colocate.kernels import batch_invariant, flash, invariant_ops
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the mode's op in the true on-policy mode."""
+    if batch_invariant.enabled():
+        return invariant_ops.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu, or the mode's op in the true on-policy mode."""
+    return invariant_ops.silu(x) if batch_invariant.enabled() else F.silu(x)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -18,10 +39,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and batch_invariant.enabled():  # torch's mean picks its reduction order by shape
-            from colocate.kernels import batch_invariant_cuda
-
-            return batch_invariant_cuda.rms_norm(x, self.weight, self.eps)
+        if batch_invariant.enabled():  # torch's CUDA mean picks its reduction order by shape
+            return invariant_ops.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, as the HF implementations do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,13 +88,8 @@ def packed_causal_attention(
     all sequences on CUDA, the fixed-chunk one per sequence elsewhere).
     """
     scale = q.shape[-1] ** -0.5
-    if batch_invariant.enabled() and q.is_cuda:
-        from colocate.kernels import invariant_attention
-
-        return invariant_attention.packed_attention(q, k, v, cu_seqlens, scale)
     if batch_invariant.enabled():
-        return _per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: batch_invariant.attention(
-            qs, ks, vs, torch.arange(qs.shape[0], device=qs.device), scale))
+        return invariant_ops.attention(q, k, v, cu_seqlens, max_seqlen, scale)
     return fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
@@ -97,12 +111,12 @@ def fast_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0))
         return out[..., :head_dim] if pad else out
     # CPU: one causal SDPA per sequence (a packed block-diagonal mask would be quadratic in N).
-    return _per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: F.scaled_dot_product_attention(
+    return per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: F.scaled_dot_product_attention(
         qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, scale=scale,
         enable_gqa=True).transpose(0, 1))
 
 
-def _per_sequence(q, k, v, cu_seqlens: torch.Tensor, attend) -> torch.Tensor:
+def per_sequence(q, k, v, cu_seqlens: torch.Tensor, attend) -> torch.Tensor:
     """`attend(q, k, v)` on each packed sequence's rows, the outputs concatenated."""
     bounds = cu_seqlens.tolist()
     outs = [attend(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -25,7 +25,7 @@ from torch import nn
 from colocate.models.config import ModelConfig
 from colocate.kernels import batch_invariant
 from colocate.kernels.rotary import reference_rotate, rotate
-from colocate.models.layers import RMSNorm, Rotary, packed_causal_attention
+from colocate.models.layers import Linear, RMSNorm, Rotary, linear, packed_causal_attention, silu
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -37,10 +37,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -78,9 +78,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # packed gate/up (see pack_projections)
 
     def pack(self, keep_values: bool) -> None:
@@ -90,8 +90,8 @@ class MLP(nn.Module):
         if self.gate_up_weight is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(silu(gate) * up)
 
 
 def joint_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...], weight: torch.Tensor | None,
@@ -104,7 +104,7 @@ def joint_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...], weight: torch.Te
     if weight is None:
         weight = torch.cat([m.forward_weight() if hasattr(m, "forward_weight") else m.weight for m in parts])
         bias = torch.cat([m.bias for m in parts]) if parts[0].bias is not None else None
-    out = F.linear(x, weight, bias)
+    out = linear(x, weight, bias)
     deltas = [m.delta(x) if hasattr(m, "delta") else None for m in parts]
     if all(d is None for d in deltas):
         return out
@@ -166,7 +166,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def pack_projections(self, keep_values: bool = True) -> None:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colocate.kernels import batch_invariant
+from colocate.models.layers import linear
 from colocate.trainer.parallelize import copy_full_
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
@@ -106,7 +107,7 @@ class LoRALinear(nn.Linear):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.forward_weight(), self.bias)
+        out = linear(x, self.forward_weight(), self.bias)
         delta = self.delta(x)
         return out if delta is None else out + delta
 
@@ -169,7 +170,7 @@ def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
     rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank).
     Differentiable in A and B (the true on-policy mode's forward)."""
     a, b = lora_a.to(weight.dtype).float(), lora_b.to(weight.dtype).float()
-    merged = torch.mm(b, a)  # (out, in) fp32
+    merged = linear(b, a.T)  # b @ a (out, in) fp32, by the mode's product in the mode
     merged.mul_(scale).add_(weight)
     return merged.to(dtype)
 

@@ -165,18 +165,21 @@ def test_true_on_policy_bench_cpu_smoke_reports_both_modes_and_bitwise_equal_log
     r = results["models"]["tiny"]
     assert r["bitwise_equal_frac"] == 1.0
     rollout, train = r["rollout"], r["train"]
-    assert set(train) == {"off", "off_uncompiled", "on", "slowdown", "slowdown_vs_uncompiled"}
-    for run in (rollout["off"], rollout["on"], train["off"], train["off_uncompiled"], train["on"]):
+    assert set(train) == {"off", "off_uncompiled", "on", "on_uncompiled", "slowdown", "slowdown_uncompiled"}
+    for run in (rollout["off"], rollout["on"], train["off"], train["off_uncompiled"], train["on"], train["on_uncompiled"]):
         assert run["tokens_per_s"] > 0, run
     assert not rollout["on"]["compile_decode"] and not train["on"]["compile"]
     assert len(rollout["on"]["runs_tokens_per_s"]) == len(train["on"]["step_s"]) == results["reps"] == 3
     assert train["off"]["step_tokens"] == train["on"]["step_tokens"]  # the same batches in every case
     assert rollout["slowdown"] == pytest.approx(rollout["off"]["tokens_per_s"] / rollout["on"]["tokens_per_s"])
     assert train["slowdown"] == pytest.approx(train["off"]["tokens_per_s"] / train["on"]["tokens_per_s"])
+    assert train["slowdown_uncompiled"] == pytest.approx(
+        train["off_uncompiled"]["tokens_per_s"] / train["on_uncompiled"]["tokens_per_s"])
     assert r["targets"] == {"rollout_slowdown": 1.3, "train_slowdown": 1.15}
     assert r["met"] == {"rollout": rollout["slowdown"] <= 1.3, "train": train["slowdown"] <= 1.15}
     assert r["plan"]["label"] and r["plan"]["source"]
     assert "tiny: rollout " in done.stdout and "bitwise equal log-probs 100.00% of tokens" in done.stdout
     sections = [line for line in (tmp_path / "profile.tiny.txt").read_text().splitlines() if line.startswith("== ")]
     assert sections == ["== generate, mode off", "== generate, mode on", "== train step, mode off, uncompiled",
-                        "== train step, mode off, uncompiled", "== train step, mode on, uncompiled"]
+                        "== train step, mode off, uncompiled", "== train step, mode on, uncompiled",
+                        "== train step, mode on, uncompiled"]

@@ -69,6 +69,21 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, family, invaria
         assert torch.equal(_trainer_logprobs(model, samples, 0.7, max_tokens), rollout), max_tokens
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_compiled_blocks_give_the_engine_s_bits(tmp_path, family, invariant):
+    """model.compile in the mode: each block compiled as the trainer compiles it, the mode's
+    operations kept whole inside (kernels/invariant_ops.py)."""
+    path, _ = write_hf_model(tmp_path, family)
+    model = from_pretrained(path, dtype="float32", device="cpu").eval()
+    engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096, seed=3)
+    outs = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=24, ignore_eos=True, seed=1))
+    rollout = torch.tensor([lp for c in outs for lp in c.logprobs])
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    for max_tokens in (64, 4096):
+        assert torch.equal(_trainer_logprobs(model, _samples(outs, PROMPTS), 0.7, max_tokens), rollout), max_tokens
+
+
 def test_greedy_logprobs_are_bitwise_equal_too(tmp_path, invariant):
     path, _ = write_hf_model(tmp_path, "qwen3")
     model = from_pretrained(path, dtype="float32", device="cpu").eval()
@@ -135,6 +150,18 @@ def test_a_lora_run_in_the_mode_logs_no_mismatch_after_its_adapters_moved(tmp_pa
     rows = assert_toy_run_has_no_mismatch(tmp_path, 4, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"},
                                           ("--model.lora-rank", "8"))
     assert all(r["train/grad_norm"] > 0 for r in rows)  # the adapters train, so B moves from zero
+
+
+@pytest.mark.slow
+def test_a_compiled_lora_run_in_the_mode_logs_no_mismatch_and_the_eager_run_s_numbers(tmp_path):
+    """model.compile with the mode (and LoRA's merged weights inside the compiled blocks): no
+    mismatch at any step, and the same metrics as the eager run within fp32 summation order."""
+    env = {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"}
+    lora = ("--model.lora-rank", "8")
+    compiled = assert_toy_run_has_no_mismatch(tmp_path / "compiled", 4, env, (*lora, "--model.compile", "True"))
+    eager = assert_toy_run_has_no_mismatch(tmp_path / "eager", 4, env, (*lora, "--model.compile", "False"))
+    for c, e in zip(compiled, eager):
+        assert c["train/grad_norm"] == pytest.approx(e["train/grad_norm"], rel=1e-4), c["step"]
 
 
 def test_cuda_matrix_products_leave_the_fixed_tiles_only_inside_a_backward_pass():

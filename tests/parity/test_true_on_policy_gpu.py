@@ -84,14 +84,20 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(invariant, cfg, n
     alone = engine.generate(prompts[:3], sampling)  # a smaller batch: other decode buckets and prefill mixes
     assert torch.equal(torch.tensor([lp for c in alone for lp in c.logprobs]),
                        torch.tensor([lp for c in outs[:24] for lp in c.logprobs]))
+    for layer in model.model.layers:  # model.compile: compiled blocks keep the mode's kernels whole
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    assert torch.equal(_trainer_logprobs(model, samples, 1.0, 16384), rollout), "compiled blocks"
 
 
-def test_a_20_step_grpo_run_on_cuda_logs_no_mismatch_at_all(tmp_path):
-    """The toy task in bf16 on the GPU (the default config's dtype there), decode graphs on."""
-    assert_toy_run_has_no_mismatch(tmp_path, 20, dict(os.environ))
+@pytest.mark.parametrize("compile", ["False", "True"])
+def test_a_20_step_grpo_run_on_cuda_logs_no_mismatch_at_all(tmp_path, compile):
+    """The toy task in bf16 on the GPU (the default config's dtype there), decode graphs on, the
+    trainer's blocks eager or compiled."""
+    assert_toy_run_has_no_mismatch(tmp_path, 20, dict(os.environ), ("--model.compile", compile))
 
 
 def test_a_lora_run_on_cuda_logs_no_mismatch_at_all(tmp_path):
-    """LoRA in bf16: the trainer multiplies the merged weight the engine receives."""
-    rows = assert_toy_run_has_no_mismatch(tmp_path, 10, dict(os.environ), ("--model.lora-rank", "16"))
+    """LoRA in bf16, compiled blocks: the trainer multiplies the merged weight the engine receives."""
+    rows = assert_toy_run_has_no_mismatch(tmp_path, 10, dict(os.environ),
+                                          ("--model.lora-rank", "16", "--model.compile", "True"))
     assert all(r["train/grad_norm"] > 0 for r in rows)

@@ -1,0 +1,197 @@
+"""The true on-policy mode's operations as custom ops, so that a compiled trainer keeps their bits.
+
+torch.compile lowers aten ops to inductor's own kernels: matrix products picked by shape (cuBLAS or
+Triton templates), fused reductions and fused element-wise code, each with its own order of
+floating-point operations, none of them batch-invariant. Each op here wraps the mode's eager
+computation (colocate/kernels/batch_invariant.py) as one opaque op, so a token's result is the same
+kernel's whether the caller is compiled or not:
+
+- `linear`: x W^T (+ b) through the mode's matrix product (its aten::mm / addmm overrides);
+- `rms_norm`: the Triton row kernel on CUDA, the plain formula on the CPU (a fixed-length row
+  reduction there, which inductor would reorder);
+- `attention`: the packed sequences' fixed-block causal attention;
+- `silu`: SiLU as the mode computes it (the CPU's from exp).
+
+Their backwards are plain formulas (the gradient needs no invariance), which inductor traces and
+fuses. Inductor then fuses only the element-wise work between the ops (residual adds, the gate's
+product); `batch_invariant.enable` turns on inductor's `emulate_precision_casts`, which rounds each
+op's result where eager does and keeps Triton from contracting a multiply and an add into one FMA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("colocate::invariant_linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K)^T (+ bias (N,)) -> (..., N), by the mode's matrix product. x is made
+    contiguous first: compiled callers may hand over another layout of the same values than eager
+    ones, and a CPU BLAS picks its kernel by layout."""
+    out = F.linear(x.contiguous(), weight, bias)
+    return out.clone() if out._is_view() else out  # the CPU product's rows are a view of a padded one
+
+
+@linear.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    need = ctx.needs_input_grad  # (x, weight) or (x, weight, bias): an omitted bias may not be listed
+    flat = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad @ weight if need[0] else None
+    grad_w = flat.T @ x.reshape(-1, x.shape[-1]) if need[1] else None
+    grad_b = flat.sum(0) if ctx.has_bias and need[2] else None
+    return grad_x, grad_w, grad_b
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+@torch.library.custom_op("colocate::invariant_rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (..., D) over D: normalised in fp32, cast back to x's dtype, times weight (D,)."""
+    if x.is_cuda:
+        from colocate.kernels import batch_invariant_cuda
+
+        return batch_invariant_cuda.rms_norm(x if x.stride(-1) == 1 else x.contiguous(), weight, eps)
+    return reference_rms_norm(x.contiguous(), weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """colocate.models.layers.RMSNorm's formula in plain torch."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_backward(ctx, grad):
+    """y = w n, n = round(x r), r = (mean(x^2) + eps)^-1/2: the rounding passes the gradient through."""
+    x, weight = ctx.saved_tensors
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+    gf = grad.float()
+    grad_w = (gf * (xf * r).to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    grad_n = gf * weight.float()
+    grad_x = r * grad_n - xf * r.pow(3) * (grad_n * xf).mean(-1, keepdim=True)
+    return grad_x.to(x.dtype), grad_w, None
+
+
+rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+@torch.library.custom_op("colocate::invariant_attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+              scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence, q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D), in
+    the mode's fixed key order."""
+    if q.is_cuda:
+        from colocate.kernels import invariant_attention
+
+        return invariant_attention.packed_attention(q, k, v, cu_seqlens, scale)
+    from colocate.kernels import batch_invariant
+    from colocate.models.layers import per_sequence
+
+    return per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: batch_invariant.attention(
+        qs, ks, vs, torch.arange(qs.shape[0], device=qs.device), scale))
+
+
+@attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, scale = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens)
+    ctx.max_seqlen, ctx.scale = max_seqlen, scale
+
+
+def _attention_backward(ctx, grad):
+    q, k, v, cu_seqlens = ctx.saved_tensors
+    return *attention_backward(grad, q, k, v, cu_seqlens, ctx.max_seqlen, ctx.scale), None, None, None
+
+
+@torch.library.custom_op("colocate::invariant_attention_backward", mutates_args=())
+def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of the default packed attention (FlashAttention or SDPA) by autograd, as one
+    opaque op: traced into a compiled backward, the CPU's per-sequence split would read the lengths
+    on the host, which a trace cannot."""
+    from colocate.models.layers import fast_packed_attention
+
+    with _autograd_inside_op(), torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        return tuple(g.detach() for g in torch.autograd.grad(out, (q, k, v), grad))
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Let autograd record inside a custom op's kernel, where the dispatcher has turned it off (the
+    op's own gradient is registered beside it; this one's inputs are fresh leaves)."""
+    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+    before = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in keys]
+    for key in keys:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        for key, excluded in zip(keys, before):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)
+
+
+@attention_backward.register_fake
+def _(grad, q, k, v, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+@torch.library.custom_op("colocate::invariant_silu", mutates_args=())
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x sigmoid(x), as the mode computes it."""
+    return F.silu(x)
+
+
+@silu.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _silu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _silu_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    xf = x.float()
+    s = torch.sigmoid(xf)
+    return (grad.float() * s * (1 + xf * (1 - s))).to(x.dtype)
+
+
+silu.register_autograd(_silu_backward, setup_context=_silu_setup)
