@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "mutants.json"
-COPIED = ("colocate", "tests", "pyproject.toml")
+COPIED = ("colocate", "tests", "configs", "pyproject.toml")
 TIMEOUT_S = 600
 
 OBJECTIVE = ("tests/integration/test_objective_terms.py",)
@@ -43,6 +43,8 @@ LORA_CRITIC = tuple(f"tests/integration/test_lora.py::{name}" for name in (
     "test_critic_checkpoint_holds_its_adapters_and_head_and_resumes_exactly"))
 PARTIAL = ("tests/unit/test_partial_rollout.py",
            "tests/integration/test_partial_rollout.py::test_a_run_never_exceeds_the_staleness_bound_nor_restarts")
+ON_POLICY_LORA = ("tests/parity/test_true_on_policy.py::test_a_lora_run_in_the_mode_logs_no_mismatch_after_its_adapters_moved",)
+INVARIANT_OPS = ("tests/unit/test_invariant_ops.py",)
 SAMPLER = ("tests/parity/test_engine_parity.py::test_sampler_truncation_keeps_the_expected_tokens",
            "tests/parity/test_engine_parity.py::test_truncation_to_one_token_equals_greedy")
 
@@ -126,6 +128,14 @@ MUTANTS = [
            LOGITS),
     Mutant("rope_llama3_wavelength", "colocate/models/layers.py", "wavelen = 2 * math.pi / inv",
            "wavelen = math.pi / inv", LOGITS),
+    Mutant("on_policy_lora_multiplies_the_base", "colocate/trainer/lora.py",
+           "if self.enabled and batch_invariant.enabled():", "if False:", ON_POLICY_LORA),
+    Mutant("invariant_rms_norm_backward_drops_the_mean_term", "colocate/kernels/invariant_ops.py",
+           "grad_x = r * grad_n - xf * r.pow(3) * (grad_n * xf).mean(-1, keepdim=True)", "grad_x = r * grad_n",
+           INVARIANT_OPS),
+    Mutant("invariant_linear_backward_transposes_the_weight_gradient", "colocate/kernels/invariant_ops.py",
+           "grad_w = flat.T @ x.reshape(-1, x.shape[-1]) if need[1] else None",
+           "grad_w = (flat.T @ x.reshape(-1, x.shape[-1])).flip(0) if need[1] else None", INVARIANT_OPS),
     Mutant("top_p_cut_off", "colocate/rollout/native/sampler.py", "& (top_p < 1)[:, None])",
            "& (top_p < 0)[:, None])", SAMPLER),
     Mutant("top_p_never_truncates", "colocate/rollout/native/sampler.py", "truncate=any(p.top_p < 1 or ",

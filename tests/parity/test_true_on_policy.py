@@ -164,6 +164,25 @@ def test_a_compiled_lora_run_in_the_mode_logs_no_mismatch_and_the_eager_run_s_nu
         assert c["train/grad_norm"] == pytest.approx(e["train/grad_norm"], rel=1e-4), c["step"]
 
 
+@pytest.mark.slow
+def test_two_compiled_lora_ranks_in_the_mode_log_no_mismatch_and_one_process_s_gradients(tmp_path):
+    """FSDP2 over 2 gloo ranks, blocks compiled, LoRA: the sharded trainer keeps the engine's bits,
+    and its gradient norms are the one-process run's."""
+    from tests.integration.test_loop import torchrun
+
+    flags = ("--train.num-rollout", "3", "--algorithm.true-on-policy", "True", "--model.compile", "True",
+             "--model.lora-rank", "8", "--logging.console", "False")
+    torchrun(ROOT / "configs" / "default.yaml", tmp_path / "two", *flags)
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/ppo_kl" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    one = assert_toy_run_has_no_mismatch(tmp_path / "one", 3, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"},
+                                         ("--model.lora-rank", "8"))
+    for two, single in zip(rows, one):
+        assert two["train/train_rollout_logprob_abs_diff"] == 0.0 and two["train/mismatch/nonzero_frac"] == 0.0
+        assert two["train/grad_norm"] == pytest.approx(single["train/grad_norm"], rel=1e-4), two["step"]
+
+
 def test_cuda_matrix_products_leave_the_fixed_tiles_only_inside_a_backward_pass():
     """kernels/batch_invariant_cuda.py's aten::mm and aten::addmm: inside a backward node they are
     plain cuBLAS products (here on CPU tensors, the same aten ops), outside the fixed-tile kernel."""
