@@ -34,7 +34,7 @@ wanted() {
   if has_nvidia_gpu; then
     echo "torch==$TORCH_VERSION cuda .[gpu,dev] $(cksum < pyproject.toml)"
   else
-    echo "torch==$TORCH_VERSION cpu .[dev] $(cksum < pyproject.toml)"
+    echo "torch==$TORCH_VERSION cpu .[dev,interpret] $(cksum < pyproject.toml)"
   fi
 }
 

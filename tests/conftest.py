@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels on CPU tensors run in Triton's interpreter, which must be on before anything
+    # imports triton (torch._dynamo does): see the interpreted_triton fixture.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -17,3 +24,15 @@ def deterministic():
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def interpreted_triton():
+    """The project's Triton kernels on CPU tensors through Triton's interpreter (skipped where triton
+    is not installed, and on GPU machines, whose tests run the compiled kernels): their indexing,
+    masking and loop logic, not the GPU's instruction-level numerics."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU tests run the compiled kernels")
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET is set to another value than 1")

@@ -1,0 +1,110 @@
+"""The Triton kernels' logic on CPU, through Triton's interpreter (the `interpreted_triton` fixture;
+skipped without triton and on GPU machines, where the `gpu`-marked tests run the compiled kernels):
+each kernel against its plain-torch reference in fp32 at small shapes, and each path of the
+batch-invariant ones against the others, so an indexing, masking or loop-bound slip shows up before
+any GPU time. The interpreter multiplies tiles with numpy, whose BLAS rounds a row by its place in
+the tile, so bitwise equality is left to the GPU tests: here the paths agree within 1e-6."""
+
+import pytest
+import torch
+
+from colocate.kernels import batch_invariant_cuda, invariant_attention, paged_attention, rotary
+from colocate.kernels.invariant_ops import reference_rms_norm
+from colocate.kernels.paged_attention import DecodeConfig, reference_paged_decode_attention
+from tests.unit.test_kernel_paged_attention import _paged_inputs
+
+pytestmark = pytest.mark.usefixtures("interpreted_triton")
+SAME = dict(rtol=1e-6, atol=1e-6)
+"""Two paths of one batch-invariant kernel: bitwise equal on the GPU, within numpy's rounding here."""
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_invariant_matmul_matches_torch_whatever_the_rows_beside():
+    a, b, bias = _randn(70, 50), _randn(50, 90, seed=1), _randn(90, seed=2)
+    full = batch_invariant_cuda.matmul(a, b, bias, alpha=0.5, beta=2.0)
+    torch.testing.assert_close(full, 0.5 * (a @ b) + 2.0 * bias, rtol=1e-5, atol=1e-5)
+    weight_t = _randn(90, 50, seed=3).T  # linear's transposed weight view, strides (1, K)
+    plain = batch_invariant_cuda.matmul(a, weight_t)
+    for start, m in ((0, 1), (5, 3), (33, 17), (0, 70)):
+        torch.testing.assert_close(batch_invariant_cuda.matmul(a[start:start + m], weight_t),
+                                   plain[start:start + m], **SAME)
+        torch.testing.assert_close(batch_invariant_cuda.matmul(a[start:start + m], b, bias, alpha=0.5, beta=2.0),
+                                   full[start:start + m], **SAME)
+    assert batch_invariant_cuda.matmul(a[:0], b).shape == (0, 90)
+
+
+def test_invariant_row_reductions_match_torch():
+    x, w = _randn(40, 3, 72, scale=3), _randn(72, seed=1) + 1
+    normed = batch_invariant_cuda.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(normed, reference_rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batch_invariant_cuda.rms_norm(x[7:9], w, 1e-6), normed[7:9], **SAME)
+    z = _randn(9, 3000, seed=2, scale=4)  # three column blocks of the log-sum-exp, the last one partial
+    lse = batch_invariant_cuda.logsumexp(z)
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(batch_invariant_cuda.logsumexp(z[4:5]), lse[4:5], **SAME)
+
+
+def test_invariant_attention_packed_prefill_and_decode_agree():
+    """The trainer's packed sequences, the engine's chunked prefill from the paged cache and its decode
+    steps, padded rows among them: one kernel, the same values per query, those of dense attention."""
+    lens, heads, kv_heads, dim, block_size = [5, 40, 1, 17], 4, 2, 16, 8
+    n, scale = sum(lens), dim ** -0.5
+    q, k, v = _randn(n, heads, dim), _randn(n, kv_heads, dim, seed=1), _randn(n, kv_heads, dim, seed=2)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    packed = invariant_attention.packed_attention(q, k, v, cu, scale)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        ref = invariant_attention.reference_attention(q[a:b], k[a:b], v[a:b], torch.arange(b - a), scale)
+        torch.testing.assert_close(packed[a:b], ref, rtol=1e-5, atol=1e-5)
+    k_cache = torch.full((24, block_size, kv_heads, dim), float("nan"))  # unwritten slots are never read
+    v_cache = k_cache.clone()
+    free = torch.randperm(24, generator=torch.Generator().manual_seed(3)).tolist()
+    tables = torch.full((len(lens), 8), -1, dtype=torch.int32)
+    for s, length in enumerate(lens):
+        for j in range(0, length, block_size):
+            tables[s, j // block_size] = block = free.pop()
+            rows = slice(cu[s].item() + j, cu[s].item() + min(j + block_size, length))
+            k_cache[block, : rows.stop - rows.start], v_cache[block, : rows.stop - rows.start] = k[rows], v[rows]
+    starts = [0, 0, 0, 0]
+    chunks = [[2, 3], [30, 10], [1], [17]]
+    prefilled = torch.zeros_like(q)
+    for step in range(2):
+        live = [s for s in range(len(lens)) if step < len(chunks[s])]
+        q_lens = [chunks[s][step] for s in live]
+        rows = torch.cat([torch.arange(cu[s].item() + starts[s], cu[s].item() + starts[s] + m)
+                          for s, m in zip(live, q_lens)])
+        k_lens = [starts[s] + m for s, m in zip(live, q_lens)]
+        prefilled[rows] = invariant_attention.paged_prefill_attention(q[rows], k_cache, v_cache, tables[live],
+                                                                      q_lens, k_lens, scale)
+        for s, m in zip(live, q_lens):
+            starts[s] += m
+    torch.testing.assert_close(prefilled, packed, **SAME)
+    for j in (0, 4, 16, 39):  # decode steps at several positions, with a padded row of no context
+        live = [s for s in range(len(lens)) if j < lens[s]]
+        batch_q = torch.cat([q[[cu[s].item() + j for s in live]], torch.zeros(1, heads, dim)])
+        context = torch.tensor([j + 1] * len(live) + [0], dtype=torch.int32)
+        out = invariant_attention.paged_decode_attention(batch_q, k_cache, v_cache,
+                                                         torch.cat([tables[live], tables[:1]]), context, scale)
+        torch.testing.assert_close(out[:-1], packed[[cu[s].item() + j for s in live]], **SAME)
+        assert not out[-1].any()
+
+
+def test_rotary_kernel_matches_the_reference_and_inverts():
+    n, dim = 13, 16
+    x, angles = _randn(n, 3, dim), _randn(n, dim // 2, seed=1)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    out = rotary._launch(x, cos, sin, False)
+    torch.testing.assert_close(out, rotary.reference_rotate(x, cos, sin), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rotary._launch(out, cos, sin, True), x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [DecodeConfig(block_n=16), DecodeConfig(block_n=16, num_splits=4)],
+                         ids=["unsplit", "split"])
+def test_paged_decode_kernel_matches_the_reference(config):
+    """Contexts of one token, on block and tile edges, spread over several splits; a padded row."""
+    inputs = _paged_inputs([1, 15, 16, 70, 0, 33], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
+    out = paged_attention._paged_decode_triton(*inputs, 0.25, config)
+    torch.testing.assert_close(out, reference_paged_decode_attention(*inputs, 0.25), rtol=1e-5, atol=1e-5)
+    assert not out[4].any()
