@@ -8,9 +8,10 @@ the tile, so bitwise equality is left to the GPU tests: here the paths agree wit
 import pytest
 import torch
 
-from colocate.kernels import batch_invariant_cuda, invariant_attention, paged_attention, rotary
+from colocate.kernels import batch_invariant_cuda, invariant_attention, logprob, paged_attention, rotary, sampling
 from colocate.kernels.invariant_ops import reference_rms_norm
 from colocate.kernels.paged_attention import DecodeConfig, reference_paged_decode_attention
+from colocate.kernels.sampling import SampleConfig, reference_gumbel_sample
 from tests.unit.test_kernel_paged_attention import _paged_inputs
 
 pytestmark = pytest.mark.usefixtures("interpreted_triton")
@@ -108,3 +109,41 @@ def test_paged_decode_kernel_matches_the_reference(config):
     out = paged_attention._paged_decode_triton(*inputs, 0.25, config)
     torch.testing.assert_close(out, reference_paged_decode_attention(*inputs, 0.25), rtol=1e-5, atol=1e-5)
     assert not out[4].any()
+
+
+@pytest.mark.parametrize("config", [SampleConfig(1), SampleConfig(3, 256, 4)], ids=["one_split", "three_splits"])
+def test_sampling_kernel_matches_the_reference(config):
+    """Ids equal the reference's (greedy and sampled rows, with and without suppressed ids), log-probs
+    within rounding; the vocabulary does not fill the last block."""
+    vocab = 1500
+    logits = _randn(6, vocab, scale=3)
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.3, 0.0, 1.0])
+    seed, counter = torch.arange(6) * 7919 + 3, torch.arange(6) + 11
+    free, _ = reference_gumbel_sample(logits, temperature, seed, counter)
+    for suppress_ids, left in ((None, None), (torch.stack([free, (free + 1) % vocab], 1),
+                                              torch.tensor([1, 0, 2, 1, 0, 5]))):
+        want = reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, left)
+        got = sampling._gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, left, config)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_logprob_chunk_kernels_match_their_torch_versions(with_entropy):
+    """One vocabulary chunk's online statistics and its logits gradient: targets inside and outside
+    the chunk, a chunk wider than one kernel block and not a multiple of it."""
+    rows, cols, v0 = 5, 2500, 1000
+    logits = _randn(rows, cols, scale=3)
+    targets = torch.tensor([1000, 3499, 999, 2000, 5000])
+    state = [_randn(rows, seed=s) for s in (1, 2, 3, 4)]
+    state[1], state[2] = state[1].abs(), state[2].abs()
+    got, want = [t.clone() for t in state], [t.clone() for t in state]
+    logprob._chunk_stats_triton(logits.clone(), targets, v0, 0.8, with_entropy, *got)
+    logprob._chunk_stats_torch(logits.clone(), targets, v0, 0.8, with_entropy, *want)
+    for g, w in zip(got if with_entropy else got[:2] + got[3:], want if with_entropy else want[:2] + want[3:]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    lse, grad_lp = torch.logsumexp(logits * 0.8, 1), _randn(rows, seed=5)
+    entropy, grad_ent = (_randn(rows, seed=6).abs(), _randn(rows, seed=7)) if with_entropy else (None, None)
+    args = (targets, v0, 0.8, lse, grad_lp, entropy, grad_ent, torch.float32)
+    torch.testing.assert_close(logprob._chunk_grad_triton(logits.clone(), *args),
+                               logprob._chunk_grad_torch(logits.clone(), *args), rtol=1e-5, atol=1e-6)
