@@ -12,8 +12,10 @@ key differs:
 - paged (`paged_prefill_attention`, `paged_decode_attention`, the engine): key j of sequence s in
   cache block block_tables[s, j // block_size] at offset j % block_size.
 
-A program takes one head and a tile of up to BLOCK_M consecutive queries of one sequence (a decode
-step: one query, the other rows inert). The tile walks the blocks up to its last query's position;
+A program takes one head and a tile of up to BLOCK_M consecutive queries of one sequence; a decode
+step (one query per sequence) takes the query heads of one kv head as its rows instead, so each key
+and value block is read once per kv head, not once per query head. The tile walks the blocks up to
+its last query's position;
 for an earlier query of the tile the blocks past its position are fully masked, and their update
 is an exact no-op (alpha = 1, a sum of zeros), so a query's result does not depend on its tile's
 other queries nor on where the tile starts. Keys past the tile's last position are never loaded
@@ -75,7 +77,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor, cont
     rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
     tiles = torch.stack([rows, rows, context_lens - 1, (context_lens > 0).to(torch.int32)])  # (4, B)
     return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), tiles, block_tables, scale,
-                   block_size=k_cache.shape[1])
+                   block_size=k_cache.shape[1], heads_as_rows=True)
 
 
 def _tiles(q_lens: list[int], k_lens: list[int], device) -> torch.Tensor:
@@ -93,9 +95,11 @@ def _tiles(q_lens: list[int], k_lens: list[int], device) -> torch.Tensor:
     return torch.tensor([seqs, rows, positions, counts], dtype=torch.int32).view(4, -1).to(device)
 
 
-def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int,
+            heads_as_rows: bool = False) -> torch.Tensor:
     """k, v (rows, Hk, D): packed keys (block_size 0; `keys` holds each sequence's first row) or the
-    cache's flat slots (`keys` is the block table)."""
+    cache's flat slots (`keys` is the block table). heads_as_rows: every tile holds one query (or
+    none), whose query heads of one kv head fill the tile's rows (GROUP > BLOCK_M takes several)."""
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: q (N, Hq, D), k/v (M, Hk, D) with Hk | Hq, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -111,11 +115,14 @@ def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, bloc
     if num_tiles == 0:
         return out
     tiles = tiles.contiguous()
-    _kernel()[(num_tiles, num_heads)](
+    group = num_heads // k.shape[1]
+    head_chunks = -(-group // BLOCK_M)
+    _kernel()[(num_tiles, k.shape[1] * head_chunks if heads_as_rows else num_heads)](
         q, k, v, out, tiles, num_tiles, keys, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
         out.stride(1), keys.stride(0),
-        GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group, HEADS_AS_ROWS=heads_as_rows, HEAD_CHUNKS=head_chunks, HEAD_DIM=head_dim,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_SIZE=max(block_size, 1), PAGED=block_size > 0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=2,
     )
@@ -132,22 +139,31 @@ def _kernel():
     @triton.jit(do_not_specialize=["num_tiles"])
     def attend(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, num_tiles, keys_ptr, scale,
                s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_on, s_oh, s_keys,
-               GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr):
+               GROUP: tl.constexpr, HEADS_AS_ROWS: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr):
         tile = tl.program_id(0)
-        head = tl.program_id(1)
-        kv_head = head // GROUP
         seq = tl.load(tiles_ptr + tile)
         row0 = tl.load(tiles_ptr + num_tiles + tile)
         pos0 = tl.load(tiles_ptr + 2 * num_tiles + tile)
         count = tl.load(tiles_ptr + 3 * num_tiles + tile)
         r = tl.arange(0, BLOCK_M)
-        live = r < count
-        pos = tl.where(live, pos0 + r, -1)  # (BM,), inert rows see no key
+        if HEADS_AS_ROWS:  # one query (none: count 0); row r is its query head first + r of the group
+            kv_head = tl.program_id(1) // HEAD_CHUNKS
+            first = (tl.program_id(1) % HEAD_CHUNKS) * BLOCK_M
+            live = (first + r < GROUP) & (0 * r < count)
+            pos = tl.where(live, pos0, -1)
+            q_rows = (row0 + 0 * r).to(tl.int64)
+            heads = kv_head * GROUP + first + r
+        else:  # row r is query row0 + r of one head
+            heads = tl.program_id(1) + 0 * r
+            kv_head = tl.program_id(1) // GROUP
+            live = r < count
+            pos = tl.where(live, pos0 + r, -1)  # (BM,), inert rows see no key
+            q_rows = (row0 + r).to(tl.int64)
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
-        q_rows = (row0 + r).to(tl.int64)
-        q = tl.load(q_ptr + q_rows[:, None] * s_qn + head * s_qh + d[None, :],
+        q = tl.load(q_ptr + q_rows[:, None] * s_qn + heads[:, None] * s_qh + d[None, :],
                     mask=live[:, None] & d_ok[None, :], other=0.0)  # (BM, D)
         last = pos0 + count - 1
         m_i = tl.full([BLOCK_M], -1e30, tl.float32)
@@ -176,7 +192,7 @@ def _kernel():
             acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + q_rows[:, None] * s_on + head * s_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None] & d_ok[None, :])
+        tl.store(out_ptr + q_rows[:, None] * s_on + heads[:, None] * s_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
 
     return attend

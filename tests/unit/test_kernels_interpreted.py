@@ -48,10 +48,12 @@ def test_invariant_row_reductions_match_torch():
     torch.testing.assert_close(batch_invariant_cuda.logsumexp(z[4:5]), lse[4:5], **SAME)
 
 
-def test_invariant_attention_packed_prefill_and_decode_agree():
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (40, 2)], ids=["group_2", "group_20"])
+def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads):
     """The trainer's packed sequences, the engine's chunked prefill from the paged cache and its decode
-    steps, padded rows among them: one kernel, the same values per query, those of dense attention."""
-    lens, heads, kv_heads, dim, block_size = [5, 40, 1, 17], 4, 2, 16, 8
+    steps (a kv head's query heads as a tile's rows: a group of 20 takes two tiles), padded rows
+    among them: one kernel, the same values per query, those of dense attention."""
+    lens, dim, block_size = [5, 40, 1, 17], 16, 8
     n, scale = sum(lens), dim ** -0.5
     q, k, v = _randn(n, heads, dim), _randn(n, kv_heads, dim, seed=1), _randn(n, kv_heads, dim, seed=2)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
