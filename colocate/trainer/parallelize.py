@@ -71,12 +71,14 @@ def device_mesh(device: torch.device) -> DeviceMesh:
 
 @functools.cache
 def _attention_ops() -> frozenset:
-    """The attention ops of packed sequences: FlashAttention-4's, torch's varlen and CPU kernels."""
+    """The attention ops of packed sequences: FlashAttention-4's, torch's varlen and CPU kernels, and
+    the true on-policy mode's."""
     import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
 
     aten = torch.ops.aten
     return frozenset({aten._flash_attention_forward.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-                      torch.ops.torch_attn._varlen_attn.default, torch.ops.colocate.flash_attention.default})
+                      torch.ops.torch_attn._varlen_attn.default, torch.ops.colocate.flash_attention.default,
+                      torch.ops.colocate.invariant_attention.default})
 
 
 def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -84,12 +86,14 @@ def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _matmul_width(op, args) -> int | None:
-    """Output width of a linear layer's matmul on flat tokens (mm(x, w_t) or addmm(b, x, w_t));
-    None for any other op."""
+    """Output width of a linear layer's matmul on flat tokens (mm(x, w_t), addmm(b, x, w_t), or the
+    true on-policy mode's linear(x, w, b)); None for any other op."""
     if op == torch.ops.aten.mm.default:
         return args[1].shape[-1]
     if op == torch.ops.aten.addmm.default:
         return args[2].shape[-1]
+    if op == torch.ops.colocate.invariant_linear.default:
+        return args[1].shape[0]
     return None
 
 

@@ -85,7 +85,7 @@ def _mixing_stand_in(q, k, v, cu_seqlens, max_seqlen):
 
 def _matmul_counts(ops: _Ops, cfg: ModelConfig, n: int) -> tuple[int, int]:
     """Matmuls run in a backward with a (tokens, intermediate) and a (tokens, q+k+v) output."""
-    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.colocate.invariant_linear.default}
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     return ops.count(matmuls, (n, cfg.intermediate_size)), ops.count(matmuls, (n, qkv))
 
@@ -102,6 +102,23 @@ def test_modes_recompute_the_forward_matmuls_they_do_not_keep():
         _, ops = _block_grads(mode, torch.float32, "cpu")
         seen[mode] = _matmul_counts(ops, CFG, sum(LENGTHS))
     assert seen == RECOMPUTED, seen
+
+
+def test_modes_keep_the_true_on_policy_mode_s_products_and_attention():
+    """In the mode the projections and attention are the mode's custom ops: each block mode keeps
+    and recomputes them as it does aten's products and the default attention."""
+    from colocate.kernels import batch_invariant
+
+    batch_invariant.enable(torch.device("cpu"))
+    try:
+        seen = {mode: _matmul_counts(_block_grads(mode, torch.float32, "cpu")[1], CFG, sum(LENGTHS))
+                for mode in (None, *MODES)}
+        _, ops = _block_grads("attention", torch.float32, "cpu")
+        attention_recomputed = ops.count(_attention_ops())
+    finally:
+        batch_invariant.disable()
+    assert seen == RECOMPUTED, seen
+    assert attention_recomputed == 0
 
 
 def test_compiled_modes_recompute_what_they_should_without_graph_breaks(monkeypatch):
