@@ -78,10 +78,14 @@ def test_compiled_blocks_give_the_engine_s_bits(tmp_path, family, invariant):
     engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096, seed=3)
     outs = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=24, ignore_eos=True, seed=1))
     rollout = torch.tensor([lp for c in outs for lp in c.logprobs])
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
     for max_tokens in (64, 4096):
         assert torch.equal(_trainer_logprobs(model, _samples(outs, PROMPTS), 0.7, max_tokens), rollout), max_tokens
+    assert not counters["graph_break"], dict(counters["graph_break"])  # whole blocks compiled, none eager
 
 
 def test_greedy_logprobs_are_bitwise_equal_too(tmp_path, invariant):
