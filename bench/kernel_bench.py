@@ -26,8 +26,9 @@ projection of the 0.5B and 1.5B shapes at a decode batch (M=256) and a training 
 (M=16384). The mode may choose a config by (N, K), never by M, so this shows what each weight's
 best config would save at decode and cost in training. It also reports which configs give bits equal
 to the current one: if only BLOCK_K decides them, the mode could choose BLOCK_M and BLOCK_N by M too;
-and the same for the mode's attention, whose trainer path could then take larger query tiles than
-the engine's 16. Writes bench/results/invariant_matmul_sweep.json.
+and the same for the mode's attention (the trainer's packed path and the engine's decode, whose
+tiles hold a kv head's query heads; all paths must share one BLOCK_M, whatever its bits), beside
+the default kernels. Writes bench/results/invariant_matmul_sweep.json.
 
 `--sample-sweep` times every launch shape of the Gumbel-max sampler (programs per SM, block,
 warps) on (B, 151936) fp32 logits, beside the plain-torch reference, and writes
@@ -316,10 +317,12 @@ def invariant_sweep() -> None:
     path.write_text(json.dumps(results, indent=2) + "\n")
 
 
-def invariant_attention_sweep(ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_kv_heads=2, head_dim=128) -> dict:
-    """The mode's packed attention forward (the trainer's) with query tiles of 16 (the engine's
-    decode tile) to 128 rows, on the 1.5B shape's heads: time, and whether a query's bits stay
-    those of the 16-row tile; beside the default packed attention (FlashAttention-4 or varlen)."""
+def invariant_attention_sweep(ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_kv_heads=2, head_dim=128,
+                              decode_batch=256, decode_context=1024, block_size=16) -> dict:
+    """The mode's packed attention forward (the trainer's) and its paged decode (the engine's) with
+    query tiles of 16 (the current tile) to 128 rows, on the 1.5B shape's heads: time, and whether a
+    query's bits stay those of the 16-row tile; beside the default packed attention (FlashAttention-4
+    or varlen) and the default paged decode."""
     from colocate.kernels import invariant_attention
     from colocate.models.layers import fast_packed_attention
 
@@ -329,23 +332,37 @@ def invariant_attention_sweep(ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_
                for h in (num_q_heads, num_kv_heads, num_kv_heads))
     cu = torch.arange(0, n + 1, seq_len, device="cuda", dtype=torch.int32)
     scale = head_dim**-0.5
+    blocks = decode_batch * decode_context // block_size
+    k_cache, v_cache = (torch.randn(blocks, block_size, num_kv_heads, head_dim, device="cuda", generator=gen).bfloat16()
+                        for _ in range(2))
+    tables = torch.randperm(blocks, device="cuda", generator=gen).int().view(decode_batch, -1)
+    lens = torch.full((decode_batch,), decode_context, dtype=torch.int32, device="cuda")
+    dq = torch.randn(decode_batch, num_q_heads, head_dim, device="cuda", generator=gen).bfloat16()
     default_block_m = invariant_attention.BLOCK_M
     rows = {}
     try:
         for block_m in (16, 32, 64, 128):
             invariant_attention.BLOCK_M = block_m
             out = invariant_attention.packed_attention(q, k, v, cu, scale)
-            rows[block_m] = dict(ms=ms(lambda: invariant_attention.packed_attention(q, k, v, cu, scale)),
-                                 equal_to_16=torch.equal(out, rows[16]["out"]) if rows else True, out=out)
+            decoded = invariant_attention.paged_decode_attention(dq, k_cache, v_cache, tables, lens, scale)
+            rows[block_m] = dict(
+                ms=ms(lambda: invariant_attention.packed_attention(q, k, v, cu, scale)),
+                decode_ms=ms(lambda: invariant_attention.paged_decode_attention(dq, k_cache, v_cache, tables, lens,
+                                                                                scale)),
+                equal_to_16=torch.equal(out, rows[16]["out"]) and torch.equal(decoded, rows[16]["decoded"])
+                if rows else True, out=out, decoded=decoded)
     finally:
         invariant_attention.BLOCK_M = default_block_m
     result = {"shape": dict(seqs=num_seqs, seq_len=seq_len, q_heads=num_q_heads, kv_heads=num_kv_heads,
-                            head_dim=head_dim),
+                            head_dim=head_dim, decode_batch=decode_batch, decode_context=decode_context),
               "default_packed_ms": ms(lambda: fast_packed_attention(q, k, v, cu, seq_len, scale)),
-              "block_m": {m: {key: r[key] for key in ("ms", "equal_to_16")} for m, r in rows.items()}}
-    print(f"invariant attention {num_seqs} x {seq_len}: default packed {result['default_packed_ms']:.2f} ms | "
-          + " | ".join(f"BLOCK_M {m}: {r['ms']:.2f} ms, bits {'=' if r['equal_to_16'] else '!='} 16"
-                       for m, r in result["block_m"].items()), flush=True)
+              "default_decode_ms": ms(lambda: paged_attention.paged_decode_attention(dq, k_cache, v_cache, tables,
+                                                                                     lens, scale)),
+              "block_m": {m: {key: r[key] for key in ("ms", "decode_ms", "equal_to_16")} for m, r in rows.items()}}
+    print(f"invariant attention {num_seqs} x {seq_len} / decode {decode_batch} x {decode_context}: default "
+          f"{result['default_packed_ms']:.2f} / {result['default_decode_ms']:.3f} ms | "
+          + " | ".join(f"BLOCK_M {m}: {r['ms']:.2f} / {r['decode_ms']:.3f} ms, bits "
+                       f"{'=' if r['equal_to_16'] else '!='} 16" for m, r in result["block_m"].items()), flush=True)
     return result
 
 
