@@ -107,9 +107,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
               scale: float) -> torch.Tensor:
     """Causal attention within each packed sequence, q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D), in
     the mode's fixed key order."""
-    if q.is_cuda:
+    if q.is_cuda:  # the kernel reads head_dim contiguously; a compiled caller may pass another layout
         from colocate.kernels import invariant_attention
 
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         return invariant_attention.packed_attention(q, k, v, cu_seqlens, scale)
     from colocate.kernels import batch_invariant
     from colocate.models.layers import per_sequence
