@@ -75,7 +75,8 @@ def _(x, weight, eps):
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """colocate.models.layers.RMSNorm's formula in plain torch."""
+    """RMSNorm in plain torch, normalised in fp32 and cast back before the weight as the HF
+    implementations do: colocate.models.layers.RMSNorm outside the mode, and the mode's reference."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

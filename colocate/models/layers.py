@@ -41,10 +41,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if batch_invariant.enabled():  # torch's CUDA mean picks its reduction order by shape
             return invariant_ops.rms_norm(x, self.weight, self.eps)
-        # Normalise in fp32 and cast back before the weight, as the HF implementations do.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return invariant_ops.reference_rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
