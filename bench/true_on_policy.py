@@ -53,7 +53,7 @@ from colocate.trainer.batch import RolloutBatch, build_micro_batch
 from colocate.trainer.packing import pack_micro_batches
 from colocate.trainer.parallelize import ActivationCheckpointing
 from rollout import CASES, _sync, make_prompts, timed_generate
-from train import RESULTS as TRAIN_RESULTS, STEP_TOKENS, _best, _config, _free
+from train import RESULTS as TRAIN_RESULTS, STEP_TOKENS, _best, _config, _free, _guarded
 from train_peers import SMOKE_SHAPE
 from train_plans import GRID, SHAPES, Plan, make_samples, model_config
 
@@ -195,36 +195,44 @@ def run_shape(name: str, mcfg, plan: Plan, source: str, args, info) -> dict:
     off = run_rollout(mcfg, False, run, args.reps, device, dtype, tables)
     on = run_rollout(mcfg, True, run, args.reps, device, dtype, tables)
     batches = train_batches(mcfg.vocab_size, args.step_tokens, args.reps, smoke)
-    train = {"off": run_train(mcfg, plan, False, not smoke, info, batches, tables),
-             "off_uncompiled": run_train(mcfg, plan, False, False, info, batches, tables),
-             "on": run_train(mcfg, plan, True, not smoke, info, batches, tables),
-             "on_uncompiled": run_train(mcfg, plan, True, False, info, batches, tables)}
+    cases = {"off": (False, not smoke), "off_uncompiled": (False, False), "on": (True, not smoke),
+             "on_uncompiled": (True, False)}  # a case that fails (out of memory, say) is recorded, not fatal
+    train = {case: _guarded(run_train, mcfg, plan, on, compiled, info, batches, tables)
+             for case, (on, compiled) in cases.items()}
     if tables is not None:
         path = args.profile.with_name(f"{args.profile.stem}.{name}{args.profile.suffix}")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n\n".join(tables) + "\n")
         print(f"profile -> {path}", flush=True)
     rollout_slowdown = off["tokens_per_s"] / on["tokens_per_s"]
-    train_slowdown = train["off"]["tokens_per_s"] / train["on"]["tokens_per_s"]
+    train_slowdown = _slowdown(train["off"], train["on"])
     return {"rollout_case": run, "plan": {**plan.fields(), "label": plan.label(), "source": source},
             "rollout": {"off": off, "on": on, "slowdown": rollout_slowdown},
             "train": {**train, "slowdown": train_slowdown,
-                      "slowdown_uncompiled": train["off_uncompiled"]["tokens_per_s"]
-                      / train["on_uncompiled"]["tokens_per_s"]},
+                      "slowdown_uncompiled": _slowdown(train["off_uncompiled"], train["on_uncompiled"])},
             "bitwise_equal_frac": on.pop("bitwise_equal_frac"), "targets": TARGETS,
             "met": {"rollout": rollout_slowdown <= TARGETS["rollout_slowdown"],
-                    "train": train_slowdown <= TARGETS["train_slowdown"]}}
+                    "train": train_slowdown is not None and train_slowdown <= TARGETS["train_slowdown"]}}
+
+
+def _slowdown(off: dict, on: dict) -> float | None:
+    """Tokens per second off over on; None where either case failed."""
+    return off["tokens_per_s"] / on["tokens_per_s"] if "tokens_per_s" in off and "tokens_per_s" in on else None
 
 
 def summary(name: str, r: dict) -> str:
     ro, tr = r["rollout"], r["train"]
-    k = lambda run: f"{run['tokens_per_s'] / 1e3:.1f}k"  # noqa: E731
+    k = lambda run: f"{run['tokens_per_s'] / 1e3:.1f}k" if "tokens_per_s" in run else "failed"  # noqa: E731
+    x = lambda ratio: "n/a" if ratio is None else f"{ratio:.2f}x"  # noqa: E731
     ok = lambda met: "met" if met else "MISSED"  # noqa: E731
+    failed = "".join(f"; {case} failed: {run['error']}" for case, run in tr.items()
+                     if isinstance(run, dict) and "error" in run)
     return (f"{name}: rollout {k(ro['off'])} -> {k(ro['on'])} tok/s, {ro['slowdown']:.2f}x slower "
             f"(target <= {TARGETS['rollout_slowdown']}: {ok(r['met']['rollout'])}); train {k(tr['off'])} -> "
-            f"{k(tr['on'])} tok/s, {tr['slowdown']:.2f}x slower (target <= {TARGETS['train_slowdown']}: "
+            f"{k(tr['on'])} tok/s, {x(tr['slowdown'])} slower (target <= {TARGETS['train_slowdown']}: "
             f"{ok(r['met']['train'])}; uncompiled {k(tr['off_uncompiled'])} -> {k(tr['on_uncompiled'])}, "
-            f"{tr['slowdown_uncompiled']:.2f}x); bitwise equal log-probs {r['bitwise_equal_frac']:.2%} of tokens")
+            f"{x(tr['slowdown_uncompiled'])}); bitwise equal log-probs {r['bitwise_equal_frac']:.2%} of tokens"
+            + failed)
 
 
 def main(argv: list[str] | None = None) -> None:

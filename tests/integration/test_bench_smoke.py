@@ -11,8 +11,10 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -183,3 +185,31 @@ def test_true_on_policy_bench_cpu_smoke_reports_both_modes_and_bitwise_equal_log
     assert sections == ["== generate, mode off", "== generate, mode on", "== train step, mode off, uncompiled",
                         "== train step, mode off, uncompiled", "== train step, mode on, uncompiled",
                         "== train step, mode on, uncompiled"]
+
+
+def test_true_on_policy_bench_reports_a_failed_training_case_and_keeps_the_others(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import true_on_policy
+
+    ran = []
+
+    def run_train(mcfg, plan, on, compiled, *rest):
+        ran.append((on, compiled))
+        if on and not compiled:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.07 GiB.")
+        return {"compile": compiled, "tokens_per_s": 100.0 if on else 250.0}
+
+    monkeypatch.setattr(true_on_policy, "run_train", run_train)
+    monkeypatch.setattr(true_on_policy, "run_rollout", lambda mcfg, on, *rest: {
+        "tokens_per_s": 50.0 if on else 100.0, **({"bitwise_equal_frac": 1.0} if on else {})})
+    monkeypatch.setattr(true_on_policy, "train_batches", lambda *args: [])
+    args = SimpleNamespace(cpu_smoke=False, profile=None, reps=1, step_tokens=512)
+    r = true_on_policy.run_shape("tiny", SimpleNamespace(vocab_size=512), true_on_policy.GRID["0.5b"][0], "test",
+                                 args, SimpleNamespace(device=None))
+    assert ran == [(False, True), (False, False), (True, True), (True, False)]
+    train = r["train"]
+    assert train["on_uncompiled"] == {"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.07 GiB."}
+    assert train["slowdown"] == 2.5 and train["slowdown_uncompiled"] is None
+    assert r["met"] == {"rollout": False, "train": False}
+    line = true_on_policy.summary("tiny", r)
+    assert "2.50x slower" in line and "-> failed, n/a" in line and "on_uncompiled failed: OutOfMemoryError" in line
