@@ -26,7 +26,6 @@ import functools
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils.checkpoint import checkpoint
 
 from colocate.kernels import batch_invariant
 from colocate.kernels.sampling import sampled_logprobs, scale_logits
@@ -82,14 +81,19 @@ def token_logprobs(
     from the device.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
-    if batch_invariant.enabled():
-        return _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy)
     vocab_chunk = min(chunk_size, weight.shape[0])
     token_chunk = max(1, MAX_CHUNK_ELEMENTS // vocab_chunk)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
-    logprobs, entropy = _TokenLogprobs.apply(
-        hidden, weight, targets.contiguous(), inv_temp, with_entropy, vocab_chunk, token_chunk
-    )
+    if batch_invariant.enabled():
+        if not torch.is_grad_enabled():
+            return _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy)[:2]
+        logprobs, entropy = _InvariantTokenLogprobs.apply(
+            hidden, weight, targets.contiguous(), inv_temp, with_entropy, vocab_chunk, token_chunk, temperature
+        )
+    else:
+        logprobs, entropy = _TokenLogprobs.apply(
+            hidden, weight, targets.contiguous(), inv_temp, with_entropy, vocab_chunk, token_chunk
+        )
     return logprobs, (entropy if with_entropy else None)
 
 
@@ -97,24 +101,25 @@ def _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy
     """The engine's computation of the same quantity, op for op (colocate/kernels/batch_invariant.py):
     fp32 logits from the lm_head's matrix product, scaled and read by the sampler's function. A
     token's result depends on its row alone, so the rows go through in chunks of about
-    INVARIANT_CHUNK_ELEMENTS logits, each recomputed in the backward: one chunk's (rows, V) logits
-    are alive at a time, not the whole (T, V)."""
+    INVARIANT_CHUNK_ELEMENTS logits: one chunk's (rows, V) logits are alive at a time, not the
+    whole (T, V). Returns log-probs, entropy (None unless with_entropy) and each row's logsumexp of
+    the scaled logits."""
     rows = max(1, INVARIANT_CHUNK_ELEMENTS // weight.shape[0])
-    parts = [checkpoint(_invariant_chunk, h, weight, t, temperature, with_entropy, use_reentrant=False)
-             if torch.is_grad_enabled() else _invariant_chunk(h, weight, t, temperature, with_entropy)
+    parts = [_invariant_chunk(h, weight, t, temperature, with_entropy)
              for h, t in zip(hidden.split(rows), targets.split(rows))]
-    logprobs = torch.cat([p[0] for p in parts])
-    return logprobs, (torch.cat([p[1] for p in parts]) if with_entropy else None)
+    logprobs, lse = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+    return logprobs, (torch.cat([p[1] for p in parts]) if with_entropy else None), lse
 
 
 def _invariant_chunk(hidden, weight, targets, temperature, with_entropy):
     logits = batch_invariant.logits(hidden, weight)  # (rows, V)
     scaled = scale_logits(logits, torch.full((hidden.shape[0],), float(temperature), device=hidden.device))
+    lse = torch.logsumexp(scaled, dim=-1)
     entropy = None
     if with_entropy:
-        logp = torch.log_softmax(scaled, dim=-1)
+        logp = scaled - lse[:, None]
         entropy = -(logp.exp() * logp).sum(-1)
-    return sampled_logprobs(scaled, targets), entropy
+    return sampled_logprobs(scaled, targets), entropy, lse
 
 
 def _check_inputs(hidden, weight, targets, temperature, chunk_size) -> None:
@@ -195,6 +200,29 @@ class _TokenLogprobs(torch.autograd.Function):
                 None if grad_entropy is None else grad_entropy.float().contiguous(),
             )
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+class _InvariantTokenLogprobs(_TokenLogprobs):
+    """algorithm.true_on_policy's log-probs: the forward is the engine's computation
+    (`_batch_invariant_logprobs`, nothing kept but per-row statistics), the backward the default
+    path's chunked one. Gradients need no invariance, and this spares the backward a second pass of
+    the mode's lm_head product and autograd's full-vocabulary fp32 tensors."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_temp, with_entropy, vocab_chunk, token_chunk, temperature):
+        logprobs, entropy, lse = _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy)
+        entropy = entropy if with_entropy else lse.new_empty(0)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.inv_temp, ctx.with_entropy = inv_temp, with_entropy
+        ctx.vocab_chunk, ctx.token_chunk = vocab_chunk, token_chunk
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        return *_TokenLogprobs.backward(ctx, grad_logprobs, grad_entropy), None
 
 
 def _backward_chunks(ctx, hidden, weight, targets, lse, grad_lp, entropy, grad_ent):

@@ -97,6 +97,27 @@ def test_true_on_policy_row_chunks_change_no_bit_and_train_like_the_reference(mo
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_true_on_policy_backward_does_not_run_the_mode_s_lm_head_product_again(monkeypatch):
+    """The mode's forward runs its lm_head product once per row chunk; the backward recomputes the
+    logits with the default path's chunked product (gradients need no invariance)."""
+    from colocate.kernels import batch_invariant
+
+    calls = []
+    product = batch_invariant.logits
+    monkeypatch.setattr(batch_invariant, "logits", lambda h, w: calls.append(h.shape[0]) or product(h, w))
+    monkeypatch.setattr(logprob, "INVARIANT_CHUNK_ELEMENTS", 210 * 8)
+    inputs = _inputs(45, 210, 4)
+    batch_invariant.enable(torch.device("cpu"))
+    try:
+        got = _values_and_grads(token_logprobs, *inputs, 0.9, True)
+    finally:
+        batch_invariant.disable()
+    assert calls == [8] * 5 + [5]
+    want = _values_and_grads(token_logprobs, *inputs, 0.9, True)  # the default path
+    for name, g, w in zip(("logprobs", "entropy", "grad_hidden", "grad_weight"), got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_uniform_logits_by_hand():
     """A zero lm_head gives every token probability 1/V: logprob = -log V, entropy = log V."""
     hidden = torch.randn(4, 8)
