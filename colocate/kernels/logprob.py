@@ -178,12 +178,7 @@ class _TokenLogprobs(torch.autograd.Function):
         lse = run_max + log_sum
         logprobs = target_z - lse
         entropy = log_sum - sum_exp_z / sum_exp if with_entropy else lse.new_empty(0)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.inv_temp, ctx.with_entropy = inv_temp, with_entropy
-        ctx.vocab_chunk, ctx.token_chunk = vocab_chunk, token_chunk
-        ctx.set_materialize_grads(False)
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
+        _keep_for_backward(ctx, hidden, weight, targets, lse, entropy, inv_temp, with_entropy, vocab_chunk, token_chunk)
         return logprobs, entropy
 
     @staticmethod
@@ -212,17 +207,23 @@ class _InvariantTokenLogprobs(_TokenLogprobs):
     def forward(ctx, hidden, weight, targets, inv_temp, with_entropy, vocab_chunk, token_chunk, temperature):
         logprobs, entropy, lse = _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy)
         entropy = entropy if with_entropy else lse.new_empty(0)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.inv_temp, ctx.with_entropy = inv_temp, with_entropy
-        ctx.vocab_chunk, ctx.token_chunk = vocab_chunk, token_chunk
-        ctx.set_materialize_grads(False)
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
+        _keep_for_backward(ctx, hidden, weight, targets, lse, entropy, inv_temp, with_entropy, vocab_chunk, token_chunk)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         return *_TokenLogprobs.backward(ctx, grad_logprobs, grad_entropy), None
+
+
+def _keep_for_backward(ctx, hidden, weight, targets, lse, entropy, inv_temp, with_entropy, vocab_chunk,
+                       token_chunk) -> None:
+    """What `_TokenLogprobs.backward` reads; `entropy` is empty without with_entropy."""
+    ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+    ctx.inv_temp, ctx.with_entropy = inv_temp, with_entropy
+    ctx.vocab_chunk, ctx.token_chunk = vocab_chunk, token_chunk
+    ctx.set_materialize_grads(False)
+    if not with_entropy:
+        ctx.mark_non_differentiable(entropy)
 
 
 def _backward_chunks(ctx, hidden, weight, targets, lse, grad_lp, entropy, grad_ent):
