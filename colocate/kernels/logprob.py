@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from colocate.kernels import batch_invariant
-from colocate.kernels.sampling import sampled_logprobs, scale_logits
+from colocate.kernels.sampling import row_logsumexp, sampled_logprobs, scale_logits
 
 MAX_CHUNK_ELEMENTS = 1 << 26
 """Elements of one (token chunk x vocab chunk) fp32 logits tile: 256 MiB, which with the tile's
@@ -114,12 +114,12 @@ def _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy
 def _invariant_chunk(hidden, weight, targets, temperature, with_entropy):
     logits = batch_invariant.logits(hidden, weight)  # (rows, V)
     scaled = scale_logits(logits, torch.full((hidden.shape[0],), float(temperature), device=hidden.device))
-    lse = torch.logsumexp(scaled, dim=-1)
+    lse = row_logsumexp(scaled)
     entropy = None
     if with_entropy:
         logp = scaled - lse[:, None]
         entropy = -(logp.exp() * logp).sum(-1)
-    return sampled_logprobs(scaled, targets), entropy, lse
+    return sampled_logprobs(scaled, targets, lse), entropy, lse
 
 
 def _check_inputs(hidden, weight, targets, temperature, chunk_size) -> None:

@@ -73,14 +73,19 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     return logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
 
 
-def sampled_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def sampled_logprobs(scaled: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     """log_softmax(scaled)[id] per row: the protocol's log-prob, as the sampler computes it (and
-    the trainer too, in batch-invariant mode, where CUDA sums each row in one fixed order)."""
+    the trainer too, in batch-invariant mode). `lse`: `row_logsumexp(scaled)` if the caller has it."""
+    return scaled.gather(1, ids[:, None]).squeeze(1) - (row_logsumexp(scaled) if lse is None else lse)
+
+
+def row_logsumexp(scaled: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row of (B, V): in batch-invariant mode CUDA sums each row in one fixed order."""
     if scaled.is_cuda and batch_invariant.enabled():
         from colocate.kernels import batch_invariant_cuda
 
-        return scaled.gather(1, ids[:, None]).squeeze(1) - batch_invariant_cuda.logsumexp(scaled)
-    return scaled.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+        return batch_invariant_cuda.logsumexp(scaled)
+    return torch.logsumexp(scaled, dim=-1)
 
 
 def suppress(scores: torch.Tensor, suppress_ids: torch.Tensor | None, suppress_left: torch.Tensor | None
