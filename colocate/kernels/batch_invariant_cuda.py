@@ -32,6 +32,8 @@ MATMUL_CONFIGS = {  # dtype: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
     torch.float32: (32, 64, 32, 4, 2),
 }
 """The one tile config per input dtype; fp32 inputs are multiplied in full precision (no TF32)."""
+GROUP_M = 8
+"""Row tiles per group of the matmul's launch order (for L2 reuse; no effect on values)."""
 LSE_BLOCK = 1024
 """Columns per step of the log-sum-exp kernel."""
 RMS_WARPS = 4
@@ -76,12 +78,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     if bias is not None:
         bias = bias.expand(m, n)
     block_m, block_n, block_k, warps, stages = config or MATMUL_CONFIGS[a.dtype]
-    _kernels()[0][(_cdiv(m, block_m), _cdiv(n, block_n))](
+    _kernels()[0][(_cdiv(m, block_m) * _cdiv(n, block_n),)](
         a, b, bias if bias is not None else out, out, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         out.stride(0), out.stride(1), float(alpha), float(beta),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
+        EVEN_K=k % block_k == 0,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
     )
     return out
@@ -166,19 +169,37 @@ def _kernels():
     @triton.jit(do_not_specialize=["m"])
     def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, m, n, k, s_am, s_ak, s_bk, s_bn, s_biasm, s_biasn,
                       s_cm, s_cn, alpha, beta, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+        # Tiles in groups of GROUP_M row tiles, column tile by column tile, so that the programs
+        # running at once share their A rows and B columns in L2; the order of tiles changes no value.
+        pid, tiles_n = tl.program_id(0), tl.cdiv(n, BLOCK_N)
+        first_m = pid // (GROUP_M * tiles_n) * GROUP_M
+        group_m = tl.minimum(tl.cdiv(m, BLOCK_M) - first_m, GROUP_M)
+        tile_m = first_m + pid % (GROUP_M * tiles_n) % group_m
+        tile_n = pid % (GROUP_M * tiles_n) // group_m
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok, col_ok = rows < m, cols < n
-        a_rows = a_ptr + rows.to(tl.int64)[:, None] * s_am
-        b_cols = b_ptr + cols.to(tl.int64)[None, :] * s_bn
+        # Rows and columns past the edge read row/column 0 instead of being masked: their results are
+        # never stored, and the loads stay unmasked (and vectorised) wherever K is a multiple of BLOCK_K.
+        # The tiles' addresses are computed once and advanced by BLOCK_K per step.
+        a_tile = (a_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * s_am
+                  + ks.to(tl.int64)[None, :] * s_ak)  # (BM, BK)
+        b_tile = (b_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[None, :] * s_bn
+                  + ks.to(tl.int64)[:, None] * s_bk)  # (BK, BN)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
-            kk = k0 + ks
-            a = tl.load(a_rows + kk[None, :].to(tl.int64) * s_ak, mask=row_ok[:, None] & (kk < k)[None, :], other=0.0)
-            b = tl.load(b_cols + kk[:, None].to(tl.int64) * s_bk, mask=(kk < k)[:, None] & col_ok[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_tile)
+                b = tl.load(b_tile)
+            else:
+                a = tl.load(a_tile, mask=(k0 + ks < k)[None, :], other=0.0)
+                b = tl.load(b_tile, mask=(k0 + ks < k)[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_tile += BLOCK_K * s_ak
+            b_tile += BLOCK_K * s_bk
         acc = acc * alpha
         mask = row_ok[:, None] & col_ok[None, :]
         if HAS_BIAS:

@@ -35,6 +35,9 @@ def test_invariant_matmul_matches_torch_whatever_the_rows_beside():
         torch.testing.assert_close(batch_invariant_cuda.matmul(a[start:start + m], b, bias, alpha=0.5, beta=2.0),
                                    full[start:start + m], **SAME)
     assert batch_invariant_cuda.matmul(a[:0], b).shape == (0, 90)
+    # K a multiple of BLOCK_K (the unmasked loads) and ten row tiles: two launch groups, the last partial.
+    tall, square = _randn(300, 64, seed=4), _randn(64, 90, seed=5)
+    torch.testing.assert_close(batch_invariant_cuda.matmul(tall, square), tall @ square, rtol=1e-5, atol=1e-5)
 
 
 def test_invariant_row_reductions_match_torch():
