@@ -73,10 +73,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables: torch.Tensor, q_l
 def paged_decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """One query per sequence, q (B, Hq, D), at position context_lens - 1 over its cached keys;
-    rows with no context give zeros. No host sync: CUDA-graph capturable."""
-    rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
-    tiles = torch.stack([rows, rows, context_lens - 1, (context_lens > 0).to(torch.int32)])  # (4, B)
-    return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), tiles, block_tables, scale,
+    rows with no context give zeros. No host sync: CUDA-graph capturable. The kernel reads each
+    tile from context_lens (int32) itself: a decode step launches it alone, once per layer."""
+    return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), context_lens, block_tables, scale,
                    block_size=k_cache.shape[1], heads_as_rows=True)
 
 
@@ -98,8 +97,9 @@ def _tiles(q_lens: list[int], k_lens: list[int], device) -> torch.Tensor:
 def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int,
             heads_as_rows: bool = False) -> torch.Tensor:
     """k, v (rows, Hk, D): packed keys (block_size 0; `keys` holds each sequence's first row) or the
-    cache's flat slots (`keys` is the block table). heads_as_rows: every tile holds one query (or
-    none), whose query heads of one kv head fill the tile's rows (GROUP > BLOCK_M takes several)."""
+    cache's flat slots (`keys` is the block table). `tiles`: `_tiles`'s (4, T); with heads_as_rows,
+    the context lengths (B,) of one query per sequence, whose query heads of one kv head fill a
+    tile's rows (GROUP > BLOCK_M takes several)."""
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: q (N, Hq, D), k/v (M, Hk, D) with Hk | Hq, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -110,8 +110,8 @@ def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, bloc
     import triton
 
     num_heads, head_dim = q.shape[1], q.shape[2]
-    out = torch.zeros_like(q)  # (N, Hq, D); rows of an empty context stay zero
-    num_tiles = tiles.shape[1]
+    out = torch.empty_like(q)  # (N, Hq, D); every row is stored, an empty context's as zeros
+    num_tiles = tiles.shape[-1]
     if num_tiles == 0:
         return out
     tiles = tiles.contiguous()
@@ -143,22 +143,26 @@ def _kernel():
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr):
         tile = tl.program_id(0)
-        seq = tl.load(tiles_ptr + tile)
-        row0 = tl.load(tiles_ptr + num_tiles + tile)
-        pos0 = tl.load(tiles_ptr + 2 * num_tiles + tile)
-        count = tl.load(tiles_ptr + 3 * num_tiles + tile)
         r = tl.arange(0, BLOCK_M)
-        if HEADS_AS_ROWS:  # one query (none: count 0); row r is its query head first + r of the group
+        if HEADS_AS_ROWS:  # sequence `tile`'s one query (none: no context); row r is its query head
+            context = tl.load(tiles_ptr + tile)  # first + r of the group
+            seq, row0, pos0, count = tile, tile, context - 1, (context > 0).to(tl.int32)
             kv_head = tl.program_id(1) // HEAD_CHUNKS
             first = (tl.program_id(1) % HEAD_CHUNKS) * BLOCK_M
-            live = (first + r < GROUP) & (0 * r < count)
+            rows_out = first + r < GROUP  # stored, as zeros without a query
+            live = rows_out & (0 * r < count)
             pos = tl.where(live, pos0, -1)
             q_rows = (row0 + 0 * r).to(tl.int64)
             heads = kv_head * GROUP + first + r
         else:  # row r is query row0 + r of one head
+            seq = tl.load(tiles_ptr + tile)
+            row0 = tl.load(tiles_ptr + num_tiles + tile)
+            pos0 = tl.load(tiles_ptr + 2 * num_tiles + tile)
+            count = tl.load(tiles_ptr + 3 * num_tiles + tile)
             heads = tl.program_id(1) + 0 * r
             kv_head = tl.program_id(1) // GROUP
             live = r < count
+            rows_out = live
             pos = tl.where(live, pos0 + r, -1)  # (BM,), inert rows see no key
             q_rows = (row0 + r).to(tl.int64)
         d = tl.arange(0, D_PAD)
@@ -193,6 +197,6 @@ def _kernel():
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * s_on + heads[:, None] * s_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+                 out.to(out_ptr.dtype.element_ty), mask=rows_out[:, None] & d_ok[None, :])
 
     return attend
