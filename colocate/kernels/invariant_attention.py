@@ -144,8 +144,8 @@ def _kernel():
                BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr):
         tile = tl.program_id(0)
         r = tl.arange(0, BLOCK_M)
-        if HEADS_AS_ROWS:  # sequence `tile`'s one query (none: no context); row r is its query head
-            context = tl.load(tiles_ptr + tile)  # first + r of the group
+        if HEADS_AS_ROWS:  # sequence `tile`'s query (none without context); row r: query head first + r
+            context = tl.load(tiles_ptr + tile)
             seq, row0, pos0, count = tile, tile, context - 1, (context > 0).to(tl.int32)
             kv_head = tl.program_id(1) // HEAD_CHUNKS
             first = (tl.program_id(1) % HEAD_CHUNKS) * BLOCK_M
