@@ -3,6 +3,11 @@
 On CUDA a row holds torch's allocated and reserved bytes and the device's used bytes (total - free,
 which also sees memory held outside torch, e.g. torch_memory_saver regions and other processes). On
 CPU the process's resident set size stands in for the device.
+
+On CUDA each step also counts the caching allocator's retries (`memory/alloc_retries`): an
+allocation that found no free cached block and no free device memory, so the allocator freed its
+whole cache and asked again. Each retry synchronises the device; a step with retries ran at the
+edge of memory and was slower for it, with no error to say so.
 """
 
 from __future__ import annotations
@@ -48,6 +53,13 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def alloc_retries(device: torch.device) -> int | None:
+    """The caching allocator's retries since the process began (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 class MemoryGrowthError(RuntimeError):
     pass
 
@@ -66,6 +78,7 @@ class MemoryLedger:
         self.rows: list[MemoryRow] = []
         self._baseline: dict[str, MemoryRow] = {}
         self.reports: list[str] = []
+        self._retries = 0  # the allocator's retries at the last step_metrics (warned of once, at the first)
 
     def record(self, step: int, phase: str) -> MemoryRow:
         row = MemoryRow(step, phase, *read_memory(self.device))
@@ -89,12 +102,23 @@ class MemoryLedger:
         warnings.warn(msg, stacklevel=2)
 
     def step_metrics(self, step: int) -> dict[str, float]:
-        """memory/<phase>/{allocated,reserved,device_used}_gib for this step's rows."""
+        """memory/<phase>/{allocated,reserved,device_used}_gib for this step's rows and, on CUDA,
+        memory/alloc_retries since the last call (called once per step; the first: since start-up)."""
         out = {}
         for r in self.rows:
             if r.step == step:
                 for key in ("allocated", "reserved", "device_used"):
                     out[f"memory/{r.phase}/{key}_gib"] = getattr(r, key) / GIB
+        retries = alloc_retries(self.device)
+        if retries is not None:
+            new, first = retries - self._retries, self._retries == 0
+            out["memory/alloc_retries"] = new
+            self._retries = retries
+            if new and first:
+                warnings.warn(f"step {step}: the CUDA caching allocator freed its cache and retried {new} "
+                              f"allocation(s), each a device-wide synchronisation: memory is nearly full. Lower "
+                              f"rollout.gpu_memory_fraction or train.max_tokens_per_gpu, or offload "
+                              f"(memory/alloc_retries counts them every step; this is said once)", stacklevel=2)
         return out
 
     def append_to(self, path: Path, step: int) -> None:

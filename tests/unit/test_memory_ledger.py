@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -54,3 +56,27 @@ def test_strict_mode_raises(monkeypatch):
 def test_reads_real_process_memory_on_cpu():
     allocated, reserved, used = ledger_module.read_memory(torch.device("cpu"))
     assert allocated == reserved == used > 10 << 20  # a Python process with torch is > 10 MiB
+
+
+def test_allocator_retries_are_counted_per_step_and_warned_of_once(monkeypatch):
+    """On CUDA each step's metrics count the caching allocator's new retries (a free-cache-and-retry,
+    which synchronises the device); the first step that has any warns, later ones only count."""
+    assert ledger_module.alloc_retries(torch.device("cpu")) is None
+    total = iter([0, 0, 3, 3, 7])
+    monkeypatch.setattr(ledger_module, "alloc_retries", lambda device: next(total))
+    ledger = MemoryLedger(torch.device("cpu"))
+    assert [ledger.step_metrics(s)["memory/alloc_retries"] for s in range(2)] == [0, 0]
+    with pytest.warns(UserWarning, match="step 2: the CUDA caching allocator freed its cache and retried 3"):
+        assert ledger.step_metrics(2)["memory/alloc_retries"] == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [ledger.step_metrics(s)["memory/alloc_retries"] for s in (3, 4)] == [0, 4]
+    assert ledger.reports == []  # not memory growth: never fatal under train.strict
+
+
+@pytest.mark.gpu
+def test_allocator_retries_are_read_on_cuda():
+    device = torch.device("cuda")
+    torch.ones(1, device=device)  # the allocator's statistics start with its first allocation
+    assert "num_alloc_retries" in torch.cuda.memory_stats(device)
+    assert ledger_module.alloc_retries(device) == torch.cuda.memory_stats(device)["num_alloc_retries"]
