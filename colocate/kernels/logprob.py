@@ -85,8 +85,6 @@ def token_logprobs(
     token_chunk = max(1, MAX_CHUNK_ELEMENTS // vocab_chunk)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
     if batch_invariant.enabled():
-        if not torch.is_grad_enabled():
-            return _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy)[:2]
         logprobs, entropy = _InvariantTokenLogprobs.apply(
             hidden, weight, targets.contiguous(), inv_temp, with_entropy, vocab_chunk, token_chunk, temperature
         )
