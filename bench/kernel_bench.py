@@ -24,7 +24,8 @@ decode step, so no layer's K/V is still in L2. Writes bench/results/paged_decode
 (colocate/kernels/batch_invariant_cuda.py) in candidate tile configs, beside cuBLAS, on every
 projection of the 0.5B and 1.5B shapes at a decode batch (M=256) and a training micro-batch
 (M=16384). The mode may choose a config by (N, K), never by M, so this shows what each weight's
-best config would save at decode and cost in training. It also reports which configs give bits equal
+best config would save at decode and cost in training, and the current config with K's chunks
+walked by one program and split over programs (their bits must match). It also reports which configs give bits equal
 to the current one: if only BLOCK_K decides them, the mode could choose BLOCK_M and BLOCK_N by M too;
 and the same for the mode's attention (the trainer's packed path and the engine's decode, whose
 tiles hold a kv head's query heads; all paths must share one BLOCK_M, whatever its bits), beside
@@ -284,6 +285,10 @@ def invariant_sweep() -> None:
                 want = x.float() @ w.float().T
                 current = bic.matmul(x, w.T, out_dtype=out_dtype)
                 row[f"cublas_ms_m{m}"] = ms(lambda: F.linear(x, w))
+                for split in (False, True):  # K chunks walked by one program, or a program each
+                    got = bic.matmul(x, w.T, out_dtype=out_dtype, split=split)
+                    row[f"split_{split}_equal_m{m}"] = torch.equal(got, current)
+                    row[f"split_{split}_ms_m{m}"] = ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype, split=split))
                 for config in INVARIANT_CONFIGS:
                     entry = next((c for c in row["configs"] if c["config"] == list(config)), None)
                     if entry is None:
@@ -307,7 +312,8 @@ def invariant_sweep() -> None:
                                                if c["equal_to_current_m256"] and c["equal_to_current_m16384"]]
             print(f"{shape} {name}: bitwise equal to the current tile: {row['bitwise_equal_to_current']}")
             print(f"{shape} {name} N={n} K={k}: M=256 cuBLAS {row['cublas_ms_m256'] * 1e3:.0f} us, current "
-                  f"{current['ms_m256'] * 1e3:.0f} us, best {row['best_decode']['ms_m256'] * 1e3:.0f} us "
+                  f"{current['ms_m256'] * 1e3:.0f} us (chunks unsplit {row['split_False_ms_m256'] * 1e3:.0f}, "
+                  f"split {row['split_True_ms_m256'] * 1e3:.0f}), best {row['best_decode']['ms_m256'] * 1e3:.0f} us "
                   f"{row['best_decode']['config']} | M=16384 cuBLAS {row['cublas_ms_m16384']:.2f} ms, current "
                   f"{current['ms_m16384']:.2f} ms, best {row['best_train']['ms_m16384']:.2f} ms "
                   f"{row['best_train']['config']}", flush=True)

@@ -6,9 +6,13 @@ shape, so a token computed beside 1 or 255 others comes out with different last 
 here fix every choice that decides the order of floating-point operations:
 
 - `matmul` (aten::mm and aten::addmm on CUDA, and the fp32 logits of the lm_head): one tile
-  config per input dtype (MATMUL_CONFIGS), never chosen by M; no split-K: each output element is
-  accumulated in fp32 over K in BLOCK_K steps from k = 0, and the kernel is not specialised on M.
-  Bias and alpha/beta are applied in fp32 before the one cast to the output dtype;
+  config per input dtype (MATMUL_CONFIGS), never chosen by M, and the kernel is not specialised
+  on M. K is cut into chunks of K_CHUNK columns from k = 0; a chunk's partial product is
+  accumulated in fp32 in BLOCK_K steps from 0, and an output element is the in-order sum of its
+  chunks' partials from -0.0: a function of K alone. A product of fewer tiles than the device has
+  SMs (a decode step's) computes each chunk in a program of its own and sums the partials in a
+  second kernel, in that same order; any other walks all chunks in one program. Both give the
+  same bits. Bias and alpha/beta are applied in fp32 before the one cast to the output dtype;
 - `rms_norm`: one program per row (a token, or a token's head for qk-norm), the whole row in one
   block, its sum of squares by one fixed reduction tree;
 - `logsumexp`: one program per row, the row walked in LSE_BLOCK columns from column 0, per-lane
@@ -23,6 +27,7 @@ whose derivatives are matrix products again, which run on cuBLAS: inside a backw
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 
@@ -32,6 +37,9 @@ MATMUL_CONFIGS = {  # dtype: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
     torch.float32: (32, 64, 32, 4, 2),
 }
 """The one tile config per input dtype; fp32 inputs are multiplied in full precision (no TF32)."""
+K_CHUNK = 1024
+"""Columns of K per chunk of the matmul's sum (a multiple of every BLOCK_K). A product whose K fits
+in one chunk sums exactly as one walk over K from 0."""
 GROUP_M = 8
 """Row tiles per group of the matmul's launch order (for L2 reuse; no effect on values)."""
 LSE_BLOCK = 1024
@@ -61,11 +69,13 @@ def in_backward() -> bool:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, alpha=1.0, beta=1.0,
-           out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int, int] | None = None
-           ) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int, int] | None = None,
+           split: bool | None = None) -> torch.Tensor:
     """a (M, K) @ b (K, N) [+ bias broadcast to (M, N)] -> (M, N) in out_dtype (default a's dtype).
     Any strides (linear's transposed weight is a (K, N) view with strides (1, K)). `config`
-    overrides MATMUL_CONFIGS (bench/kernel_bench.py --invariant-sweep times the candidates)."""
+    overrides MATMUL_CONFIGS (bench/kernel_bench.py --invariant-sweep times the candidates);
+    `split` (default: fewer tiles than SMs and more than one chunk) computes each K chunk in a
+    program of its own. Neither `split` nor M changes a value."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not multiply")
     if a.dtype != b.dtype or a.dtype not in MATMUL_CONFIGS:
@@ -78,16 +88,31 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     if bias is not None:
         bias = bias.expand(m, n)
     block_m, block_n, block_k, warps, stages = config or MATMUL_CONFIGS[a.dtype]
-    _kernels()[0][(_cdiv(m, block_m) * _cdiv(n, block_n),)](
-        a, b, bias if bias is not None else out, out, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        out.stride(0), out.stride(1), float(alpha), float(beta),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
-        EVEN_K=k % block_k == 0,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
-    )
+    if K_CHUNK % block_k:
+        raise ValueError(f"matmul: BLOCK_K {block_k} does not divide K_CHUNK {K_CHUNK}")
+    tiles, chunks = _cdiv(m, block_m) * _cdiv(n, block_n), max(_cdiv(k, K_CHUNK), 1)
+    if split is None:
+        split = chunks > 1 and tiles < _sm_count(a.device)
+    partials = torch.empty((chunks, m, n), dtype=torch.float32, device=a.device) if split else out
+    kernels = _kernels()
+    bias_args = (bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
+                 bias.stride(1) if bias is not None else 0)
+    common = dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M)
+    kernels.matmul[(tiles, chunks if split else 1)](
+        a, b, *bias_args, out, partials, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), float(alpha), float(beta), **common, BLOCK_K=block_k, K_CHUNK=K_CHUNK,
+        SPLIT=split, EVEN_K=k % block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)
+    if split:
+        kernels.chunk_sum[(tiles,)](partials, *bias_args, out, m, n, chunks, out.stride(0), out.stride(1),
+                                   float(alpha), float(beta), **common, num_warps=warps)
     return out
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 elsewhere: the interpreter never splits unasked)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def _cdiv(x: int, y: int) -> int:
@@ -126,8 +151,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n, heads, dim = x3.shape
     out = torch.empty(x3.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if n and heads:
-        _kernels()[1][(n * heads,)](x3, weight.contiguous(), out, heads, dim, x3.stride(0), x3.stride(1), eps,
-                                   BLOCK_D=triton.next_power_of_2(dim), num_warps=RMS_WARPS)
+        _kernels().rms[(n * heads,)](x3, weight.contiguous(), out, heads, dim, x3.stride(0), x3.stride(1), eps,
+                                     BLOCK_D=triton.next_power_of_2(dim), num_warps=RMS_WARPS)
     return out.view(x.shape)
 
 
@@ -154,60 +179,106 @@ def _logsumexp_triton(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"logsumexp: x must be (B, V) fp32 contiguous in V, got {tuple(x.shape)} {x.dtype}")
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        _kernels()[2][(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=LSE_BLOCK, num_warps=4)
+        _kernels().lse[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=LSE_BLOCK, num_warps=4)
     return out
 
 
 @functools.cache
 def _kernels():
     """Define the Triton kernels on first CUDA use, so CPU installs never import triton."""
-    global triton, tl  # the kernels resolve `tl` as a module global, as Triton expects
+    global triton, tl, tile_of, chunk_product, finish  # module globals, as Triton resolves them
     import triton
     import triton.language as tl
 
-    # M (and the row counts below) are not specialised on: a batch of 1 compiles the same kernel.
-    @triton.jit(do_not_specialize=["m"])
-    def matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, m, n, k, s_am, s_ak, s_bk, s_bn, s_biasm, s_biasn,
-                      s_cm, s_cn, alpha, beta, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-        # Tiles in groups of GROUP_M row tiles, column tile by column tile, so that the programs
-        # running at once share their A rows and B columns in L2; the order of tiles changes no value.
-        pid, tiles_n = tl.program_id(0), tl.cdiv(n, BLOCK_N)
+    @triton.jit
+    def tile_of(pid, m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """The rows and columns of program `pid`'s tile. Tiles go in groups of GROUP_M row tiles,
+        column tile by column tile, so that the programs running at once share their A rows and B
+        columns in L2; the order of tiles changes no value."""
+        tiles_n = tl.cdiv(n, BLOCK_N)
         first_m = pid // (GROUP_M * tiles_n) * GROUP_M
         group_m = tl.minimum(tl.cdiv(m, BLOCK_M) - first_m, GROUP_M)
         tile_m = first_m + pid % (GROUP_M * tiles_n) % group_m
         tile_n = pid % (GROUP_M * tiles_n) // group_m
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return tile_m * BLOCK_M + tl.arange(0, BLOCK_M), tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    @triton.jit
+    def chunk_product(a_tile, b_tile, k0, k, s_ak, s_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, EVEN_K: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        """The fp32 product of the chunk of K from k0, in BLOCK_K steps from 0; the tiles' addresses
+        point at column k0 and are advanced by BLOCK_K per step."""
         ks = tl.arange(0, BLOCK_K)
-        row_ok, col_ok = rows < m, cols < n
-        # Rows and columns past the edge read row/column 0 instead of being masked: their results are
-        # never stored, and the loads stay unmasked (and vectorised) wherever K is a multiple of BLOCK_K.
-        # The tiles' addresses are computed once and advanced by BLOCK_K per step.
-        a_tile = (a_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * s_am
-                  + ks.to(tl.int64)[None, :] * s_ak)  # (BM, BK)
-        b_tile = (b_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[None, :] * s_bn
-                  + ks.to(tl.int64)[:, None] * s_bk)  # (BK, BN)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
+        for k1 in range(k0, tl.minimum(k0 + K_CHUNK, k), BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_tile)
                 b = tl.load(b_tile)
             else:
-                a = tl.load(a_tile, mask=(k0 + ks < k)[None, :], other=0.0)
-                b = tl.load(b_tile, mask=(k0 + ks < k)[:, None], other=0.0)
+                a = tl.load(a_tile, mask=(k1 + ks < k)[None, :], other=0.0)
+                b = tl.load(b_tile, mask=(k1 + ks < k)[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_tile += BLOCK_K * s_ak
             b_tile += BLOCK_K * s_bk
-        acc = acc * alpha
-        mask = row_ok[:, None] & col_ok[None, :]
+        return acc
+
+    @triton.jit
+    def finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta,
+               HAS_BIAS: tl.constexpr):
+        """alpha * total (+ beta * bias) in fp32, cast once into C; one code for both launches."""
+        acc = total * alpha
+        mask = (rows < m)[:, None] & (cols < n)[None, :]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows.to(tl.int64)[:, None] * s_biasm + cols[None, :] * s_biasn, mask=mask,
                            other=0.0)
             acc = acc + beta * bias.to(tl.float32)
         tl.store(c_ptr + rows.to(tl.int64)[:, None] * s_cm + cols[None, :] * s_cn,
                  acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+    # M (and the row counts below) are not specialised on: a batch of 1 compiles the same kernel.
+    @triton.jit(do_not_specialize=["m"])
+    def matmul_kernel(a_ptr, b_ptr, bias_ptr, s_biasm, s_biasn, c_ptr, partial_ptr, m, n, k, s_am, s_ak,
+                      s_bk, s_bn, s_cm, s_cn, alpha, beta, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      K_CHUNK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        """Unsplit (grid: tiles): a tile's chunks in order, summed from -0.0, into C. Split (grid:
+        tiles x chunks): one chunk's fp32 partial into `partial_ptr` (chunks, M, N)."""
+        rows, cols = tile_of(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
+        ks = tl.arange(0, BLOCK_K)
+        # Rows and columns past the edge read row/column 0 instead of being masked: their results are
+        # never stored, and the loads stay unmasked (and vectorised) wherever K is a multiple of BLOCK_K.
+        a_tile = (a_ptr + tl.where(rows < m, rows, 0).to(tl.int64)[:, None] * s_am
+                  + ks.to(tl.int64)[None, :] * s_ak)  # (BM, BK)
+        b_tile = (b_ptr + tl.where(cols < n, cols, 0).to(tl.int64)[None, :] * s_bn
+                  + ks.to(tl.int64)[:, None] * s_bk)  # (BK, BN)
+        if SPLIT:
+            k0 = tl.program_id(1) * K_CHUNK
+            part = chunk_product(a_tile + k0 * s_ak, b_tile + k0 * s_bk, k0, k, s_ak, s_bk, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, K_CHUNK, EVEN_K, PRECISION)
+            mask = (rows < m)[:, None] & (cols < n)[None, :]
+            tl.store(partial_ptr + (tl.program_id(1).to(tl.int64) * m + rows.to(tl.int64)[:, None]) * n
+                     + cols[None, :], part, mask=mask)
+        else:
+            total = tl.full((BLOCK_M, BLOCK_N), -0.0, dtype=tl.float32)
+            for k0 in range(0, k, K_CHUNK):
+                total += chunk_product(a_tile + k0 * s_ak, b_tile + k0 * s_bk, k0, k, s_ak, s_bk, BLOCK_M,
+                                       BLOCK_N, BLOCK_K, K_CHUNK, EVEN_K, PRECISION)
+            finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["m"])
+    def chunk_sum_kernel(partial_ptr, bias_ptr, s_biasm, s_biasn, c_ptr, m, n, chunks, s_cm, s_cn, alpha, beta,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+        """A split product's tile: its chunks' partials summed in order from -0.0, into C."""
+        rows, cols = tile_of(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
+        mask = (rows < m)[:, None] & (cols < n)[None, :]
+        partial = partial_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
+        total = tl.full((BLOCK_M, BLOCK_N), -0.0, dtype=tl.float32)
+        for _ in range(chunks):
+            total += tl.load(partial, mask=mask, other=0.0)
+            partial += tl.cast(m, tl.int64) * n
+        finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta, HAS_BIAS)
 
     @triton.jit
     def rms_kernel(x_ptr, w_ptr, out_ptr, heads, dim, s_xn, s_xh, eps, BLOCK_D: tl.constexpr):
@@ -236,4 +307,4 @@ def _kernels():
             lane_sum += tl.exp(tl.load(row_ptr + cols, mask=cols < num_cols, other=-float("inf")) - top)
         tl.store(out_ptr + tl.program_id(0), top + tl.log(tl.sum(lane_sum, axis=0)))
 
-    return matmul_kernel, rms_kernel, lse_kernel
+    return SimpleNamespace(matmul=matmul_kernel, chunk_sum=chunk_sum_kernel, rms=rms_kernel, lse=lse_kernel)

@@ -39,6 +39,22 @@ def test_linear_rows_do_not_depend_on_the_batch(invariant):
     assert torch.equal(batch_invariant.logits(x[7:8], weight), logits[7:8])
 
 
+def test_split_k_chunks_give_the_bits_of_one_program_walking_them():
+    """A decode step's product (fewer tiles than SMs) computes each K chunk in a program of its own;
+    a tall one walks them in one program. A row comes out the same either way (0.5B's down
+    projection: K = 4864, five chunks)."""
+    torch.manual_seed(0)
+    x, weight, bias = _bf16(4096, 4864), _bf16(896, 4864, scale=0.02), _bf16(896)
+    tall = batch_invariant_cuda.matmul(x, weight.T, bias)
+    torch.testing.assert_close(tall.float(), x.float() @ weight.float().T + bias.float(), rtol=1e-2, atol=1e-2)
+    for m in (1, 7, 256):
+        rows = x[100:100 + m]
+        assert torch.equal(batch_invariant_cuda.matmul(rows, weight.T, bias), tall[100:100 + m]), m
+        assert torch.equal(batch_invariant_cuda.matmul(rows, weight.T, bias, split=True),
+                           batch_invariant_cuda.matmul(rows, weight.T, bias, split=False)), m
+    assert torch.equal(batch_invariant_cuda.matmul(x, weight.T, bias, split=True), tall)
+
+
 def test_row_reductions_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     x, w = _bf16(300, 12, 128, scale=3), _bf16(128) + 1

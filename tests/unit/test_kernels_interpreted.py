@@ -40,6 +40,22 @@ def test_invariant_matmul_matches_torch_whatever_the_rows_beside():
     torch.testing.assert_close(batch_invariant_cuda.matmul(tall, square), tall @ square, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k", [150, 128], ids=["masked", "even"])
+def test_invariant_matmul_sums_k_chunks_alike_in_one_program_or_one_per_chunk(k, monkeypatch):
+    """Chunks of 64 columns here: 150 is three (64, 64, 22), 128 two. The split launch (a program
+    per chunk, then the in-order sum) and the one-program walk give the same values, those of torch."""
+    monkeypatch.setattr(batch_invariant_cuda, "K_CHUNK", 64)
+    a, b, bias = _randn(70, k), _randn(k, 90, seed=1), _randn(90, seed=2)
+    walked = batch_invariant_cuda.matmul(a, b, bias, alpha=0.5, beta=2.0, split=False)
+    torch.testing.assert_close(walked, 0.5 * (a @ b) + 2.0 * bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batch_invariant_cuda.matmul(a, b, bias, alpha=0.5, beta=2.0, split=True), walked,
+                               **SAME)
+    torch.testing.assert_close(batch_invariant_cuda.matmul(a[3:5], b, bias, alpha=0.5, beta=2.0, split=True),
+                               walked[3:5], **SAME)
+    with pytest.raises(ValueError, match="does not divide K_CHUNK"):
+        batch_invariant_cuda.matmul(a, b, config=(32, 64, 48, 4, 2))
+
+
 def test_invariant_row_reductions_match_torch():
     x, w = _randn(40, 3, 72, scale=3), _randn(72, seed=1) + 1
     normed = batch_invariant_cuda.rms_norm(x, w, 1e-6)
