@@ -9,7 +9,7 @@ here fix every choice that decides the order of floating-point operations:
   config per input dtype (MATMUL_CONFIGS), never chosen by M, and the kernel is not specialised
   on M. K is cut into chunks of K_CHUNK columns from k = 0; a chunk's partial product is
   accumulated in fp32 in BLOCK_K steps from 0, and an output element is the in-order sum of its
-  chunks' partials from -0.0: a function of K alone. A product of fewer tiles than the device has
+  chunks' partials: a function of K alone. A product of fewer tiles than the device has
   SMs (a decode step's) computes each chunk in a program of its own and sums the partials in a
   second kernel, in that same order; any other walks all chunks in one program. Both give the
   same bits. Bias and alpha/beta are applied in fp32 before the one cast to the output dtype;
@@ -101,8 +101,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     kernels.matmul[(tiles, chunks if split else 1)](
         a, b, *bias_args, out, partials, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), float(alpha), float(beta), **common, BLOCK_K=block_k, K_CHUNK=K_CHUNK,
-        SPLIT=split, EVEN_K=k % block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
+        SPLIT=split, ONE_CHUNK=chunks == 1, EVEN_K=k % block_k == 0,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     if split:
         kernels.chunk_sum[(tiles,)](partials, *bias_args, out, m, n, chunks, out.stride(0), out.stride(1),
                                    float(alpha), float(beta), **common, num_warps=warps)
@@ -240,9 +240,9 @@ def _kernels():
     def matmul_kernel(a_ptr, b_ptr, bias_ptr, s_biasm, s_biasn, c_ptr, partial_ptr, m, n, k, s_am, s_ak,
                       s_bk, s_bn, s_cm, s_cn, alpha, beta, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      K_CHUNK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                      PRECISION: tl.constexpr):
-        """Unsplit (grid: tiles): a tile's chunks in order, summed from -0.0, into C. Split (grid:
+                      K_CHUNK: tl.constexpr, SPLIT: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+        """Unsplit (grid: tiles): a tile's chunk partials summed in order, into C. Split (grid:
         tiles x chunks): one chunk's fp32 partial into `partial_ptr` (chunks, M, N)."""
         rows, cols = tile_of(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
         ks = tl.arange(0, BLOCK_K)
@@ -260,24 +260,28 @@ def _kernels():
             tl.store(partial_ptr + (tl.program_id(1).to(tl.int64) * m + rows.to(tl.int64)[:, None]) * n
                      + cols[None, :], part, mask=mask)
         else:
-            total = tl.full((BLOCK_M, BLOCK_N), -0.0, dtype=tl.float32)
-            for k0 in range(0, k, K_CHUNK):
-                total += chunk_product(a_tile + k0 * s_ak, b_tile + k0 * s_bk, k0, k, s_ak, s_bk, BLOCK_M,
-                                       BLOCK_N, BLOCK_K, K_CHUNK, EVEN_K, PRECISION)
+            # The sum starts as the first chunk's partial. A second accumulator, which the later chunks
+            # need, doubles the registers (occupancy); a product of one chunk is compiled without it.
+            total = chunk_product(a_tile, b_tile, 0, k, s_ak, s_bk, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, EVEN_K,
+                                  PRECISION)
+            if not ONE_CHUNK:
+                for k0 in range(K_CHUNK, k, K_CHUNK):
+                    total += chunk_product(a_tile + k0 * s_ak, b_tile + k0 * s_bk, k0, k, s_ak, s_bk, BLOCK_M,
+                                           BLOCK_N, BLOCK_K, K_CHUNK, EVEN_K, PRECISION)
             finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta, HAS_BIAS)
 
     @triton.jit(do_not_specialize=["m"])
     def chunk_sum_kernel(partial_ptr, bias_ptr, s_biasm, s_biasn, c_ptr, m, n, chunks, s_cm, s_cn, alpha, beta,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          GROUP_M: tl.constexpr):
-        """A split product's tile: its chunks' partials summed in order from -0.0, into C."""
+        """A split product's tile: its chunks' partials summed in order, into C."""
         rows, cols = tile_of(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
         mask = (rows < m)[:, None] & (cols < n)[None, :]
         partial = partial_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
-        total = tl.full((BLOCK_M, BLOCK_N), -0.0, dtype=tl.float32)
-        for _ in range(chunks):
-            total += tl.load(partial, mask=mask, other=0.0)
+        total = tl.load(partial, mask=mask, other=0.0)
+        for _ in range(1, chunks):
             partial += tl.cast(m, tl.int64) * n
+            total += tl.load(partial, mask=mask, other=0.0)
         finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta, HAS_BIAS)
 
     @triton.jit
