@@ -20,17 +20,17 @@ from colocate.trainer.passes import StepPlan, gradient_step
 
 def test_mismatch_metrics_follow_their_formulas():
     train = torch.tensor([-1.0, -2.0, -0.5, -3.0, -0.25])
-    rollout = torch.tensor([-1.0, -2.5, -0.5, -2.0, -9.0])
+    rollout = torch.tensor([-1.0, -2.5, -0.75, -2.0, -9.0])
     mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])  # the last token is not a response token
     agg = functools.partial(aggregate, seq_index=torch.zeros(5, dtype=torch.long), global_num_tokens=4.0,
                             global_num_seqs=1.0)
     m = {k: float(v) for k, v in _mismatch(train, rollout, mask, agg).items()}
-    d = [0.0, 0.5, 0.0, -1.0]  # train - rollout on the masked tokens
-    assert m["train/train_rollout_logprob_abs_diff"] == pytest.approx(1.5 / 4)
+    d = [0.0, 0.5, 0.25, -1.0]  # train - rollout on the masked tokens
+    assert m["train/train_rollout_logprob_abs_diff"] == pytest.approx(1.75 / 4)
     assert m["train/mismatch/abs_diff_max"] == 1.0  # not 8.75: masked tokens do not count
     assert m["train/mismatch/kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 4)
     assert m["train/mismatch/log_ppl_ratio"] == pytest.approx(-sum(d) / 4)
-    assert m["train/mismatch/nonzero_frac"] == 0.5
+    assert m["train/mismatch/nonzero_frac"] == 0.75  # three of the four differ
 
 
 def test_gradient_step_keeps_the_largest_max_share_and_sums_the_rest(monkeypatch):
