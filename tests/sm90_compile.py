@@ -1,0 +1,130 @@
+"""Compile the Triton kernels for sm_90 (H100/H200) on a machine without a GPU, through their real
+launch sites, and print one JSON line per compiled kernel: its name, its constexprs, the tensor-core
+instruction of its PTX (wgmma, mma.sync or none) and the cubin's registers, stack, local memory
+(spills) and shared memory, as cuobjdump reports them.
+
+    python tests/sm90_compile.py      (run by tests/unit/test_kernels_compile.py; TRITON_INTERPRET unset)
+
+A stand-in driver reports an sm_90 device, and every launch becomes a warm-up: Triton specialises
+the arguments (alignment, strides of 1, constexprs) as on the GPU and compiles to PTX and a cubin
+with its bundled ptxas, but nothing runs. The inputs are CPU tensors at model shapes (bf16, the
+0.5B and 1.5B heads); the kernels' private launchers are called where the public ones pick the CPU
+path. What the GPU would fail to compile fails here, before any device time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+BF16 = torch.bfloat16
+
+
+class Sm90Driver:
+    """What JITFunction.run asks of the active driver before it launches."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+def resources(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    line = next(line for line in out.splitlines() if "REG:" in line)
+    fields = dict(part.split(":", 1) for part in line.split() if ":" in part)
+    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"])}
+
+
+def compile_all() -> list[dict]:
+    compiled: list[dict] = []
+    launch = JITFunction.run
+
+    def warm_up(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        constexprs = {k: v for k, v in kwargs.items() if k.isupper()}
+        ptx = kernel.asm["ptx"]
+        mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None
+        compiled.append({"kernel": self.__name__, "constexprs": constexprs, "shared": kernel.metadata.shared,
+                         "mma": mma, **resources(kernel.asm["cubin"])})
+        return kernel
+
+    driver.set_active(Sm90Driver())  # for the rest of this process, which does nothing else
+    JITFunction.run = warm_up
+    launch_every_kernel()
+    return compiled
+
+
+def launch_every_kernel() -> None:
+    from colocate.kernels import batch_invariant_cuda, invariant_attention, logprob, paged_attention, rotary, sampling
+    from tests.unit.test_kernel_paged_attention import _paged_inputs
+
+    def randn(*shape, dtype=BF16):
+        return torch.randn(*shape).to(dtype)
+
+    # The mode's products: one K chunk (0.5B's qkv, with bias), several in one program and split
+    # over programs (the down projection), and the lm_head's fp32 logits.
+    x, w = randn(256, 896), randn(1152, 896)
+    batch_invariant_cuda.matmul(x, w.T, randn(1152))
+    down_in, down_w = randn(256, 4864), randn(896, 4864)
+    for split in (False, True):
+        batch_invariant_cuda.matmul(down_in, down_w.T, split=split)
+    batch_invariant_cuda.matmul(x, randn(4096, 896).T, out_dtype=torch.float32)
+    batch_invariant_cuda.rms_norm(x, randn(896), 1e-6)
+    batch_invariant_cuda.rms_norm(randn(256, 12, 128), randn(128), 1e-6)  # qk-norm: a row per head
+    batch_invariant_cuda.logsumexp(randn(4, 151936, dtype=torch.float32))
+    for heads, kv_heads, dim in ((14, 2, 64), (12, 2, 128)):
+        lens = [40, 300, 1]
+        n = sum(lens)
+        q, k, v = randn(n, heads, dim), randn(n, kv_heads, dim), randn(n, kv_heads, dim)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        invariant_attention.packed_attention(q, k, v, cu, dim ** -0.5)
+        cache_q, k_cache, v_cache, tables, context = _paged_inputs(lens, heads, kv_heads, dim, 16, dtype=BF16)
+        invariant_attention.paged_decode_attention(cache_q, k_cache, v_cache, tables, context, dim ** -0.5)
+        invariant_attention.paged_prefill_attention(q[:41], k_cache, v_cache, tables[:2], [40, 1], [40, 1],
+                                                    dim ** -0.5)
+        rotary._launch(q, randn(n, dim), randn(n, dim), False)
+        for splits in (1, 4):
+            config = paged_attention.DecodeConfig(block_n=128 if dim <= 64 else 64, num_splits=splits, num_warps=4,
+                                                  num_stages=3)
+            paged_attention._paged_decode_triton(cache_q, k_cache, v_cache, tables, context, dim ** -0.5, config)
+    logits = randn(8, 151936, dtype=torch.float32)
+    temperature, seed, counter = torch.ones(8), torch.arange(8), torch.arange(8)
+    for config in (sampling.SampleConfig(1), sampling.SampleConfig(4)):
+        sampling._gumbel_sample_triton(logits, temperature, seed, counter, None, None, config)
+    rows = 16
+    chunk, targets = randn(rows, 8192, dtype=torch.float32), torch.randint(0, 151936, (rows,))
+    state = [torch.zeros(rows) for _ in range(4)]
+    for with_entropy in (False, True):
+        logprob._chunk_stats_triton(chunk, targets, 8192, 1.0, with_entropy, *state)
+        entropy = torch.zeros(rows) if with_entropy else None
+        logprob._chunk_grad_triton(chunk, targets, 8192, 1.0, state[0], state[1], entropy, entropy, BF16)
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    for row in compile_all():
+        print(json.dumps(row), flush=True)
