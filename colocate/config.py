@@ -147,9 +147,11 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list, metadata={"range": ">= 0"})
     """Extra token ids that end a completion, on top of the tokenizer's eos ids."""
     reward: str = "toy"
-    """Reward function: toy, math, exact, f1, or module:function for a custom batched one."""
+    """Reward function: toy, math, exact, f1, or module:function (or path/to/file.py:function) for
+    a custom batched one."""
     custom_generate: str | None = None
-    """module:function replacing the default group sampling (None = built-in)."""
+    """module:function (or path/to/file.py:function) replacing the default group sampling (None =
+    built-in)."""
     shuffle: bool = True
     """Shuffle the prompts each epoch (seeded by rollout.seed and the epoch)."""
     seed: int = 42

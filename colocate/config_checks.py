@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from colocate.user_code import is_function_spec
+from colocate.user_code import FORMS, is_function_spec
 
 if TYPE_CHECKING:
     from colocate.config import Config
@@ -92,10 +92,10 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
         ("rollout.chat_template_kwargs", not r.chat_template_kwargs or r.apply_chat_template,
          "needs rollout.apply_chat_template", r.chat_template_kwargs),
         ("rollout.reward", _reward_name_ok(r.reward),
-         f"must be one of {list(BUILTIN_REWARDS)} or module:function", r.reward),
+         f"must be one of {list(BUILTIN_REWARDS)} or {FORMS}", r.reward),
         ("rollout.custom_generate",
          r.custom_generate is None or is_function_spec(r.custom_generate),
-         "must be module:function", r.custom_generate),
+         f"must be {FORMS}", r.custom_generate),
         ("algorithm.advantage_estimator",
          n >= 2 or a.advantage_estimator in ("reinforce_plus_plus", "gae"),
          "needs rollout.n_samples_per_prompt >= 2 (its baseline is the group)",
@@ -137,7 +137,7 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
              "must be non-empty and unique", ds.name),
             (f"eval.datasets.{i}.path", bool(ds.path), "must name a data file", ds.path),
             (f"eval.datasets.{i}.reward", ds.reward is None or _reward_name_ok(ds.reward),
-             f"must be one of {list(BUILTIN_REWARDS)} or module:function", ds.reward),
+             f"must be one of {list(BUILTIN_REWARDS)} or {FORMS}", ds.reward),
         ]
     return checks
 

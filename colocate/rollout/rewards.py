@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from colocate.toy import toy_score
-from colocate.user_code import is_function_spec, load_function
+from colocate.user_code import FORMS, is_function_spec, load_function
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +93,13 @@ class RewardContractError(ValueError):
 
 
 def load_reward_fn(name: str, what: str = "rollout.reward") -> RewardFn:
-    """A built-in by name, or `module:function` imported now so a typo or a wrong signature fails
-    at start-up; errors name `what` (the config field)."""
+    """A built-in by name, or `module:function` / `file.py:function` imported now so that a typo or
+    a wrong signature fails at start-up; errors name `what` (the config field)."""
     if name in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[name]
     if not is_function_spec(name):
         raise ValueError(f"{what}: {name!r} is not a built-in reward (one of "
-                         f"{sorted(BUILTIN_REWARD_FNS)}) nor 'module:function'")
+                         f"{sorted(BUILTIN_REWARD_FNS)}) nor {FORMS}")
     fn = load_function(name, what)
     try:
         signature = inspect.signature(fn)

@@ -216,3 +216,23 @@ def test_debug_flag_or_environment_adds_the_traceback(monkeypatch, capsys):
     with pytest.raises(KeyError):
         cli.entry_point(bug)([])
     assert cli.entry_point(lambda argv: None)([]) == 0
+
+
+def test_user_code_loads_from_a_file_path_and_its_errors_name_the_file(contract_module, monkeypatch):
+    from colocate.user_code import load_function
+
+    monkeypatch.chdir(contract_module)
+    spec = "my_contract.py:one_short"
+    with pytest.raises(RewardContractError) as info:
+        compute_rewards(load_reward_fn(spec), SAMPLES)
+    assert str(info.value) == (f"reward function {contract_module / 'my_contract.py'}:one_short returned 2 rewards "
+                               "for 3 samples")
+    assert load_function(spec, "rollout.reward") is load_function(f"./{spec}", "rollout.reward")  # run once
+    with pytest.raises(ValueError, match=r"rollout.custom_generate: 'nope.py:f': no file nope.py \(relative to "):
+        load_function("nope.py:f", "rollout.custom_generate")
+    with pytest.raises(ValueError, match="rollout.reward: cannot import 'my_contract.py:absent': .* no attribute"):
+        load_function("my_contract.py:absent", "rollout.reward")
+    (contract_module / "broken.py").write_text("1 / 0\n")
+    with pytest.raises(ValueError, match="rollout.reward: cannot import 'broken.py:f': ZeroDivisionError"):
+        load_function("broken.py:f", "rollout.reward")
+    assert str(contract_module / "broken.py") not in sys.modules

@@ -119,7 +119,7 @@ def test_range_error_message_format(tmp_path):
     ({"algorithm": {"dual_clip_c": 1.0}}, "algorithm.dual_clip_c must be > 1"),
     ({"rollout": {"temperature": -0.1}}, "rollout.temperature must be >= 0"),
     ({"rollout": {"reward": "no_such_reward"}}, "rollout.reward must be one of"),
-    ({"rollout": {"custom_generate": "not a path"}}, "rollout.custom_generate must be module:function"),
+    ({"rollout": {"custom_generate": "not a path"}}, "rollout.custom_generate must be 'module:function' or"),
     ({"rollout": {"top_k": 0}}, "rollout.top_k must be -1 (all) or >= 1"),
     ({"algorithm": {"num_critic_only_steps": 2}}, "algorithm.num_critic_only_steps needs"),
     ({"algorithm": {"overlong_buffer_len": 8}}, "algorithm.overlong_buffer_len must be in"),
