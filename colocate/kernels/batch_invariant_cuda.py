@@ -14,7 +14,9 @@ here fix every choice that decides the order of floating-point operations:
   second kernel, in that same order; any other walks all chunks in one program. Both give the
   same bits. Bias and alpha/beta are applied in fp32 before the one cast to the output dtype;
 - `rms_norm`: one program per row (a token, or a token's head for qk-norm), the whole row in one
-  block, its sum of squares by one fixed reduction tree;
+  block, its sum of squares by one fixed reduction tree; `add_rms_norm` adds the residual in the
+  same program first;
+- `silu_mul`: the MLP's SiLU(gate) * up, element-wise, in one kernel;
 - `logsumexp`: one program per row, the row walked in LSE_BLOCK columns from column 0, per-lane
   maxima then per-lane sums of exp, merged by one fixed tree.
 
@@ -45,6 +47,8 @@ GROUP_M = 8
 LSE_BLOCK = 1024
 """Columns per step of the log-sum-exp kernel."""
 RMS_WARPS = 4
+SILU_BLOCK = 1024
+"""Columns per program of the fused SiLU-and-product kernel."""
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -145,15 +149,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.ndim not in (2, 3) or x.stride(-1) != 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: x must be (N, D) or (N, H, D) contiguous in D with weight (D,), "
                          f"got {tuple(x.shape)} strides {x.stride()} and weight {tuple(weight.shape)}")
+    x3 = x if x.ndim == 3 else x[:, None]  # (N, H, D)
+    out = torch.empty(x3.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _rms_launch(x3, None, out, out, weight, eps)
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)) of rows (N, D) in one kernel: the sum rounded to x's dtype, as
+    torch's addition rounds it, then normalised as `rms_norm` does (forward only, like it)."""
+    if x.ndim != 2 or delta.shape != x.shape or delta.dtype != x.dtype or x.stride(-1) != 1 \
+            or delta.stride(-1) != 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"add_rms_norm: x and delta must be (N, D) of one dtype, contiguous in D, with weight "
+                         f"(D,), got {tuple(x.shape)} {x.dtype}, {tuple(delta.shape)} {delta.dtype} and "
+                         f"{tuple(weight.shape)}")
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _rms_launch(x[:, None], delta, total, out, weight, eps)
+    return total, out
+
+
+def _rms_launch(x3, delta, total, out, weight, eps) -> None:
+    """One program per row of x3 (N, H, D); with `delta` (N, D, H = 1) the row is x + delta, stored
+    into `total` before it is normalised."""
     import triton
 
-    x3 = x if x.ndim == 3 else x[:, None]  # (N, H, D)
     n, heads, dim = x3.shape
-    out = torch.empty(x3.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if n and heads:
-        _kernels().rms[(n * heads,)](x3, weight.contiguous(), out, heads, dim, x3.stride(0), x3.stride(1), eps,
-                                     BLOCK_D=triton.next_power_of_2(dim), num_warps=RMS_WARPS)
-    return out.view(x.shape)
+        _kernels().rms[(n * heads,)](x3, delta if delta is not None else x3, total, weight.contiguous(), out, heads,
+                                     dim, x3.stride(0), x3.stride(1), delta.stride(0) if delta is not None else 0,
+                                     eps, BLOCK_D=triton.next_power_of_2(dim), ADD=delta is not None,
+                                     num_warps=RMS_WARPS)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of rows (N, F), each contiguous in F (the halves of the packed gate/up
+    product): SiLU in fp32 rounded to the inputs' dtype, as an unfused F.silu rounds it, then the
+    product, in one kernel (forward only: kernels.invariant_ops.silu_mul has the backward)."""
+    if gate.ndim != 2 or up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(-1) != 1 \
+            or up.stride(-1) != 1:
+        raise ValueError(f"silu_mul: gate and up must be (N, F) of one dtype, contiguous in F, got "
+                         f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows, cols = gate.shape
+    if rows and cols:
+        _kernels().silu_mul[(rows, _cdiv(cols, SILU_BLOCK))](gate, up, out, cols, gate.stride(0), up.stride(0),
+                                                             BLOCK=SILU_BLOCK, num_warps=4)
+    return out
 
 
 class _LogSumExp(torch.autograd.Function):
@@ -285,16 +328,32 @@ def _kernels():
         finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta, HAS_BIAS)
 
     @triton.jit
-    def rms_kernel(x_ptr, w_ptr, out_ptr, heads, dim, s_xn, s_xh, eps, BLOCK_D: tl.constexpr):
+    def rms_kernel(x_ptr, delta_ptr, total_ptr, w_ptr, out_ptr, heads, dim, s_xn, s_xh, s_dn, eps,
+                   BLOCK_D: tl.constexpr, ADD: tl.constexpr):
         row = tl.program_id(0)
         d = tl.arange(0, BLOCK_D)
         ok = d < dim
         x_row = x_ptr + (row // heads).to(tl.int64) * s_xn + (row % heads) * s_xh
-        x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_row + d, mask=ok, other=0.0)
+        if ADD:  # rows of one head: the residual sum, rounded to x's dtype and stored, is what is normalised
+            delta = tl.load(delta_ptr + row.to(tl.int64) * s_dn + d, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + delta.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(total_ptr + row.to(tl.int64) * dim + d, x, mask=ok)
+        x = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
         normed = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # cast back before the weight
         w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + row.to(tl.int64) * dim + d, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, cols, s_gate, s_up, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < cols
+        g = tl.load(gate_ptr + row * s_gate + c, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(up_ptr + row * s_up + c, mask=ok, other=0.0)
+        act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
+        tl.store(out_ptr + row * cols + c, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def lse_kernel(x_ptr, out_ptr, num_cols, s_xb, BLOCK: tl.constexpr):
@@ -311,4 +370,5 @@ def _kernels():
             lane_sum += tl.exp(tl.load(row_ptr + cols, mask=cols < num_cols, other=-float("inf")) - top)
         tl.store(out_ptr + tl.program_id(0), top + tl.log(tl.sum(lane_sum, axis=0)))
 
-    return SimpleNamespace(matmul=matmul_kernel, chunk_sum=chunk_sum_kernel, rms=rms_kernel, lse=lse_kernel)
+    return SimpleNamespace(matmul=matmul_kernel, chunk_sum=chunk_sum_kernel, rms=rms_kernel,
+                           silu_mul=silu_mul_kernel, lse=lse_kernel)

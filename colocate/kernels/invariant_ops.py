@@ -8,13 +8,15 @@ kernel's whether the caller is compiled or not:
 
 - `linear`: x W^T (+ b) through the mode's matrix product (its aten::mm / addmm overrides);
 - `rms_norm`: the Triton row kernel on CUDA, the plain formula on the CPU (a fixed-length row
-  reduction there, which inductor would reorder);
+  reduction there, which inductor would reorder); `add_rms_norm` adds the residual first, in the
+  same kernel;
 - `attention`: the packed sequences' fixed-block causal attention;
-- `silu`: SiLU as the mode computes it (the CPU's from exp).
+- `silu_mul`: the MLP's SiLU(gate) * up as the mode computes it (the CPU's SiLU from exp), one
+  kernel on CUDA.
 
 Their backwards are plain formulas (the gradient needs no invariance), which inductor traces and
-fuses. Inductor then fuses only the element-wise work between the ops (residual adds, the gate's
-product); `batch_invariant.enable` turns on inductor's `emulate_precision_casts`, which rounds each
+fuses. Inductor then fuses only the element-wise work between the ops (the residual add after the
+MLP); `batch_invariant.enable` turns on inductor's `emulate_precision_casts`, which rounds each
 op's result where eager does and keeps Triton from contracting a multiply and an add into one FMA.
 """
 
@@ -89,18 +91,59 @@ def _rms_setup(ctx, inputs, output):
 
 
 def _rms_backward(ctx, grad):
-    """y = w n, n = round(x r), r = (mean(x^2) + eps)^-1/2: the rounding passes the gradient through."""
     x, weight = ctx.saved_tensors
-    xf = x.float()
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-    gf = grad.float()
-    grad_w = (gf * (xf * r).to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-    grad_n = gf * weight.float()
-    grad_x = r * grad_n - xf * r.pow(3) * (grad_n * xf).mean(-1, keepdim=True)
+    grad_x, grad_w = _rms_grads(x, weight, ctx.eps, grad)
     return grad_x.to(x.dtype), grad_w, None
 
 
+def _rms_grads(x, weight, eps, grad):
+    """y = w n, n = round(x r), r = (mean(x^2) + eps)^-1/2: the rounding passes the gradient through.
+    Returns the fp32 gradient of x and that of w in w's dtype."""
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    gf = grad.float()
+    grad_w = (gf * (xf * r).to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    grad_n = gf * weight.float()
+    return r * grad_n - xf * r.pow(3) * (grad_n * xf).mean(-1, keepdim=True), grad_w
+
+
 rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+@torch.library.custom_op("colocate::invariant_add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)): the residual stream and its normalised form, one Triton
+    kernel on CUDA for rows (N, D), the sum and `rms_norm` elsewhere; the same values either way."""
+    if x.is_cuda and x.ndim == 2:
+        from colocate.kernels import batch_invariant_cuda
+
+        return batch_invariant_cuda.add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
+    total = x + delta
+    return total, rms_norm(total, weight, eps)
+
+
+@add_rms_norm.register_fake
+def _(x, delta, weight, eps):
+    total = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, delta.dtype))
+    return total, total.new_empty(x.shape, dtype=torch.promote_types(total.dtype, weight.dtype))
+
+
+def _add_rms_setup(ctx, inputs, output):
+    _, _, weight, eps = inputs
+    ctx.save_for_backward(output[0], weight)
+    ctx.eps = eps
+
+
+def _add_rms_backward(ctx, grad_total, grad_normed):
+    total, weight = ctx.saved_tensors
+    grad_x, grad_w = _rms_grads(total, weight, ctx.eps, grad_normed)
+    if grad_total is not None:
+        grad_x = grad_x + grad_total.float()
+    return grad_x.to(total.dtype), grad_x.to(total.dtype), grad_w, None
+
+
+add_rms_norm.register_autograd(_add_rms_backward, setup_context=_add_rms_setup)
 
 
 @torch.library.custom_op("colocate::invariant_attention", mutates_args=())
@@ -174,26 +217,32 @@ def _(grad, q, k, v, cu_seqlens, max_seqlen, scale):
 attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-@torch.library.custom_op("colocate::invariant_silu", mutates_args=())
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """x sigmoid(x), as the mode computes it."""
-    return F.silu(x)
+@torch.library.custom_op("colocate::invariant_silu_mul", mutates_args=())
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, as the mode computes it: one Triton kernel on CUDA, F.silu (the mode's CPU
+    SiLU) and the product elsewhere; the SiLU is rounded to the inputs' dtype before the product."""
+    if gate.is_cuda and gate.ndim == 2:
+        from colocate.kernels import batch_invariant_cuda
+
+        return batch_invariant_cuda.silu_mul(gate, up)
+    return F.silu(gate) * up
 
 
-@silu.register_fake
-def _(x):
-    return torch.empty_like(x)
+@silu_mul.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
 
 
-def _silu_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
+def _silu_mul_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
 
 
-def _silu_backward(ctx, grad):
-    (x,) = ctx.saved_tensors
-    xf = x.float()
-    s = torch.sigmoid(xf)
-    return (grad.float() * s * (1 + xf * (1 - s))).to(x.dtype)
+def _silu_mul_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    gf, gradf = gate.float(), grad.float()
+    s = torch.sigmoid(gf)
+    grad_gate = gradf * up.float() * s * (1 + gf * (1 - s))
+    return grad_gate.to(gate.dtype), (gradf * gf * s).to(up.dtype)
 
 
-silu.register_autograd(_silu_backward, setup_context=_silu_setup)
+silu_mul.register_autograd(_silu_mul_backward, setup_context=_silu_mul_setup)

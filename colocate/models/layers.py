@@ -1,6 +1,7 @@
-"""Building blocks shared by the model families: linear projections, RMSNorm, rotary embedding,
-SiLU, packed attention. In the true on-policy mode the projections, RMSNorm, SiLU and attention go
-through the mode's custom ops (colocate/kernels/invariant_ops.py), compiled or not."""
+"""Building blocks shared by the model families: linear projections, RMSNorm (with the residual
+add before it), rotary embedding, SiLU and its product, packed attention. In the true on-policy mode
+the projections, RMSNorm, SiLU and attention go through the mode's custom ops
+(colocate/kernels/invariant_ops.py), compiled or not."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """F.silu, or the mode's op in the true on-policy mode."""
-    return invariant_ops.silu(x) if batch_invariant.enabled() else F.silu(x)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up, or the mode's one op in the true on-policy mode."""
+    return invariant_ops.silu_mul(gate, up) if batch_invariant.enabled() else F.silu(gate) * up
 
 
 class Linear(nn.Linear):
@@ -42,6 +43,13 @@ class RMSNorm(nn.Module):
         if batch_invariant.enabled():  # torch's CUDA mean picks its reduction order by shape
             return invariant_ops.rms_norm(x, self.weight, self.eps)
         return invariant_ops.reference_rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, self(x + delta)): a residual stream and its normalised form, one op in the mode."""
+        if batch_invariant.enabled():
+            return invariant_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

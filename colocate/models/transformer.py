@@ -25,7 +25,7 @@ from torch import nn
 from colocate.models.config import ModelConfig
 from colocate.kernels import batch_invariant
 from colocate.kernels.rotary import reference_rotate, rotate
-from colocate.models.layers import Linear, RMSNorm, Rotary, linear, packed_causal_attention, silu
+from colocate.models.layers import Linear, RMSNorm, Rotary, linear, packed_causal_attention, silu_mul
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -91,7 +91,7 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 def joint_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...], weight: torch.Tensor | None,
@@ -137,8 +137,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, attn=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, attn)
+        x, normed = self.post_attention_layernorm.add_forward(x, attended)
+        return x + self.mlp(normed)
 
 
 class Backbone(nn.Module):

@@ -22,20 +22,22 @@ def _inputs(seed: int = 0):
     n = sum(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(x=r(n, 24), w=r(40, 24), b=r(40), norm_w=r(24) + 1, q=r(n, 6, 8), k=r(n, 2, 8), v=r(n, 2, 8),
-                cu=cu, max_len=max(lens))
+    return dict(x=r(n, 24), y=r(n, 24), w=r(40, 24), b=r(40), norm_w=r(24) + 1, q=r(n, 6, 8), k=r(n, 2, 8),
+                v=r(n, 2, 8), cu=cu, max_len=max(lens))
 
 
 def _calls(t):
     """(op, args) of every op on `t`'s tensors."""
     return [(invariant_ops.linear, (t["x"], t["w"], t["b"])), (invariant_ops.linear, (t["x"], t["w"], None)),
-            (invariant_ops.rms_norm, (t["x"], t["norm_w"], 1e-6)), (invariant_ops.silu, (t["x"],)),
+            (invariant_ops.rms_norm, (t["x"], t["norm_w"], 1e-6)),
+            (invariant_ops.add_rms_norm, (t["x"], t["y"], t["norm_w"], 1e-6)),
+            (invariant_ops.silu_mul, (t["x"], t["y"])),
             (invariant_ops.attention, (t["q"], t["k"], t["v"], t["cu"], t["max_len"], 8 ** -0.5))]
 
 
 def test_ops_pass_torch_library_checks(invariant):
     t = _inputs()
-    for key in ("x", "w", "b", "norm_w", "q", "k", "v"):
+    for key in ("x", "y", "w", "b", "norm_w", "q", "k", "v"):
         t[key].requires_grad_()
     for op, args in _calls(t):
         torch.library.opcheck(op, args)
@@ -47,8 +49,11 @@ def _plain(op, args):
         return F.linear(*args)
     if op is invariant_ops.rms_norm:
         return invariant_ops.reference_rms_norm(*args)
-    if op is invariant_ops.silu:
-        return args[0] * torch.sigmoid(args[0])
+    if op is invariant_ops.add_rms_norm:
+        total = args[0] + args[1]
+        return total, invariant_ops.reference_rms_norm(total, *args[2:])
+    if op is invariant_ops.silu_mul:
+        return args[0] * torch.sigmoid(args[0]) * args[1]
     q, k, v, cu, _, scale = args
     bounds = cu.tolist()
     return torch.cat([F.scaled_dot_product_attention(
@@ -63,14 +68,19 @@ def test_gradients_equal_autograd_of_the_plain_formulas(invariant):
                   else a for a in args]
         ours = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                 for a in args]
-        out = op(*ours)
-        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-        out.backward(grad)
-        _plain(op, leaves).backward(grad.double())
-        torch.testing.assert_close(out.double(), _plain(op, leaves).detach(), rtol=1e-5, atol=1e-5)
+        outs, plain = _tuple(op(*ours)), _tuple(_plain(op, leaves))
+        grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(1 + i)) for i, o in enumerate(outs)]
+        torch.autograd.backward(outs, grads)
+        torch.autograd.backward(plain, [g.double() for g in grads])
+        for out, want in zip(outs, plain):
+            torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-5)
         for got, want in zip(ours, leaves):
             if isinstance(got, torch.Tensor) and got.requires_grad:
                 torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5, msg=str(op))
+
+
+def _tuple(out):
+    return out if isinstance(out, tuple) else (out,)
 
 
 def test_compiled_callers_get_the_eager_bits(invariant):
@@ -78,13 +88,14 @@ def test_compiled_callers_get_the_eager_bits(invariant):
     product, scaling) gives the eager function's bits, forward and backward."""
     t = _inputs()
 
-    def block(x, w, b, norm_w, q, k, v):
+    def block(x, y, w, b, norm_w, q, k, v):
         h = invariant_ops.rms_norm(x, norm_w, 1e-6)
         a = invariant_ops.attention(q, k, v, t["cu"], t["max_len"], 8 ** -0.5).reshape(x.shape[0], -1)
+        stream, h = invariant_ops.add_rms_norm(h, y * 0.5, norm_w, 1e-6)
         gate = invariant_ops.linear(h, w, b)
-        return x[:, :1] * 0.5 + invariant_ops.silu(gate) * invariant_ops.linear(h, w) + a[:, :1]
+        return stream[:, :1] * 0.5 + invariant_ops.silu_mul(gate, invariant_ops.linear(h, w)) + a[:, :1]
 
-    names = ("x", "w", "b", "norm_w", "q", "k", "v")
+    names = ("x", "y", "w", "b", "norm_w", "q", "k", "v")
     eager = block(*(t[n] for n in names))
     compiled = torch.compile(block, dynamic=True, fullgraph=True)
     assert torch.equal(compiled(*(t[n] for n in names)), eager)

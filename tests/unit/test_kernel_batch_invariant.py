@@ -70,6 +70,24 @@ def test_row_reductions_do_not_depend_on_the_batch():
         assert torch.equal(batch_invariant_cuda.logsumexp(z[9:9 + m]), lse[9:9 + m])
 
 
+def test_fused_residual_norm_and_gate_product_do_not_depend_on_the_batch():
+    """The residual add before RMSNorm and SiLU(gate) * up, each one kernel: the sum is torch's bf16
+    sum bit for bit, the rest within bf16 rounding of torch, and every row the same in any batch."""
+    torch.manual_seed(0)
+    x, delta, w = _bf16(300, 1536, scale=3), _bf16(300, 1536), _bf16(1536) + 1
+    total, normed = batch_invariant_cuda.add_rms_norm(x, delta, w, 1e-6)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, batch_invariant_cuda.rms_norm(x + delta, w, 1e-6))
+    gate, up = _bf16(300, 2 * 8960, scale=3).chunk(2, dim=-1)
+    product = batch_invariant_cuda.silu_mul(gate, up)
+    torch.testing.assert_close(product.float(), (F.silu(gate.float()) * up.float()), rtol=2e-2, atol=2e-2)
+    for m in (1, 3, 17, 64):
+        rows = slice(100, 100 + m)
+        got = batch_invariant_cuda.add_rms_norm(x[rows], delta[rows], w, 1e-6)
+        assert torch.equal(got[0], total[rows]) and torch.equal(got[1], normed[rows])
+        assert torch.equal(batch_invariant_cuda.silu_mul(gate[rows], up[rows]), product[rows])
+
+
 def test_packed_prefill_and_decode_attention_agree_bitwise():
     torch.manual_seed(0)
     lens, heads, kv_heads, dim, block_size = [7, 300, 1, 129, 64], 12, 2, 128, 16

@@ -61,6 +61,14 @@ def test_invariant_row_reductions_match_torch():
     normed = batch_invariant_cuda.rms_norm(x, w, 1e-6)
     torch.testing.assert_close(normed, reference_rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(batch_invariant_cuda.rms_norm(x[7:9], w, 1e-6), normed[7:9], **SAME)
+    delta = _randn(40, 72, seed=3)
+    total, normed = batch_invariant_cuda.add_rms_norm(x[:, 0], delta, w, 1e-6)
+    torch.testing.assert_close(total, x[:, 0] + delta, **SAME)
+    torch.testing.assert_close(normed, reference_rms_norm(x[:, 0] + delta, w, 1e-6), rtol=1e-5, atol=1e-5)
+    packed = _randn(7, 2 * 1500, seed=4, scale=3)  # the gate/up product's halves: row stride 3000
+    gate, up = packed.chunk(2, dim=-1)
+    torch.testing.assert_close(batch_invariant_cuda.silu_mul(gate, up), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-5, atol=1e-5)
     z = _randn(9, 3000, seed=2, scale=4)  # three column blocks of the log-sum-exp, the last one partial
     lse = batch_invariant_cuda.logsumexp(z)
     torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-6, atol=1e-5)
