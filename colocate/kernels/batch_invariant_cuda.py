@@ -171,7 +171,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 def _rms_launch(x3, delta, total, out, weight, eps) -> None:
-    """One program per row of x3 (N, H, D); with `delta` (N, D, H = 1) the row is x + delta, stored
+    """One program per row of x3 (N, H, D); with `delta` (N, D), for H = 1, a row is x + delta, stored
     into `total` before it is normalised."""
     import triton
 

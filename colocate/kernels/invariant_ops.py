@@ -115,7 +115,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta)): the residual stream and its normalised form, one Triton
     kernel on CUDA for rows (N, D), the sum and `rms_norm` elsewhere; the same values either way."""
-    if x.is_cuda and x.ndim == 2:
+    if x.is_cuda and x.ndim == 2 and delta.dtype == x.dtype:
         from colocate.kernels import batch_invariant_cuda
 
         return batch_invariant_cuda.add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
@@ -221,10 +221,10 @@ attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up, as the mode computes it: one Triton kernel on CUDA, F.silu (the mode's CPU
     SiLU) and the product elsewhere; the SiLU is rounded to the inputs' dtype before the product."""
-    if gate.is_cuda and gate.ndim == 2:
+    if gate.is_cuda and gate.ndim == 2 and up.dtype == gate.dtype:
         from colocate.kernels import batch_invariant_cuda
 
-        return batch_invariant_cuda.silu_mul(gate, up)
+        return batch_invariant_cuda.silu_mul(gate.contiguous(), up.contiguous())
     return F.silu(gate) * up
 
 
