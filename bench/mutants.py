@@ -59,6 +59,9 @@ INTERPRETED = "tests/unit/test_kernels_interpreted.py::"
 SPLIT_KV = (INTERPRETED + "test_paged_decode_kernel_matches_the_reference",)
 K_CHUNKS = (INTERPRETED + "test_invariant_matmul_sums_k_chunks_alike_in_one_program_or_one_per_chunk",)
 LEDGER = ("tests/unit/test_memory_ledger.py",)
+MANAGER = "tests/integration/test_rollout_manager.py::"
+FALLBACK = "tests/integration/test_checkpoint_fallback.py::"
+LOSSES_TESTS = ("tests/unit/test_losses.py",)
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,25 @@ MUTANTS = [
            "for _ in range(1, chunks):", "for _ in range(2, chunks):", K_CHUNKS),
     Mutant("alloc_retries_since_start_not_per_step", "colocate/colocation/ledger.py",
            "new, first = retries - self._retries,", "new, first = retries,", LEDGER),
+    Mutant("eval_pass_needs_every_sample", "colocate/rollout/orchestrator.py", "sum(max(r) >= 1.0 for r in rewards)",
+           "sum(min(r) >= 1.0 for r in rewards)",
+           (MANAGER + "test_evaluate_averages_rewards_and_counts_prompts_with_a_success",)),
+    Mutant("dynamic_sampling_keeps_uniform_groups", "colocate/rollout/orchestrator.py",
+           "varied = len({round(s.reward, 6) for s in g}) > 1", "varied = len({round(s.reward, 6) for s in g}) > 0",
+           (MANAGER + "test_dynamic_sampling_drops_uniform_groups_and_tops_up",)),
+    Mutant("checkpoint_sizes_unchecked", "colocate/checkpoint_manifest.py", 'if size != saved["size"]:', "if False:",
+           (FALLBACK + "test_a_truncated_file_in_the_newest_checkpoint_falls_back_to_the_previous_one",)),
+    Mutant("pruning_counts_damaged_checkpoints", CKPT, "elif checkpoint_problem(path) is None:", "else:",
+           (FALLBACK + "test_pruning_does_not_count_a_damaged_checkpoint_among_those_kept",)),
+    Mutant("seq_mean_token_mean_sums_tokens", LOSSES, "return (seq_sum / seq_len).sum() / global_num_seqs",
+           "return seq_sum.sum() / global_num_seqs", LOSSES_TESTS),
+    Mutant("top_k_keeps_one_more", "colocate/rollout/native/sampler.py", "rank[None, :] >= top_k[:, None]",
+           "rank[None, :] > top_k[:, None]", SAMPLER),
+    Mutant("preemption_keeps_the_computed_count", "colocate/rollout/native/scheduler.py",
+           "        seq.num_computed = 0\n        self.waiting.appendleft([seq])",
+           "        self.waiting.appendleft([seq])",
+           ("tests/unit/test_scheduler.py::test_preemption_frees_blocks_and_recomputes_with_identical_results",
+            "tests/parity/test_engine_parity.py::test_preemption_gives_the_same_outputs")),
 ]
 
 

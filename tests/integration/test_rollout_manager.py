@@ -110,3 +110,27 @@ def test_weight_version_mismatch_fails_loudly(toy):
     rm.engine.generate = stale_generate
     with pytest.raises(RuntimeError, match="weight version 4"):
         rm.generate(data, rollout_id=0)
+
+
+def test_evaluate_averages_rewards_and_counts_prompts_with_a_success(toy):
+    """avg@k is the mean reward over each prompt's k samples and the prompts; pass@k the share of
+    prompts with at least one reward of 1. Half the prompts score 0, the others vary within their
+    groups, so the two differ."""
+    scored: dict[str, list[float]] = {}
+    rm, data = manager(toy)
+    prompts = [data.dataset[i] for i in range(6)]
+    solvable = {p.prompt_text for p in prompts[:3]}
+
+    def reward(prompts, responses, labels, metadata):
+        out = [float(p in solvable and sum(map(ord, r)) % 2 == 1) for p, r in zip(prompts, responses)]
+        for p, r in zip(prompts, out):
+            scored.setdefault(p, []).append(r)
+        return out
+
+    cfg = SimpleNamespace(n_samples_per_eval_prompt=4, temperature=1.0, top_p=1.0, max_response_len=None)
+    out = rm.evaluate([("held", prompts, reward)], 0, cfg)
+    groups = list(scored.values())
+    assert len(groups) == 6 and all(len(g) == 4 for g in groups)
+    avg, passed = sum(sum(g) / 4 for g in groups) / 6, sum(max(g) >= 1 for g in groups) / 6
+    assert out["eval/held/avg@4"] == pytest.approx(avg) and out["eval/held/pass@4"] == pytest.approx(passed)
+    assert 0 < avg < passed <= 0.5
