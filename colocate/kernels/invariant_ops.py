@@ -230,7 +230,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @silu_mul.register_fake
 def _(gate, up):
-    return torch.empty_like(gate)
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
 
 
 def _silu_mul_setup(ctx, inputs, output):
