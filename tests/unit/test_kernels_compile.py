@@ -1,7 +1,7 @@
-"""Every Triton kernel compiles for sm_90 (H100/H200) on a machine without a GPU (tests/sm90_compile.py,
-in a process of its own without the interpreter): the compiler's errors, register spills and a
-lost tensor-core path show up here before any device time. On GPU machines the `gpu` tests run
-the kernels themselves."""
+"""Every Triton kernel compiles for sm_90 (H100/H200) and sm_100 (B200) on a machine without a GPU
+(tests/compile_for_gpu.py, in a process of its own without the interpreter): the compiler's errors,
+register spills and a lost tensor-core path show up here before any device time. On GPU machines
+the `gpu` tests run the kernels themselves."""
 
 import json
 import os
@@ -16,10 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = {"matmul_kernel", "chunk_sum_kernel", "rms_kernel", "silu_mul_kernel", "lse_kernel", "attend", "rotary",
            "decode", "merge", "partial", "stats", "grad"}
 """Every kernel of colocate/kernels (the KV-cache store aside, reached only from CUDA tensors)."""
+TENSOR_CORES = {90: "wgmma", 100: "tcgen05.mma"}
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> list[dict]:
+@pytest.fixture(scope="module", params=sorted(TENSOR_CORES), ids=lambda arch: f"sm_{arch}")
+def compiled(request, tmp_path_factory) -> tuple[int, list[dict]]:
     if torch.cuda.is_available():
         pytest.skip("the GPU tests run the kernels")
     triton = pytest.importorskip("triton")
@@ -27,25 +28,29 @@ def compiled(tmp_path_factory) -> list[dict]:
         pytest.skip("this triton has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "sm90_compile.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_for_gpu.py"), "--arch", str(request.param)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
+    return request.param, [json.loads(line) for line in done.stdout.splitlines()]
 
 
 def test_every_kernel_compiles_without_spilling(compiled):
-    assert {row["kernel"] for row in compiled} == KERNELS
-    spilled = [row for row in compiled if row["stack"] or row["local"]]
+    """No local memory anywhere; on sm_90 no stack frame either (on sm_100 the chunk sum keeps 16 bytes)."""
+    arch, rows = compiled
+    assert {row["kernel"] for row in rows} == KERNELS
+    spilled = [row for row in rows if row["local"] or (arch == 90 and row["stack"])]
     assert not spilled, spilled
 
 
-def test_the_modes_products_use_hopper_tensor_cores_and_keep_their_occupancy(compiled):
-    """Tiles of 64 x 128 with three 24 KiB pipeline stages: three blocks fit an SM's shared memory when
-    each thread takes at most 170 registers (65,536 / (3 x 128)). The one-chunk and split-chunk
-    launches (every decode product) must keep that; walking several chunks in one program holds a
-    second accumulator, within the 255 of two blocks."""
-    products = [row for row in compiled if row["kernel"] == "matmul_kernel"]
-    assert len(products) == 4 and all(row["mma"] == "wgmma" and row["shared"] <= 3 * 24 * 1024 for row in products)
-    for row in products:
+def test_the_modes_products_use_tensor_cores_and_keep_their_occupancy(compiled):
+    """On sm_90, tiles of 64 x 128 with three 24 KiB pipeline stages: three blocks fit an SM's shared
+    memory when each thread takes at most 170 registers (65,536 / (3 x 128)). The one-chunk and
+    split-chunk launches (every decode product) must keep that; walking several chunks in one
+    program holds a second accumulator, within the 255 of two blocks."""
+    arch, rows = compiled
+    products = [row for row in rows if row["kernel"] == "matmul_kernel"]
+    assert len(products) == 4 and all(row["mma"] == TENSOR_CORES[arch] for row in products)
+    for row in products if arch == 90 else []:
         c = row["constexprs"]
+        assert row["shared"] <= 3 * 24 * 1024
         assert row["registers"] <= (170 if c["ONE_CHUNK"] or c["SPLIT"] else 255), row

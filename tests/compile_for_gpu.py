@@ -1,11 +1,12 @@
-"""Compile the Triton kernels for sm_90 (H100/H200) on a machine without a GPU, through their real
+"""Compile the Triton kernels for a GPU architecture on a machine without a GPU, through their real
 launch sites, and print one JSON line per compiled kernel: its name, its constexprs, the tensor-core
-instruction of its PTX (wgmma, mma.sync or none) and the cubin's registers, stack, local memory
-(spills) and shared memory, as cuobjdump reports them.
+instruction of its PTX (tcgen05 on Blackwell, wgmma on Hopper, mma.sync, or none) and the cubin's
+registers, stack, local memory (spills) and shared memory, as cuobjdump reports them.
 
-    python tests/sm90_compile.py      (run by tests/unit/test_kernels_compile.py; TRITON_INTERPRET unset)
+    python tests/compile_for_gpu.py [--arch 90|100]   (sm_90: H100/H200, the default; sm_100: B200)
+    (run by tests/unit/test_kernels_compile.py, with TRITON_INTERPRET unset)
 
-A stand-in driver reports an sm_90 device, and every launch becomes a warm-up: Triton specialises
+A stand-in driver reports such a device, and every launch becomes a warm-up: Triton specialises
 the arguments (alignment, strides of 1, constexprs) as on the GPU and compiles to PTX and a cubin
 with its bundled ptxas, but nothing runs. The inputs are CPU tensors at model shapes (bf16, the
 0.5B and 1.5B heads); the kernels' private launchers are called where the public ones pick the CPU
@@ -14,6 +15,7 @@ path. What the GPU would fail to compile fails here, before any device time.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -35,8 +37,11 @@ CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 BF16 = torch.bfloat16
 
 
-class Sm90Driver:
+class StandInDriver:
     """What JITFunction.run asks of the active driver before it launches."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
 
     def get_current_device(self):
         return 0
@@ -45,7 +50,7 @@ class Sm90Driver:
         return 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.arch, 32)
 
 
 def resources(cubin: bytes) -> dict:
@@ -59,7 +64,7 @@ def resources(cubin: bytes) -> dict:
     return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"])}
 
 
-def compile_all() -> list[dict]:
+def compile_all(arch: int) -> list[dict]:
     compiled: list[dict] = []
     launch = JITFunction.run
 
@@ -67,12 +72,12 @@ def compile_all() -> list[dict]:
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         constexprs = {k: v for k, v in kwargs.items() if k.isupper()}
         ptx = kernel.asm["ptx"]
-        mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None
+        mma = next((name for name in ("tcgen05.mma", "wgmma", "mma.sync") if name in ptx), None)
         compiled.append({"kernel": self.__name__, "constexprs": constexprs, "shared": kernel.metadata.shared,
                          "mma": mma, **resources(kernel.asm["cubin"])})
         return kernel
 
-    driver.set_active(Sm90Driver())  # for the rest of this process, which does nothing else
+    driver.set_active(StandInDriver(arch))  # for the rest of this process, which does nothing else
     JITFunction.run = warm_up
     launch_every_kernel()
     return compiled
@@ -128,5 +133,7 @@ def launch_every_kernel() -> None:
 
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
-    for row in compile_all():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, choices=(90, 100))
+    for row in compile_all(parser.parse_args().arch):
         print(json.dumps(row), flush=True)
