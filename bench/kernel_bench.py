@@ -25,8 +25,9 @@ decode step, so no layer's K/V is still in L2. Writes bench/results/paged_decode
 projection of the 0.5B and 1.5B shapes at a decode batch (M=256) and a training micro-batch
 (M=16384). The mode may choose a config by (N, K), never by M, so this shows what each weight's
 best config would save at decode and cost in training, and the current config with K's chunks
-walked by one program and split over programs (their bits must match). It also reports which configs give bits equal
-to the current one: if only BLOCK_K decides them, the mode could choose BLOCK_M and BLOCK_N by M too;
+walked by one program and split over programs (their bits must match). It also reports which
+configs give bits equal to the current one: if only BLOCK_K decides them, the mode could choose
+BLOCK_M and BLOCK_N by M too;
 and the same for the mode's attention (the trainer's packed path and the engine's decode, whose
 tiles hold a kv head's query heads; all paths must share one BLOCK_M, whatever its bits), beside
 the default kernels. Writes bench/results/invariant_matmul_sweep.json.

@@ -95,8 +95,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     if K_CHUNK % block_k:
         raise ValueError(f"matmul: BLOCK_K {block_k} does not divide K_CHUNK {K_CHUNK}")
     tiles, chunks = _cdiv(m, block_m) * _cdiv(n, block_n), max(_cdiv(k, K_CHUNK), 1)
-    if split is None:
-        split = chunks > 1 and tiles < _sm_count(a.device)
+    if split is None:  # the interpreter (CPU tensors) splits only when asked
+        from colocate.kernels.paged_attention import _sm_count
+
+        split = chunks > 1 and a.is_cuda and tiles < _sm_count(a.device)
     partials = torch.empty((chunks, m, n), dtype=torch.float32, device=a.device) if split else out
     kernels = _kernels()
     bias_args = (bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
@@ -111,12 +113,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
         kernels.chunk_sum[(tiles,)](partials, *bias_args, out, m, n, chunks, out.stride(0), out.stride(1),
                                    float(alpha), float(beta), **common, num_warps=warps)
     return out
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (0 elsewhere: the interpreter never splits unasked)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def _cdiv(x: int, y: int) -> int:
