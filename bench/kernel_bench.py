@@ -21,13 +21,12 @@ engine-like decode batches: the kernel runs over 24 layers' caches in one CUDA g
 decode step, so no layer's K/V is still in L2. Writes bench/results/paged_decode_sweep.json.
 
 `--invariant-sweep` times the batch-invariant matmul of `algorithm.true_on_policy`
-(colocate/kernels/batch_invariant_cuda.py) in candidate tile configs, beside cuBLAS, on every
-projection of the 0.5B and 1.5B shapes at a decode batch (M=256) and a training micro-batch
-(M=16384). The mode may choose a config by (N, K), never by M, so this shows what each weight's
-best config would save at decode and cost in training, and the current config with K's chunks
-walked by one program and split over programs (their bits must match). It also reports which
-configs give bits equal to the current one: if only BLOCK_K decides them, the mode could choose
-BLOCK_M and BLOCK_N by M too;
+(colocate/kernels/batch_invariant_cuda.py) on every projection of the 0.5B and 1.5B shapes at a
+decode batch (M=256) and a training micro-batch (M=16384): the config the product's shape picks
+(and, with several K chunks, split over programs or walked by one), each candidate tile config, and
+cuBLAS. The mode picks BLOCK_M, BLOCK_N, warps and stages by shape and keeps BLOCK_K, on the ground
+that only BLOCK_K (and the chunks) decide a row's bits: each candidate's bits are compared with the
+pick's, and a candidate of the same BLOCK_K that differs is a failure of that ground;
 and the same for the mode's attention (the trainer's packed path and the engine's decode, whose
 tiles hold a kv head's query heads; all paths must share one BLOCK_M, whatever its bits), beside
 the default kernels. Writes bench/results/invariant_matmul_sweep.json.
@@ -272,53 +271,57 @@ def invariant_sweep() -> None:
         return do_bench(fn, rep=50, return_mode="median")
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    results = {"device": torch.cuda.get_device_name(), "current": bic.MATMUL_CONFIGS[torch.bfloat16],
-               "shapes": {}}
+    block_k = bic.BLOCK_K[torch.bfloat16]
+    results = {"device": torch.cuda.get_device_name(), "k_chunk": bic.K_CHUNK, "block_k": block_k, "shapes": {}}
+    broken = []
     for shape, (hidden, inter, qkv) in INVARIANT_SHAPES.items():
         rows = []
         for name, n, k in (("qkv", qkv, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
                            ("down", hidden, inter), ("lm_head", 151936, hidden)):
             out_dtype = torch.float32 if name == "lm_head" else None
             w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
-            row = dict(name=name, n=n, k=k, configs=[])
+            chunks = -(-k // bic.K_CHUNK)
+            row = dict(name=name, n=n, k=k, chunks=chunks, configs=[])
             for m in (256, 16384):
                 x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-                want = x.float() @ w.float().T
-                current = bic.matmul(x, w.T, out_dtype=out_dtype)
+                picked = bic.matmul(x, w.T, out_dtype=out_dtype)
+                torch.testing.assert_close(picked.float(), x.float() @ w.float().T, atol=5e-2, rtol=2e-2)
+                config, split = bic.tile_config(m, n, chunks, torch.bfloat16, x.device)
+                row[f"picked_m{m}"] = dict(config=list(config), split=split,
+                                           ms=ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype)))
                 row[f"cublas_ms_m{m}"] = ms(lambda: F.linear(x, w))
-                for split in (False, True):  # K chunks walked by one program, or a program each
-                    got = bic.matmul(x, w.T, out_dtype=out_dtype, split=split)
-                    row[f"split_{split}_equal_m{m}"] = torch.equal(got, current)
-                    row[f"split_{split}_ms_m{m}"] = ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype, split=split))
+                if chunks > 1:  # the picked tile with K's chunks split over programs, or walked by one
+                    got = bic.matmul(x, w.T, out_dtype=out_dtype, config=config, split=not split)
+                    row[f"picked_m{m}"]["other_split_equal"] = torch.equal(got, picked)
+                    row[f"picked_m{m}"]["other_split_ms"] = ms(
+                        lambda: bic.matmul(x, w.T, out_dtype=out_dtype, config=config, split=not split))
                 for config in INVARIANT_CONFIGS:
                     entry = next((c for c in row["configs"] if c["config"] == list(config)), None)
                     if entry is None:
                         entry = dict(config=list(config))
                         row["configs"].append(entry)
                     try:
-                        got = bic.matmul(x, w.T, out_dtype=out_dtype, config=config)
-                        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=2e-2)
-                        # Bitwise equal to the current tile: then the tile's M and N sizes (and the
-                        # MMA instruction they select) do not change a row's bits, only BLOCK_K does.
-                        entry[f"equal_to_current_m{m}"] = torch.equal(got, current)
-                        entry[f"ms_m{m}"] = ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype, config=config))
+                        got = bic.matmul(x, w.T, out_dtype=out_dtype, config=config, split=False)
+                        entry[f"equal_m{m}"] = torch.equal(got, picked)
+                        entry[f"ms_m{m}"] = ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype, config=config,
+                                                                  split=False))
+                        if config[2] == block_k and not entry[f"equal_m{m}"]:
+                            broken.append(f"{shape} {name} M={m} {config}")
                     except Exception as exc:  # a config Triton cannot build (shared memory) is skipped
                         entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             timed = [c for c in row["configs"] if "error" not in c]
-            current = next(c for c in timed if tuple(c["config"]) == results["current"])
             row["best_decode"] = min(timed, key=lambda c: c["ms_m256"])
             row["best_train"] = min(timed, key=lambda c: c["ms_m16384"])
             rows.append(row)
-            row["bitwise_equal_to_current"] = [c["config"] for c in timed
-                                               if c["equal_to_current_m256"] and c["equal_to_current_m16384"]]
-            print(f"{shape} {name}: bitwise equal to the current tile: {row['bitwise_equal_to_current']}")
-            print(f"{shape} {name} N={n} K={k}: M=256 cuBLAS {row['cublas_ms_m256'] * 1e3:.0f} us, current "
-                  f"{current['ms_m256'] * 1e3:.0f} us (chunks unsplit {row['split_False_ms_m256'] * 1e3:.0f}, "
-                  f"split {row['split_True_ms_m256'] * 1e3:.0f}), best {row['best_decode']['ms_m256'] * 1e3:.0f} us "
-                  f"{row['best_decode']['config']} | M=16384 cuBLAS {row['cublas_ms_m16384']:.2f} ms, current "
-                  f"{current['ms_m16384']:.2f} ms, best {row['best_train']['ms_m16384']:.2f} ms "
-                  f"{row['best_train']['config']}", flush=True)
+            decode, train = row["picked_m256"], row["picked_m16384"]
+            print(f"{shape} {name} N={n} K={k}: M=256 cuBLAS {row['cublas_ms_m256'] * 1e3:.0f} us, picked "
+                  f"{decode['config']}{' split' if decode['split'] else ''} {decode['ms'] * 1e3:.0f} us, best "
+                  f"{row['best_decode']['ms_m256'] * 1e3:.0f} us {row['best_decode']['config']} | M=16384 cuBLAS "
+                  f"{row['cublas_ms_m16384']:.2f} ms, picked {train['config']} {train['ms']:.2f} ms, best "
+                  f"{row['best_train']['ms_m16384']:.2f} ms {row['best_train']['config']}", flush=True)
         results["shapes"][shape] = rows
+    results["same_block_k_bits_differ"] = broken
+    print(f"configs of BLOCK_K {block_k} whose bits differ from the pick's: {broken or 'none'}", flush=True)
     results["attention"] = invariant_attention_sweep(ms)
     path = RESULTS.parent / "invariant_matmul_sweep.json"
     path.write_text(json.dumps(results, indent=2) + "\n")

@@ -90,13 +90,18 @@ def launch_every_kernel() -> None:
     def randn(*shape, dtype=BF16):
         return torch.randn(*shape).to(dtype)
 
-    # The mode's products: one K chunk (0.5B's qkv, with bias), several in one program and split
-    # over programs (the down projection), and the lm_head's fp32 logits.
+    # The mode's products in every tile config: one K chunk (0.5B's qkv, with bias), two walked in one
+    # program (the down projection) where the config takes them, and split over programs in the
+    # smallest; and the lm_head's fp32 logits.
     x, w = randn(256, 896), randn(1152, 896)
-    batch_invariant_cuda.matmul(x, w.T, randn(1152))
     down_in, down_w = randn(256, 4864), randn(896, 4864)
-    for split in (False, True):
-        batch_invariant_cuda.matmul(down_in, down_w.T, split=split)
+    block_k = batch_invariant_cuda.BLOCK_K[BF16]
+    for block_m, block_n, warps, stages, one_chunk_only in batch_invariant_cuda.TILES[BF16]:
+        config = (block_m, block_n, block_k, warps, stages)
+        batch_invariant_cuda.matmul(x, w.T, randn(1152), config=config)
+        if not one_chunk_only:
+            batch_invariant_cuda.matmul(down_in, down_w.T, config=config, split=False)
+    batch_invariant_cuda.matmul(down_in, down_w.T, config=config, split=True)  # the last config splits
     batch_invariant_cuda.matmul(x, randn(4096, 896).T, out_dtype=torch.float32)
     batch_invariant_cuda.rms_norm(x, randn(896), 1e-6)
     batch_invariant_cuda.rms_norm(randn(256, 12, 128), randn(128), 1e-6)  # qk-norm: a row per head

@@ -10,8 +10,9 @@ other rows are, in the same order of floating-point operations:
   than one of many (the results differ in the last bits). `enable` replaces the CPU kernels of
   aten::mm and aten::addmm with one fixed-shape path: rows padded to a multiple of 16 (at least
   16) through one batched GEMM, whose result for a row depends on that row alone; on CUDA, with
-  one Triton GEMM of a fixed tile config that sums K in fixed chunks, in order, however the chunks
-  are spread over programs (kernels/batch_invariant_cuda.py). The
+  one Triton GEMM that sums K in fixed chunks, in order, each chunk in fixed steps of K, whatever
+  tile the product's shape picks and however the chunks are spread over programs
+  (kernels/batch_invariant_cuda.py). The
   lm_head's fp32 logits come from `logits`, one function for the engine and the trainer;
 - attention: `attention` walks each query's keys in fixed chunks of CHUNK positions from position
   0, with an online softmax, whatever the query count or where the keys come from (a packed

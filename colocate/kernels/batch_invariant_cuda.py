@@ -5,14 +5,17 @@ cuBLAS and torch's reduction kernels choose their tiling, split-K and reduction 
 shape, so a token computed beside 1 or 255 others comes out with different last bits. The kernels
 here fix every choice that decides the order of floating-point operations:
 
-- `matmul` (aten::mm and aten::addmm on CUDA, and the fp32 logits of the lm_head): one tile
-  config per input dtype (MATMUL_CONFIGS), never chosen by M, and the kernel is not specialised
-  on M. K is cut into chunks of K_CHUNK columns from k = 0; a chunk's partial product is
-  accumulated in fp32 in BLOCK_K steps from 0, and an output element is the in-order sum of its
-  chunks' partials: a function of K alone. A product of fewer tiles than the device has
-  SMs (a decode step's) computes each chunk in a program of its own and sums the partials in a
-  second kernel, in that same order; any other walks all chunks in one program. Both give the
-  same bits. Bias and alpha/beta are applied in fp32 before the one cast to the output dtype;
+- `matmul` (aten::mm and aten::addmm on CUDA, and the fp32 logits of the lm_head): K is cut into
+  chunks of K_CHUNK columns from k = 0; a chunk's partial product is accumulated in fp32 in
+  BLOCK_K steps from 0 by the tensor cores' MMA, and an output element is the in-order sum of its
+  chunks' partials: a function of K alone. BLOCK_K is one per input dtype; the tile's M and N
+  sizes, warps and pipeline stages (TILES) are picked per call from the product's shape, since an
+  element's bits come from its row of A, its column of B and the order of the k steps, not from how
+  many other rows and columns its tile computes beside it (tests/unit/test_kernel_batch_invariant.py
+  checks every tile config bit for bit on the GPU). A product of too few tiles to fill the device
+  (a decode step's) computes each chunk in a program of its own and sums the partials in a second
+  kernel, in that same order; any other walks all chunks in one program. Both give the same bits.
+  Bias and alpha/beta are applied in fp32 before the one cast to the output dtype;
 - `rms_norm`: one program per row (a token, or a token's head for qk-norm), the whole row in one
   block, its sum of squares by one fixed reduction tree; `add_rms_norm` adds the residual in the
   same program first;
@@ -23,7 +26,7 @@ here fix every choice that decides the order of floating-point operations:
 RMSNorm's gradient is kernels.invariant_ops.rms_norm's plain formula and the log-sum-exp's the
 autograd function's here (the gradient needs no invariance); matrix products get theirs from aten,
 whose derivatives are matrix products again, which run on cuBLAS: inside a backward pass `mm` and
-`addmm` leave the fixed tiles.
+`addmm` leave the mode's kernel.
 """
 
 from __future__ import annotations
@@ -33,15 +36,25 @@ from types import SimpleNamespace
 
 import torch
 
-MATMUL_CONFIGS = {  # dtype: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-    torch.bfloat16: (64, 128, 64, 4, 3),
-    torch.float16: (64, 128, 64, 4, 3),
-    torch.float32: (32, 64, 32, 4, 2),
+BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+"""Columns of K per MMA step of the mode's matmul, one per input dtype: with K_CHUNK, all that
+decides a product's order of floating-point operations. fp32 inputs are multiplied in full
+precision (no TF32)."""
+TILES = {  # dtype: (BLOCK_M, BLOCK_N, num_warps, num_stages, one chunk only), largest tile first
+    torch.bfloat16: ((128, 256, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, False)),
+    torch.float16: ((128, 256, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, False)),
+    torch.float32: ((32, 64, 4, 2, False),),
 }
-"""The one tile config per input dtype; fp32 inputs are multiplied in full precision (no TF32)."""
-K_CHUNK = 1024
+"""The matmul's tile configs: a product takes the first whose tiles fill every SM WAVES times (the
+last otherwise). The largest holds its accumulator in all 255 registers a thread has, so it takes
+products of one K chunk only: walking several needs a second accumulator. The 128-row tiles run on
+two warpgroups (Hopper's wgmma), the 64-row one on one."""
+WAVES = 2
+"""Tiles per SM a product needs before it takes a larger tile config."""
+K_CHUNK = 4096
 """Columns of K per chunk of the matmul's sum (a multiple of every BLOCK_K). A product whose K fits
-in one chunk sums exactly as one walk over K from 0."""
+in one chunk (every projection from the hidden state, up to 4096 wide) sums exactly as one walk over
+K from 0; only the MLP's down projection has several."""
 GROUP_M = 8
 """Row tiles per group of the matmul's launch order (for L2 reuse; no effect on values)."""
 LSE_BLOCK = 1024
@@ -68,7 +81,7 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha
 def in_backward() -> bool:
     """Whether autograd is running a backward node: gradients (and the forward that activation
     checkpointing recomputes for them) need no invariance, only log-probs do, and cuBLAS is faster
-    than the one fixed tile config."""
+    than the mode's own kernel."""
     return torch._C._current_autograd_node() is not None
 
 
@@ -77,28 +90,26 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
            split: bool | None = None) -> torch.Tensor:
     """a (M, K) @ b (K, N) [+ bias broadcast to (M, N)] -> (M, N) in out_dtype (default a's dtype).
     Any strides (linear's transposed weight is a (K, N) view with strides (1, K)). `config`
-    overrides MATMUL_CONFIGS (bench/kernel_bench.py --invariant-sweep times the candidates);
-    `split` (default: fewer tiles than SMs and more than one chunk) computes each K chunk in a
-    program of its own. Neither `split` nor M changes a value."""
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides `tile_config`'s pick
+    (bench/kernel_bench.py --invariant-sweep times the candidates), `split` its choice of one
+    program per K chunk. Neither they nor M change a value, as long as BLOCK_K is BLOCK_K[dtype]."""
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not multiply")
-    if a.dtype != b.dtype or a.dtype not in MATMUL_CONFIGS:
-        raise ValueError(f"batch-invariant matmul takes one dtype of {list(MATMUL_CONFIGS)}, "
-                         f"got {a.dtype} and {b.dtype}")
+    if a.dtype != b.dtype or a.dtype not in TILES:
+        raise ValueError(f"batch-invariant matmul takes one dtype of {list(TILES)}, got {a.dtype} and {b.dtype}")
     (m, k), n = a.shape, b.shape[1]
     out = torch.empty((m, n), dtype=out_dtype or a.dtype, device=a.device)
     if m == 0 or n == 0:
         return out
     if bias is not None:
         bias = bias.expand(m, n)
-    block_m, block_n, block_k, warps, stages = config or MATMUL_CONFIGS[a.dtype]
+    chunks = max(_cdiv(k, K_CHUNK), 1)
+    picked, picked_split = tile_config(m, n, chunks, a.dtype, a.device)
+    block_m, block_n, block_k, warps, stages = config or picked
+    split = picked_split if split is None else split
     if K_CHUNK % block_k:
         raise ValueError(f"matmul: BLOCK_K {block_k} does not divide K_CHUNK {K_CHUNK}")
-    tiles, chunks = _cdiv(m, block_m) * _cdiv(n, block_n), max(_cdiv(k, K_CHUNK), 1)
-    if split is None:  # the interpreter (CPU tensors) splits only when asked
-        from colocate.kernels.paged_attention import _sm_count
-
-        split = chunks > 1 and a.is_cuda and tiles < _sm_count(a.device)
+    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     partials = torch.empty((chunks, m, n), dtype=torch.float32, device=a.device) if split else out
     kernels = _kernels()
     bias_args = (bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
@@ -113,6 +124,24 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
         kernels.chunk_sum[(tiles,)](partials, *bias_args, out, m, n, chunks, out.stride(0), out.stride(1),
                                    float(alpha), float(beta), **common, num_warps=warps)
     return out
+
+
+def tile_config(m: int, n: int, chunks: int, dtype: torch.dtype, device: torch.device
+                ) -> tuple[tuple[int, int, int, int, int], bool]:
+    """The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of an (m, n) product of `chunks` K
+    chunks, and whether to split its chunks over programs: the first of TILES[dtype] that gives
+    every SM WAVES tiles, else the last, split when it has fewer tiles than SMs and several chunks.
+    The interpreter (CPU tensors) takes the first config it may and splits only when asked."""
+    candidates = [tile for tile in TILES[dtype] if chunks == 1 or not tile[4]]
+    sms = 0
+    if device.type == "cuda":
+        from colocate.kernels.paged_attention import _sm_count
+
+        sms = _sm_count(device)
+    block_m, block_n, warps, stages, _ = next(
+        (tile for tile in candidates if _cdiv(m, tile[0]) * _cdiv(n, tile[1]) >= WAVES * sms), candidates[-1])
+    split = chunks > 1 and _cdiv(m, block_m) * _cdiv(n, block_n) < sms
+    return (block_m, block_n, BLOCK_K[dtype], warps, stages), split
 
 
 def _cdiv(x: int, y: int) -> int:

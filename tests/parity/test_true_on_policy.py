@@ -187,9 +187,9 @@ def test_two_compiled_lora_ranks_in_the_mode_log_no_mismatch_and_one_process_s_g
         assert two["train/grad_norm"] == pytest.approx(single["train/grad_norm"], rel=1e-4), two["step"]
 
 
-def test_cuda_matrix_products_leave_the_fixed_tiles_only_inside_a_backward_pass():
+def test_cuda_matrix_products_leave_the_modes_kernel_only_inside_a_backward_pass():
     """kernels/batch_invariant_cuda.py's aten::mm and aten::addmm: inside a backward node they are
-    plain cuBLAS products (here on CPU tensors, the same aten ops), outside the fixed-tile kernel."""
+    plain cuBLAS products (here on CPU tensors, the same aten ops), outside the mode's own kernel."""
     from colocate.kernels import batch_invariant_cuda
 
     g = torch.Generator().manual_seed(0)

@@ -41,10 +41,10 @@ def test_linear_rows_do_not_depend_on_the_batch(invariant):
 
 def test_split_k_chunks_give_the_bits_of_one_program_walking_them():
     """A decode step's product (fewer tiles than SMs) computes each K chunk in a program of its own;
-    a tall one walks them in one program. A row comes out the same either way (0.5B's down
-    projection: K = 4864, five chunks)."""
+    a tall one walks them in one program. A row comes out the same either way (1.5B's down
+    projection: K = 8960, three chunks)."""
     torch.manual_seed(0)
-    x, weight, bias = _bf16(4096, 4864), _bf16(896, 4864, scale=0.02), _bf16(896)
+    x, weight, bias = _bf16(4096, 8960), _bf16(1536, 8960, scale=0.02), _bf16(1536)
     tall = batch_invariant_cuda.matmul(x, weight.T, bias)
     torch.testing.assert_close(tall.float(), x.float() @ weight.float().T + bias.float(), rtol=1e-2, atol=1e-2)
     for m in (1, 7, 256):
@@ -53,6 +53,32 @@ def test_split_k_chunks_give_the_bits_of_one_program_walking_them():
         assert torch.equal(batch_invariant_cuda.matmul(rows, weight.T, bias, split=True),
                            batch_invariant_cuda.matmul(rows, weight.T, bias, split=False)), m
     assert torch.equal(batch_invariant_cuda.matmul(x, weight.T, bias, split=True), tall)
+
+
+@pytest.mark.parametrize("n, k, out_dtype", [(2048, 1536, None), (17920, 1536, None), (1536, 8960, None),
+                                             (1152, 896, None), (151936, 896, torch.float32)],
+                         ids=["qkv_1.5b", "gate_up_1.5b", "down_1.5b", "qkv_0.5b", "lm_head_0.5b"])
+def test_every_tile_config_gives_a_row_the_same_bits(n, k, out_dtype):
+    """The product's shape picks its tile (TILES: 128 x 256 on two warpgroups down to 64 x 64 on
+    one), and a token's row must not change with it: each config, the pick at every M from a decode
+    step to a training micro-batch, and the split launch give one set of bits."""
+    torch.manual_seed(0)
+    x, weight = _bf16(4096, k), _bf16(n, k, scale=k ** -0.5)
+    want = batch_invariant_cuda.matmul(x, weight.T, out_dtype=out_dtype)
+    torch.testing.assert_close(want.float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2)
+    chunks = -(-k // batch_invariant_cuda.K_CHUNK)
+    block_k = batch_invariant_cuda.BLOCK_K[torch.bfloat16]
+    for block_m, block_n, warps, stages, one_chunk_only in batch_invariant_cuda.TILES[torch.bfloat16]:
+        if one_chunk_only and chunks > 1:
+            continue
+        config = (block_m, block_n, block_k, warps, stages)
+        for split in (False, True) if chunks > 1 else (False,):
+            got = batch_invariant_cuda.matmul(x, weight.T, out_dtype=out_dtype, config=config, split=split)
+            assert torch.equal(got, want), (config, split)
+    for m in (1, 7, 64, 256, 1000, 3000):
+        picked = batch_invariant_cuda.tile_config(m, n, chunks, torch.bfloat16, x.device)
+        got = batch_invariant_cuda.matmul(x[:m], weight.T, out_dtype=out_dtype)
+        assert torch.equal(got, want[:m]), (m, picked)
 
 
 def test_row_reductions_do_not_depend_on_the_batch():
@@ -148,7 +174,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def test_gradients_in_the_mode_leave_the_fixed_tiles_and_match_plain_torch(invariant):
+def test_gradients_in_the_mode_leave_its_kernels_and_match_plain_torch(invariant):
     """Backward matrix products run on cuBLAS and the packed attention's backward through the
     default varlen kernel: the gradients match plain torch (fp32 reference) to bf16 rounding."""
     torch.manual_seed(0)

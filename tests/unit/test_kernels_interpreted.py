@@ -56,6 +56,28 @@ def test_invariant_matmul_sums_k_chunks_alike_in_one_program_or_one_per_chunk(k,
         batch_invariant_cuda.matmul(a, b, config=(32, 64, 48, 4, 2))
 
 
+def test_invariant_matmul_picks_the_largest_tile_that_fills_the_device(monkeypatch):
+    """On an H100-sized device (132 SMs): a decode step's products take the one-warpgroup 64 x 64
+    tile, split over their K chunks when they have several and too few tiles; a training
+    micro-batch's take the largest tile their chunk count allows; every pick keeps BLOCK_K."""
+    from colocate.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    pick = batch_invariant_cuda.tile_config
+    assert batch_invariant_cuda.K_CHUNK == 4096
+    assert pick(256, 1152, 1, bf16, cuda) == ((64, 64, 64, 4, 4), False)  # 0.5B qkv at decode: 72 tiles
+    assert pick(256, 896, 2, bf16, cuda) == ((64, 64, 64, 4, 4), True)  # 0.5B down: 56 tiles, two chunks
+    assert pick(256, 9728, 1, bf16, cuda) == ((64, 64, 64, 4, 4), False)  # 0.5B gate/up: 152 tiles of 128
+    assert pick(512, 9728, 1, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # a 512-token prefill: 304 tiles
+    assert pick(16384, 896, 1, bf16, cuda) == ((128, 256, 64, 8, 3), False)  # training: 512 tiles
+    assert pick(16384, 896, 2, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # two chunks: two accumulators
+    assert pick(3000, 151936, 1, torch.float32, cuda) == ((32, 64, 32, 4, 2), False)
+    assert pick(1, 8, 1, bf16, torch.device("cpu")) == ((128, 256, 64, 8, 3), False)  # no SMs to fill
+    for tiles in batch_invariant_cuda.TILES.values():
+        assert tiles[-1][4] is False  # the last config takes any product
+
+
 def test_invariant_row_reductions_match_torch():
     x, w = _randn(40, 3, 72, scale=3), _randn(72, seed=1) + 1
     normed = batch_invariant_cuda.rms_norm(x, w, 1e-6)
