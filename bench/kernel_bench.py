@@ -28,8 +28,8 @@ cuBLAS. The mode picks BLOCK_M, BLOCK_N, warps and stages by shape and keeps BLO
 that only BLOCK_K (and the chunks) decide a row's bits: each candidate's bits are compared with the
 pick's, and a candidate of the same BLOCK_K that differs is a failure of that ground;
 and the same for the mode's attention (the trainer's packed path and the engine's decode, whose
-tiles hold a kv head's query heads; all paths must share one BLOCK_M, whatever its bits), beside
-the default kernels. Writes bench/results/invariant_matmul_sweep.json.
+tiles hold a kv head's query heads), with tiles of other sizes, beside the default kernels.
+Writes bench/results/invariant_matmul_sweep.json.
 
 `--sample-sweep` times every launch shape of the Gumbel-max sampler (programs per SM, block,
 warps) on (B, 151936) fp32 logits, beside the plain-torch reference, and writes
@@ -329,11 +329,11 @@ def invariant_sweep() -> None:
 
 def invariant_attention_sweep(ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_kv_heads=2, head_dim=128,
                               decode_batch=256, decode_context=1024, block_size=16) -> dict:
-    """The mode's packed attention forward (the trainer's) and its paged decode (the engine's) with
-    query tiles of 16 (the current tile) to 128 rows, on the 1.5B shape's heads: time, and whether a
-    query's bits stay those of the 16-row tile; beside the default packed attention (FlashAttention-4
-    or varlen) and the default paged decode."""
-    from colocate.kernels import invariant_attention
+    """The mode's packed attention forward (the trainer's) with query tiles of 16 to 128 rows and its
+    paged decode (the engine's) with tiles of 16 and 64 query heads, on the 1.5B shape's heads: time,
+    and whether each gives the bits of the current tile sizes; beside the default packed attention
+    (FlashAttention-4 or varlen) and the default paged decode."""
+    from colocate.kernels import invariant_attention as ia
     from colocate.models.layers import fast_packed_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -348,31 +348,35 @@ def invariant_attention_sweep(ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_
     tables = torch.randperm(blocks, device="cuda", generator=gen).int().view(decode_batch, -1)
     lens = torch.full((decode_batch,), decode_context, dtype=torch.int32, device="cuda")
     dq = torch.randn(decode_batch, num_q_heads, head_dim, device="cuda", generator=gen).bfloat16()
-    default_block_m = invariant_attention.BLOCK_M
+
+    def packed():
+        return ia.packed_attention(q, k, v, cu, scale)
+
+    def decoded():
+        return ia.paged_decode_attention(dq, k_cache, v_cache, tables, lens, scale)
+
+    current = {"packed": (ia.BLOCK_M, packed()), "decode": (ia.DECODE_BLOCK_M, decoded())}
     rows = {}
-    try:
-        for block_m in (16, 32, 64, 128):
-            invariant_attention.BLOCK_M = block_m
-            out = invariant_attention.packed_attention(q, k, v, cu, scale)
-            decoded = invariant_attention.paged_decode_attention(dq, k_cache, v_cache, tables, lens, scale)
-            rows[block_m] = dict(
-                ms=ms(lambda: invariant_attention.packed_attention(q, k, v, cu, scale)),
-                decode_ms=ms(lambda: invariant_attention.paged_decode_attention(dq, k_cache, v_cache, tables, lens,
-                                                                                scale)),
-                equal_to_16=torch.equal(out, rows[16]["out"]) and torch.equal(decoded, rows[16]["decoded"])
-                if rows else True, out=out, decoded=decoded)
-    finally:
-        invariant_attention.BLOCK_M = default_block_m
+    for path, name, fn, sizes in (("packed", "BLOCK_M", packed, (16, 64, 128)),
+                                  ("decode", "DECODE_BLOCK_M", decoded, (16, 64))):
+        default = getattr(ia, name)
+        try:
+            for size in sizes:
+                setattr(ia, name, size)
+                rows[f"{path}_{size}"] = dict(ms=ms(fn), equal_to_current=torch.equal(fn(), current[path][1]))
+        finally:
+            setattr(ia, name, default)
     result = {"shape": dict(seqs=num_seqs, seq_len=seq_len, q_heads=num_q_heads, kv_heads=num_kv_heads,
                             head_dim=head_dim, decode_batch=decode_batch, decode_context=decode_context),
+              "current": {path: size for path, (size, _) in current.items()},
               "default_packed_ms": ms(lambda: fast_packed_attention(q, k, v, cu, seq_len, scale)),
               "default_decode_ms": ms(lambda: paged_attention.paged_decode_attention(dq, k_cache, v_cache, tables,
                                                                                      lens, scale)),
-              "block_m": {m: {key: r[key] for key in ("ms", "decode_ms", "equal_to_16")} for m, r in rows.items()}}
+              "tiles": rows}
     print(f"invariant attention {num_seqs} x {seq_len} / decode {decode_batch} x {decode_context}: default "
           f"{result['default_packed_ms']:.2f} / {result['default_decode_ms']:.3f} ms | "
-          + " | ".join(f"BLOCK_M {m}: {r['ms']:.2f} / {r['decode_ms']:.3f} ms, bits "
-                       f"{'=' if r['equal_to_16'] else '!='} 16" for m, r in result["block_m"].items()), flush=True)
+          + " | ".join(f"{key}: {r['ms']:.3f} ms, bits {'=' if r['equal_to_current'] else '!='} current"
+                       for key, r in rows.items()), flush=True)
     return result
 
 

@@ -3,23 +3,28 @@ engine's prefill chunks and its decode steps (colocate/kernels/batch_invariant.p
 
 A query at sequence position p attends over keys 0..p walked in blocks of BLOCK_N keys from
 position 0, with an online softmax in fp32: per block, scores = (q . k) * scale by one tl.dot of a
-(BLOCK_M x D) query tile with a (D x BLOCK_N) key tile, the running max, the rescale factor, the
-running sum, and acc = acc * alpha + p @ v accumulated by one tl.dot into acc; at the end acc / sum,
-cast to q's dtype. Every path runs this same code with the same constants; only the address of a
-key differs:
+(rows x D) query tile with a (D x BLOCK_N) key tile, the running max, the rescale factor, and two
+sums accumulated by tl.dot from the probabilities rounded to v's dtype: acc = acc * alpha + p @ v
+and l = l * alpha + p @ 1 (the softmax's denominator); at the end acc / l, cast to q's dtype.
+Every path runs this same code with the same BLOCK_N; only the address of a key differs:
 
 - packed (`packed_attention`, the trainer): keys of sequence s at rows cu_seqlens[s] + j of k/v;
 - paged (`paged_prefill_attention`, `paged_decode_attention`, the engine): key j of sequence s in
   cache block block_tables[s, j // block_size] at offset j % block_size.
 
 A program takes one head and a tile of up to BLOCK_M consecutive queries of one sequence; a decode
-step (one query per sequence) takes the query heads of one kv head as its rows instead, so each key
-and value block is read once per kv head, not once per query head. The tile walks the blocks up to
-its last query's position;
+step (one query per sequence) takes the query heads of one kv head as its rows instead, in tiles of
+DECODE_BLOCK_M, so each key and value block is read once per kv head, not once per query head. The
+tile walks the blocks up to its last query's position;
 for an earlier query of the tile the blocks past its position are fully masked, and their update
 is an exact no-op (alpha = 1, a sum of zeros), so a query's result does not depend on its tile's
-other queries nor on where the tile starts. Keys past the tile's last position are never loaded
-(an unwritten cache slot may hold anything).
+other queries nor on where the tile starts. Nor on how many rows the tile has: a row's max is exact
+in any order, and its sums come from the MMA, element by element, not from a reduction across the
+threads that hold the row (whose tree follows the tile's layout). So the paths may take tiles of
+their own sizes; tests/unit/test_kernel_batch_invariant.py checks them against each other bit for
+bit on the GPU, and `bench/kernel_bench.py --invariant-sweep` times other sizes and compares their
+bits. Keys past the tile's last position are never loaded (an unwritten cache slot may hold
+anything).
 
 The decode launch reads its sizes from tensor shapes and its context lengths on the device alone,
 so it can be captured in a CUDA graph. The trainer's gradient (kernels.invariant_ops.attention) is
@@ -33,10 +38,16 @@ import functools
 
 import torch
 
-BLOCK_M = 16
-"""Queries per program (the smallest tl.dot tile)."""
+BLOCK_M = 64
+"""Queries per program of the packed and prefill paths: one warpgroup's MMA rows."""
+DECODE_BLOCK_M = 64
+"""Query heads per program of a decode step (a kv head's group, padded). A tile of 64 rows runs on the
+warpgroup MMA (wgmma on Hopper), as the packed path's does; one of 16 would take the older mma.sync
+instead, a quarter of the work, but the same bits only if the two instructions round alike."""
 BLOCK_N = 64
-"""Keys per step, counted from position 0."""
+"""Keys per step, counted from position 0: the one constant every path must share."""
+SUM_COLUMNS = 16
+"""Columns of the ones that the probabilities multiply for the denominator (tl.dot's smallest N)."""
 NUM_WARPS = 4
 
 
@@ -99,7 +110,7 @@ def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, bloc
     """k, v (rows, Hk, D): packed keys (block_size 0; `keys` holds each sequence's first row) or the
     cache's flat slots (`keys` is the block table). `tiles`: `_tiles`'s (4, T); with heads_as_rows,
     the context lengths (B,) of one query per sequence, whose query heads of one kv head fill a
-    tile's rows (GROUP > BLOCK_M takes several)."""
+    tile's rows (GROUP > DECODE_BLOCK_M takes several)."""
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: q (N, Hq, D), k/v (M, Hk, D) with Hk | Hq, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -116,14 +127,16 @@ def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, bloc
         return out
     tiles = tiles.contiguous()
     group = num_heads // k.shape[1]
-    head_chunks = -(-group // BLOCK_M)
+    block_m = DECODE_BLOCK_M if heads_as_rows else BLOCK_M
+    head_chunks = -(-group // block_m)
     _kernel()[(num_tiles, k.shape[1] * head_chunks if heads_as_rows else num_heads)](
         q, k, v, out, tiles, num_tiles, keys, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
         out.stride(1), keys.stride(0),
         GROUP=group, HEADS_AS_ROWS=heads_as_rows, HEAD_CHUNKS=head_chunks, HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_SIZE=max(block_size, 1), PAGED=block_size > 0,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SUM_COLUMNS=SUM_COLUMNS, BLOCK_SIZE=max(block_size, 1),
+        PAGED=block_size > 0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=2,
     )
     return out
@@ -141,7 +154,8 @@ def _kernel():
                s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_on, s_oh, s_keys,
                GROUP: tl.constexpr, HEADS_AS_ROWS: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr):
+               SUM_COLUMNS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+               PRECISION: tl.constexpr):
         tile = tl.program_id(0)
         r = tl.arange(0, BLOCK_M)
         if HEADS_AS_ROWS:  # sequence `tile`'s query (none without context); row r: query head first + r
@@ -171,8 +185,9 @@ def _kernel():
                     mask=live[:, None] & d_ok[None, :], other=0.0)  # (BM, D)
         last = pos0 + count - 1
         m_i = tl.full([BLOCK_M], -1e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        l_acc = tl.zeros([BLOCK_M, SUM_COLUMNS], tl.float32)  # every column the row's denominator
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        ones = tl.full([BLOCK_N, SUM_COLUMNS], 1.0, v_ptr.dtype.element_ty)
         if not PAGED:
             first_key = tl.load(keys_ptr + seq)
         for start in range(0, last + 1, BLOCK_N):
@@ -189,12 +204,13 @@ def _kernel():
             scores = tl.where(j[None, :] <= pos[:, None], scores, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p = tl.exp(scores - m_new[:, None]).to(v_ptr.dtype.element_ty)
+            l_acc = tl.dot(p, ones, l_acc * alpha[:, None], input_precision=PRECISION)
             vt = tl.load(v_ptr + kv_rows[:, None] * s_vn + kv_head * s_vh + d[None, :],
                          mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # (BN, D)
-            acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision=PRECISION)
+            acc = tl.dot(p, vt, acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
+        l_i = tl.max(l_acc, axis=1)  # its columns are equal: no order of summing involved
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * s_on + heads[:, None] * s_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rows_out[:, None] & d_ok[None, :])

@@ -58,3 +58,13 @@ def test_the_modes_products_use_tensor_cores_and_keep_their_occupancy(compiled):
         threads = 32 * (4 if c["BLOCK_M"] == 64 else 8)
         blocks = min(SHARED_PER_SM // row["shared"], 65536 // (row["registers"] * threads))
         assert blocks >= (3 if c["BLOCK_M"] == 64 else 1), row
+
+
+def test_every_attention_path_uses_the_same_tensor_core_instruction(compiled):
+    """The mode's attention sums a row by MMA, so its paths may tile differently; they must still
+    run one MMA instruction (a row's bits are the instruction's), the warpgroup MMA on sm_90."""
+    arch, rows = compiled
+    paths = [row for row in rows if row["kernel"] == "attend"]
+    assert {(row["constexprs"]["PAGED"], row["constexprs"]["HEADS_AS_ROWS"]) for row in paths} == {
+        (False, False), (True, False), (True, True)}
+    assert all(row["mma"] == TENSOR_CORES[arch] for row in paths), paths

@@ -97,14 +97,15 @@ def test_invariant_row_reductions_match_torch():
     torch.testing.assert_close(batch_invariant_cuda.logsumexp(z[4:5]), lse[4:5], **SAME)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (40, 2)], ids=["group_2", "group_20"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (132, 2)], ids=["group_2", "group_66"])
 def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, monkeypatch):
     """The trainer's packed sequences, the engine's chunked prefill from the paged cache and its decode
-    steps (a kv head's query heads as a tile's rows: a group of 20 takes two tiles), padded rows
-    among them: one kernel, the same values per query, those of dense attention. Its output starts
-    as NaN here, so a row it does not store shows."""
+    steps (a kv head's query heads as a tile's rows: a group of 66 takes two tiles), padded rows
+    among them: one kernel, the same values per query, those of dense attention. A sequence of 140
+    takes three packed tiles of 64 queries, and a prefill chunk of 100 two. Its output starts as
+    NaN here, so a row it does not store shows."""
     monkeypatch.setattr(invariant_attention.torch, "empty_like", lambda t: torch.full_like(t, float("nan")))
-    lens, dim, block_size = [5, 40, 1, 17], 16, 8
+    lens, dim, block_size = [5, 140, 1, 17], 16, 32
     n, scale = sum(lens), dim ** -0.5
     q, k, v = _randn(n, heads, dim), _randn(n, kv_heads, dim, seed=1), _randn(n, kv_heads, dim, seed=2)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -122,7 +123,7 @@ def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, mo
             rows = slice(cu[s].item() + j, cu[s].item() + min(j + block_size, length))
             k_cache[block, : rows.stop - rows.start], v_cache[block, : rows.stop - rows.start] = k[rows], v[rows]
     starts = [0, 0, 0, 0]
-    chunks = [[2, 3], [30, 10], [1], [17]]
+    chunks = [[2, 3], [100, 40], [1], [17]]
     prefilled = torch.zeros_like(q)
     for step in range(2):
         live = [s for s in range(len(lens)) if step < len(chunks[s])]
@@ -135,7 +136,7 @@ def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, mo
         for s, m in zip(live, q_lens):
             starts[s] += m
     torch.testing.assert_close(prefilled, packed, **SAME)
-    for j in (0, 4, 16, 39):  # decode steps at several positions, with a padded row of no context
+    for j in (0, 4, 16, 39, 139):  # decode steps at several positions, with a padded row of no context
         live = [s for s in range(len(lens)) if j < lens[s]]
         batch_q = torch.cat([q[[cu[s].item() + j for s in live]], torch.zeros(1, heads, dim)])
         context = torch.tensor([j + 1] * len(live) + [0], dtype=torch.int32)
