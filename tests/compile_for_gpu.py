@@ -108,6 +108,7 @@ def launch_every_kernel() -> None:
     batch_invariant_cuda.add_rms_norm(x, randn(256, 896), randn(896), 1e-6)
     batch_invariant_cuda.silu_mul(*randn(256, 2 * 4864).chunk(2, dim=-1))
     batch_invariant_cuda.logsumexp(randn(4, 151936, dtype=torch.float32))
+    batch_invariant_cuda.logsumexp_and_entropy(randn(4, 151936, dtype=torch.float32))
     for heads, kv_heads, dim in ((14, 2, 64), (12, 2, 128)):
         lens = [40, 300, 1]
         n = sum(lens)

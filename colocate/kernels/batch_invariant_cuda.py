@@ -242,13 +242,22 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
     return _LogSumExp.apply(x)
 
 
-def _logsumexp_triton(x: torch.Tensor) -> torch.Tensor:
+def logsumexp_and_entropy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logsumexp`'s values (the same bits) and each row's softmax entropy, in one pass over x (B, V)
+    fp32 (forward only: the trainer's log-prob has its own backward). The entropy needs no
+    invariance; it rides along to spare the full-vocabulary passes of its plain formula."""
+    return _logsumexp_triton(x, with_entropy=True)
+
+
+def _logsumexp_triton(x: torch.Tensor, with_entropy: bool = False):
     if x.ndim != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError(f"logsumexp: x must be (B, V) fp32 contiguous in V, got {tuple(x.shape)} {x.dtype}")
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    entropy = torch.empty_like(out) if with_entropy else out
     if x.shape[0]:
-        _kernels().lse[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=LSE_BLOCK, num_warps=4)
-    return out
+        _kernels().lse[(x.shape[0],)](x, out, entropy, x.shape[1], x.stride(0), BLOCK=LSE_BLOCK, ENTROPY=with_entropy,
+                                      num_warps=4)
+    return (out, entropy) if with_entropy else out
 
 
 @functools.cache
@@ -381,7 +390,7 @@ def _kernels():
         tl.store(out_ptr + row * cols + c, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def lse_kernel(x_ptr, out_ptr, num_cols, s_xb, BLOCK: tl.constexpr):
+    def lse_kernel(x_ptr, out_ptr, entropy_ptr, num_cols, s_xb, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
         row_ptr = x_ptr + tl.program_id(0).to(tl.int64) * s_xb
         offs = tl.arange(0, BLOCK)
         lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
@@ -390,10 +399,18 @@ def _kernels():
             lane_max = tl.maximum(lane_max, tl.load(row_ptr + cols, mask=cols < num_cols, other=-float("inf")))
         top = tl.max(lane_max, axis=0)
         lane_sum = tl.zeros([BLOCK], tl.float32)
+        lane_sum_ez = tl.zeros([BLOCK], tl.float32)  # sum of exp(z - top) * (z - top), for the entropy
         for start in range(0, num_cols, BLOCK):
             cols = start + offs
-            lane_sum += tl.exp(tl.load(row_ptr + cols, mask=cols < num_cols, other=-float("inf")) - top)
-        tl.store(out_ptr + tl.program_id(0), top + tl.log(tl.sum(lane_sum, axis=0)))
+            shifted = tl.load(row_ptr + cols, mask=cols < num_cols, other=-float("inf")) - top
+            e = tl.exp(shifted)
+            lane_sum += e
+            if ENTROPY:
+                lane_sum_ez += tl.where(e > 0, e * shifted, 0.0)
+        total = tl.sum(lane_sum, axis=0)
+        tl.store(out_ptr + tl.program_id(0), top + tl.log(total))
+        if ENTROPY:  # -sum p log p with p = e / total: log(total) - sum(e (z - top)) / total
+            tl.store(entropy_ptr + tl.program_id(0), tl.log(total) - tl.sum(lane_sum_ez, axis=0) / total)
 
     return SimpleNamespace(matmul=matmul_kernel, chunk_sum=chunk_sum_kernel, rms=rms_kernel,
                            silu_mul=silu_mul_kernel, lse=lse_kernel)

@@ -112,11 +112,17 @@ def _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy
 def _invariant_chunk(hidden, weight, targets, temperature, with_entropy):
     logits = batch_invariant.logits(hidden, weight)  # (rows, V)
     scaled = scale_logits(logits, torch.full((hidden.shape[0],), float(temperature), device=hidden.device))
-    lse = row_logsumexp(scaled)
+    del logits
     entropy = None
-    if with_entropy:
-        logp = scaled - lse[:, None]
-        entropy = -(logp.exp() * logp).sum(-1)
+    if with_entropy and scaled.is_cuda:  # the sampler's log-sum-exp, the entropy in the same pass
+        from colocate.kernels import batch_invariant_cuda
+
+        lse, entropy = batch_invariant_cuda.logsumexp_and_entropy(scaled)
+    else:
+        lse = row_logsumexp(scaled)
+        if with_entropy:
+            logp = scaled - lse[:, None]
+            entropy = -(logp.exp() * logp).sum(-1)
     return sampled_logprobs(scaled, targets, lse), entropy, lse
 
 

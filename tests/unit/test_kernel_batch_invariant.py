@@ -94,6 +94,10 @@ def test_row_reductions_do_not_depend_on_the_batch():
     torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-5, atol=1e-5)
     for m in (1, 3, 17, 64):
         assert torch.equal(batch_invariant_cuda.logsumexp(z[9:9 + m]), lse[9:9 + m])
+    same_lse, entropy = batch_invariant_cuda.logsumexp_and_entropy(z)  # the trainer's: the entropy beside
+    assert torch.equal(same_lse, lse)
+    logp = torch.log_softmax(z, -1)
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1), rtol=1e-4, atol=1e-4)
 
 
 def test_fused_residual_norm_and_gate_product_do_not_depend_on_the_batch():

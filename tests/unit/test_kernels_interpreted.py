@@ -95,6 +95,11 @@ def test_invariant_row_reductions_match_torch():
     lse = batch_invariant_cuda.logsumexp(z)
     torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(batch_invariant_cuda.logsumexp(z[4:5]), lse[4:5], **SAME)
+    z[2, 7:2000] = float("-inf")  # masked columns carry no probability and no entropy
+    lse, entropy = batch_invariant_cuda.logsumexp_and_entropy(z)
+    logp = torch.log_softmax(z, -1)
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(entropy, -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (132, 2)], ids=["group_2", "group_66"])
