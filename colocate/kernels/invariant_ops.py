@@ -61,13 +61,20 @@ def _linear_backward(ctx, grad):
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t, copied only if its last dimension is strided: the row kernels take any row stride, so the
+    halves of the packed gate/up product go in as views (a compiled caller may hand over another
+    layout of the same values)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @torch.library.custom_op("colocate::invariant_rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x (..., D) over D: normalised in fp32, cast back to x's dtype, times weight (D,)."""
     if x.is_cuda:
         from colocate.kernels import batch_invariant_cuda
 
-        return batch_invariant_cuda.rms_norm(x if x.stride(-1) == 1 else x.contiguous(), weight, eps)
+        return batch_invariant_cuda.rms_norm(unit_stride(x), weight, eps)
     return reference_rms_norm(x.contiguous(), weight, eps)
 
 
@@ -118,7 +125,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     if x.is_cuda and x.ndim == 2 and delta.dtype == x.dtype:
         from colocate.kernels import batch_invariant_cuda
 
-        return batch_invariant_cuda.add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
+        return batch_invariant_cuda.add_rms_norm(unit_stride(x), unit_stride(delta), weight, eps)
     total = x + delta
     return total, rms_norm(total, weight, eps)
 
@@ -154,7 +161,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     if q.is_cuda:  # the kernel reads head_dim contiguously; a compiled caller may pass another layout
         from colocate.kernels import invariant_attention
 
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        q, k, v = (unit_stride(t) for t in (q, k, v))
         return invariant_attention.packed_attention(q, k, v, cu_seqlens, scale)
     from colocate.kernels import batch_invariant
     from colocate.models.layers import per_sequence
@@ -224,7 +231,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.is_cuda and gate.ndim == 2 and up.dtype == gate.dtype:
         from colocate.kernels import batch_invariant_cuda
 
-        return batch_invariant_cuda.silu_mul(gate.contiguous(), up.contiguous())
+        return batch_invariant_cuda.silu_mul(unit_stride(gate), unit_stride(up))
     return F.silu(gate) * up
 
 
