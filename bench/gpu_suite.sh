@@ -3,7 +3,8 @@
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train train_small
 #                                          kernels units
 #                                          (and, asked for by name: tail e2e_tail_off e2e_tail_on startup
-#                                          on_policy invariant_sweep; multigpu, on a machine of 2 or more GPUs)
+#                                          on_policy_bits on_policy invariant_sweep; multigpu, on a machine of
+#                                          2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
@@ -38,6 +39,8 @@ for step in $steps; do
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
     startup) run startup 400 python bench/startup.py ;;
+    on_policy_bits) run on_policy_bits 300 python -m pytest -q -s -rA -m gpu -p no:cacheprovider \
+                      tests/unit/test_kernel_batch_invariant.py tests/parity/test_true_on_policy_gpu.py ;;
     on_policy) run on_policy 580 python bench/true_on_policy.py --profile "$out/on_policy_profile.txt" ;;
     train) run train 590 python bench/train.py --models 1.5b --budget-s 560 ;;
     train_small) run train_small 330 python bench/train.py --models 0.5b --budget-s 300 ;;
