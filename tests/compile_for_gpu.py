@@ -119,7 +119,7 @@ def launch_every_kernel() -> None:
         invariant_attention.paged_decode_attention(cache_q, k_cache, v_cache, tables, context, dim ** -0.5)
         invariant_attention.paged_prefill_attention(q[:41], k_cache, v_cache, tables[:2], [40, 1], [40, 1],
                                                     dim ** -0.5)
-        rotary._launch(q, randn(n, dim), randn(n, dim), False)
+        rotary._launch(q, k, randn(n, dim), randn(n, dim), False)
         for splits in (1, 4):
             config = paged_attention.DecodeConfig(block_n=128 if dim <= 64 else 64, num_splits=splits, num_warps=4,
                                                   num_stages=3)

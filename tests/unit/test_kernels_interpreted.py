@@ -152,12 +152,16 @@ def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, mo
 
 
 def test_rotary_kernel_matches_the_reference_and_inverts():
+    """Queries and keys (other head counts, a strided view among them) in one launch."""
     n, dim = 13, 16
-    x, angles = _randn(n, 3, dim), _randn(n, dim // 2, seed=1)
+    q, k = _randn(n, 3, dim), _randn(n, 2 * 5, dim, seed=2)[:, ::2]
+    angles = _randn(n, dim // 2, seed=1)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    out = rotary._launch(x, cos, sin, False)
-    torch.testing.assert_close(out, rotary.reference_rotate(x, cos, sin), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(rotary._launch(out, cos, sin, True), x, rtol=1e-5, atol=1e-5)
+    q_out, k_out = rotary._launch(q, k, cos, sin, False)
+    for got, x in ((q_out, q), (k_out, k)):
+        torch.testing.assert_close(got, rotary.reference_rotate(x, cos, sin), rtol=1e-6, atol=1e-6)
+    for back, x in zip(rotary._launch(q_out, k_out, cos, sin, True), (q, k)):
+        torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("config", [DecodeConfig(block_n=16), DecodeConfig(block_n=16, num_splits=4)],
