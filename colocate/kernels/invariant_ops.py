@@ -157,10 +157,15 @@ add_rms_norm.register_autograd(_add_rms_backward, setup_context=_add_rms_setup)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
               scale: float) -> torch.Tensor:
     """Causal attention within each packed sequence, q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D), in
-    the mode's fixed key order."""
+    the mode's fixed key order; inside a backward pass (activation checkpointing's recompute, which
+    feeds only gradients) by the default packed attention, as the products go to cuBLAS there."""
     if q.is_cuda:  # the kernel reads head_dim contiguously; a compiled caller may pass another layout
-        from colocate.kernels import invariant_attention
+        from colocate.kernels import batch_invariant_cuda, invariant_attention
 
+        if batch_invariant_cuda.in_backward():
+            from colocate.models.layers import fast_packed_attention
+
+            return fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
         q, k, v = (unit_stride(t) for t in (q, k, v))
         return invariant_attention.packed_attention(q, k, v, cu_seqlens, scale)
     from colocate.kernels import batch_invariant
