@@ -151,6 +151,30 @@ def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, mo
         assert not out[-1].any()
 
 
+def test_invariant_attention_tiles_of_any_size_give_the_same_values(monkeypatch):
+    """The denominator is summed by the MMA, so packed tiles of 16 and 128 queries and decode tiles
+    of 16 query heads compute what the 64-row tiles do (bit for bit on the GPU, as the sweep checks)."""
+    lens, heads, kv_heads, dim = [3, 150, 70], 6, 2, 16
+    n, scale = sum(lens), dim ** -0.5
+    q, k, v = _randn(n, heads, dim), _randn(n, kv_heads, dim, seed=1), _randn(n, kv_heads, dim, seed=2)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    packed = invariant_attention.packed_attention(q, k, v, cu, scale)
+    for block_m in (16, 128):
+        monkeypatch.setattr(invariant_attention, "BLOCK_M", block_m)
+        torch.testing.assert_close(invariant_attention.packed_attention(q, k, v, cu, scale), packed, **SAME)
+    block_size, width = 16, -(-max(lens) // 16)
+    k_cache, v_cache = (torch.zeros(len(lens) * width, block_size, kv_heads, dim) for _ in range(2))
+    tables = torch.arange(len(lens) * width, dtype=torch.int32).view(len(lens), width)  # blocks in order
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            cache[s * width:(s + 1) * width].view(-1, kv_heads, dim)[: b - a] = x[a:b]
+    last = (cu[1:] - 1).long()
+    monkeypatch.setattr(invariant_attention, "DECODE_BLOCK_M", 16)
+    decoded = invariant_attention.paged_decode_attention(q[last], k_cache, v_cache, tables,
+                                                         torch.tensor(lens, dtype=torch.int32), scale)
+    torch.testing.assert_close(decoded, packed[last], **SAME)
+
+
 def test_rotary_kernel_matches_the_reference_and_inverts():
     """Queries and keys (other head counts, a strided view among them) in one launch."""
     n, dim = 13, 16
