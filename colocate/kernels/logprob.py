@@ -110,9 +110,11 @@ def _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy
 
 
 def _invariant_chunk(hidden, weight, targets, temperature, with_entropy):
-    logits = batch_invariant.logits(hidden, weight)  # (rows, V)
-    scaled = scale_logits(logits, torch.full((hidden.shape[0],), float(temperature), device=hidden.device))
-    del logits
+    scaled = batch_invariant.logits(hidden, weight)  # (rows, V)
+    # At temperature 0 or 1 the sampler's division leaves every logit as it is, so no copy is made;
+    # others divide as the sampler does, by a tensor (torch multiplies by the inverse of a scalar).
+    if temperature not in (0.0, 1.0):
+        scaled = scale_logits(scaled, torch.full((hidden.shape[0],), float(temperature), device=hidden.device))
     entropy = None
     if with_entropy and scaled.is_cuda:  # the sampler's log-sum-exp, the entropy in the same pass
         from colocate.kernels import batch_invariant_cuda
