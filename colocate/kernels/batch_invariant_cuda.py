@@ -46,9 +46,10 @@ TILES = {  # dtype: (BLOCK_M, BLOCK_N, num_warps, num_stages, one chunk only), l
     torch.float32: ((32, 64, 4, 2, False),),
 }
 """The matmul's tile configs: a product takes the first whose tiles fill every SM WAVES times (the
-last otherwise). The largest holds its accumulator in all 255 registers a thread has, so it takes
-products of one K chunk only: walking several needs a second accumulator. The 128-row tiles run on
-two warpgroups (Hopper's wgmma), the 64-row one on one."""
+last otherwise), among those whose pipeline fits the device's shared memory (the 128 x 256 tile's
+144 KiB fit an H100's, not the 99 KiB of an RTX 4090's). The largest holds its accumulator in all
+255 registers a thread has, so it takes products of one K chunk only: walking several needs a
+second accumulator. The 128-row tiles run on two warpgroups (Hopper's wgmma), the 64-row one on one."""
 WAVES = 2
 """Tiles per SM a product needs before it takes a larger tile config."""
 K_CHUNK = 4096
@@ -137,11 +138,20 @@ def tile_config(m: int, n: int, chunks: int, dtype: torch.dtype, device: torch.d
     if device.type == "cuda":
         from colocate.kernels.paged_attention import _sm_count
 
-        sms = _sm_count(device)
+        sms, room = _sm_count(device), _shared_memory(device)
+        candidates = [tile for tile in candidates if tile is TILES[dtype][-1]
+                      or tile[3] * (tile[0] + tile[1]) * BLOCK_K[dtype] * dtype.itemsize <= room]
     block_m, block_n, warps, stages, _ = next(
         (tile for tile in candidates if _cdiv(m, tile[0]) * _cdiv(n, tile[1]) >= WAVES * sms), candidates[-1])
     split = chunks > 1 and _cdiv(m, block_m) * _cdiv(n, block_n) < sms
     return (block_m, block_n, BLOCK_K[dtype], warps, stages), split
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory a block may take on this device (bytes)."""
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
 def _cdiv(x: int, y: int) -> int:

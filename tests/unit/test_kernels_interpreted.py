@@ -63,6 +63,7 @@ def test_invariant_matmul_picks_the_largest_tile_that_fills_the_device(monkeypat
     from colocate.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(batch_invariant_cuda, "_shared_memory", lambda device: 227 * 1024)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     pick = batch_invariant_cuda.tile_config
     assert batch_invariant_cuda.K_CHUNK == 4096
@@ -76,6 +77,9 @@ def test_invariant_matmul_picks_the_largest_tile_that_fills_the_device(monkeypat
     assert pick(1, 8, 1, bf16, torch.device("cpu")) == ((128, 256, 64, 8, 3), False)  # no SMs to fill
     for tiles in batch_invariant_cuda.TILES.values():
         assert tiles[-1][4] is False  # the last config takes any product
+    # An RTX 4090's 99 KiB: the 144 KiB pipeline of the 128 x 256 tile does not fit, the others do.
+    monkeypatch.setattr(batch_invariant_cuda, "_shared_memory", lambda device: 101376)
+    assert pick(16384, 896, 1, bf16, cuda) == ((128, 128, 64, 8, 3), False)
 
 
 def test_invariant_row_reductions_match_torch():
