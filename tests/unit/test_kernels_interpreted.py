@@ -155,6 +155,20 @@ def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, mo
         assert not out[-1].any()
 
 
+def test_invariant_attention_in_half_precision_matches_dense_attention():
+    """fp16 inputs (the interpreter has no bf16): the probabilities are rounded to v's dtype for both
+    the numerator's and the denominator's MMA, and the result stays within half-precision rounding."""
+    lens, heads, kv_heads, dim = [5, 140, 17], 6, 2, 16
+    n, scale = sum(lens), dim ** -0.5
+    q, k, v = (_randn(n, h, dim, seed=seed).half() for seed, h in enumerate((heads, kv_heads, kv_heads)))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = invariant_attention.packed_attention(q, k, v, cu, scale)
+    assert out.dtype == torch.float16
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        ref = invariant_attention.reference_attention(q[a:b], k[a:b], v[a:b], torch.arange(b - a), scale)
+        torch.testing.assert_close(out[a:b].float(), ref, rtol=5e-3, atol=5e-3)
+
+
 def test_invariant_attention_tiles_of_any_size_give_the_same_values(monkeypatch):
     """The denominator is summed by the MMA, so packed tiles of 16 and 128 queries and decode tiles
     of 16 query heads compute what the 64-row tiles do (bit for bit on the GPU, as the sweep checks)."""
