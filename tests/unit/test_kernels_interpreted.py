@@ -56,6 +56,24 @@ def test_invariant_matmul_sums_k_chunks_alike_in_one_program_or_one_per_chunk(k,
         batch_invariant_cuda.matmul(a, b, config=(32, 64, 48, 4, 2))
 
 
+@pytest.mark.parametrize("k", [200, 128], ids=["masked", "even"])
+def test_invariant_matmul_in_half_precision_in_every_tile_config(k, monkeypatch):
+    """fp16 (the interpreter has no bf16) through each of the half-precision tile configs, with K in
+    chunks of 64 here: several chunks walked and split in the configs that take them, one chunk in
+    the largest; each within half-precision rounding of torch, bias and alpha/beta included."""
+    monkeypatch.setattr(batch_invariant_cuda, "K_CHUNK", 64)
+    a, b, bias = _randn(300, k).half(), (_randn(k, 270, seed=1) * k ** -0.5).half(), _randn(270, seed=2).half()
+    block_k = batch_invariant_cuda.BLOCK_K[torch.float16]
+    for block_m, block_n, warps, stages, one_chunk_only in batch_invariant_cuda.TILES[torch.float16]:
+        config = (block_m, block_n, block_k, warps, stages)
+        x, w = (a[:, :k % 64 or 64], b[:k % 64 or 64]) if one_chunk_only else (a, b)
+        want = 0.5 * (x.float() @ w.float()) + 2.0 * bias.float()
+        for split in (False,) if one_chunk_only else (False, True):
+            got = batch_invariant_cuda.matmul(x, w, bias, alpha=0.5, beta=2.0, config=config, split=split)
+            assert got.dtype == torch.float16
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2, msg=f"{config} split={split}")
+
+
 def test_invariant_matmul_picks_the_largest_tile_that_fills_the_device(monkeypatch):
     """On an H100-sized device (132 SMs): a decode step's products take the one-warpgroup 64 x 64
     tile, split over their K chunks when they have several and too few tiles; a training
