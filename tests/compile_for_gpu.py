@@ -101,7 +101,8 @@ def launch_every_kernel() -> None:
         batch_invariant_cuda.matmul(x, w.T, randn(1152), config=config)
         if not one_chunk_only:
             batch_invariant_cuda.matmul(down_in, down_w.T, config=config, split=False)
-    batch_invariant_cuda.matmul(down_in, down_w.T, config=config, split=True)  # the last config splits
+    block_m, block_n, warps, stages, _ = batch_invariant_cuda.TILES[BF16][-1]  # the only one that splits
+    batch_invariant_cuda.matmul(down_in, down_w.T, config=(block_m, block_n, block_k, warps, stages), split=True)
     batch_invariant_cuda.matmul(x, randn(4096, 896).T, out_dtype=torch.float32)
     batch_invariant_cuda.rms_norm(x, randn(896), 1e-6)
     batch_invariant_cuda.rms_norm(randn(256, 12, 128), randn(128), 1e-6)  # qk-norm: a row per head
