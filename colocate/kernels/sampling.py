@@ -98,16 +98,18 @@ def suppress(scores: torch.Tensor, suppress_ids: torch.Tensor | None, suppress_l
     return scores.masked_fill(blocked, float("-inf"))
 
 
-def gumbel_sample(logits, temperature, seed, counter, suppress_ids=None, suppress_left=None
+def gumbel_sample(logits, temperature, seed, counter, suppress_ids=None, suppress_left=None, unit_temperature=False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring; the Triton kernel on CUDA, the reference elsewhere."""
+    """See the module docstring; the Triton kernel on CUDA, the reference elsewhere. `unit_temperature`:
+    the caller knows every temperature is 0 or 1, so the scaled logits are the logits themselves."""
     _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left)
     if not logits.is_cuda:
         return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
     ids, logprobs = _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left,
                                           sample_config(logits.shape[0], logits.shape[1], logits.device))
     if batch_invariant.enabled():  # the kernel splits a row's sum by the batch size: the trainer's function
-        return ids, sampled_logprobs(scale_logits(logits, temperature), ids)
+        # Division by 1 is exact: at unit temperatures the (B, V) quotient is skipped, not its bits.
+        return ids, sampled_logprobs(logits if unit_temperature else scale_logits(logits, temperature), ids)
     return ids, logprobs
 
 

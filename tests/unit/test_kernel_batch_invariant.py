@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from colocate.kernels import batch_invariant, batch_invariant_cuda, invariant_attention, invariant_ops
+from colocate.kernels.sampling import sampled_logprobs, scale_logits
+from colocate.rollout.native.sampler import SamplingBatch
+from colocate.rollout.protocol import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -68,8 +71,8 @@ def test_every_tile_config_gives_a_row_the_same_bits(n, k, out_dtype):
     torch.testing.assert_close(want.float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2)
     chunks = -(-k // batch_invariant_cuda.K_CHUNK)
     block_k = batch_invariant_cuda.BLOCK_K[torch.bfloat16]
-    for block_m, block_n, warps, stages, one_chunk_only in batch_invariant_cuda.TILES[torch.bfloat16]:
-        if one_chunk_only and chunks > 1:
+    for block_m, block_n, warps, stages, wide_only in batch_invariant_cuda.TILES[torch.bfloat16]:
+        if wide_only and chunks > 1:
             continue
         config = (block_m, block_n, block_k, warps, stages)
         for split in (False, True) if chunks > 1 else (False,):
@@ -98,6 +101,25 @@ def test_row_reductions_do_not_depend_on_the_batch():
     assert torch.equal(same_lse, lse)
     logp = torch.log_softmax(z, -1)
     torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1), rtol=1e-4, atol=1e-4)
+
+
+def test_the_samplers_log_prob_at_unit_temperatures_skips_the_quotient_not_its_bits(invariant):
+    """Rows at temperature 0 or 1 take their log-probs from the logits themselves: the same bits as
+    from logits / T, with no (B, V) quotient made."""
+    b, v = 64, 151936
+    logits = torch.randn(b, v, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 4
+    counter = torch.arange(b, device="cuda") + 100
+
+    def batch(temps):
+        rows = [(SamplingParams(temperature=t), 7919 * i, frozenset(), 0) for i, t in enumerate(temps)]
+        return SamplingBatch.build(rows, v, torch.device("cuda"))
+
+    unit, mixed = batch([float(i % 2) for i in range(b)]), batch([0.7] + [1.0] * (b - 1))
+    assert unit.unit_temperature and not mixed.unit_temperature
+    for sampling in (unit, mixed):
+        ids, logprobs = sampling.sample(logits, counter)
+        assert torch.equal(logprobs, sampled_logprobs(scale_logits(logits, sampling.temperature), ids))
+    assert not torch.equal(mixed.sample(logits, counter)[1][:1], unit.sample(logits, counter)[1][:1])
 
 
 def test_fused_residual_norm_and_gate_product_do_not_depend_on_the_batch():

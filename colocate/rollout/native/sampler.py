@@ -60,6 +60,8 @@ class SamplingBatch:
     suppress_left: torch.Tensor | None
     """Tokens still to generate before stop ids are allowed; counts down one per decode step."""
     truncate: bool
+    unit_temperature: bool = False
+    """Every row's temperature is 0 or 1: its logits are already the scaled ones."""
 
     @classmethod
     def build(cls, rows: list[tuple[SamplingParams, int, frozenset[int], int]], vocab_size: int,
@@ -90,13 +92,15 @@ class SamplingBatch:
             suppress_ids=suppress_ids,
             suppress_left=suppress_left,
             truncate=any(p.top_p < 1 or 0 < p.top_k < vocab_size or p.min_p > 0 for p in params),
+            unit_temperature=all(p.temperature in (0.0, 1.0) for p in params),
         )
 
     def sample(self, logits: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row from logits (B, V) at positions `counter` (B,)."""
         logits = logits.float()
         if not self.truncate:  # one streaming pass over the logits on CUDA (colocate/kernels/sampling.py)
-            return gumbel_sample(logits, self.temperature, self.seed, counter, self.suppress_ids, self.suppress_left)
+            return gumbel_sample(logits, self.temperature, self.seed, counter, self.suppress_ids, self.suppress_left,
+                                 self.unit_temperature)
         # The top-k/top-p sort and scan stay eager: inductor (torch 2.11) fails to compile the scan.
         return sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.min_p, self.seed, counter,
                              self.suppress_ids, self.suppress_left, truncate=True)
