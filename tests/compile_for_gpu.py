@@ -96,10 +96,10 @@ def launch_every_kernel() -> None:
     x, w = randn(256, 896), randn(1152, 896)
     down_in, down_w = randn(256, 4864), randn(896, 4864)
     block_k = batch_invariant_cuda.BLOCK_K[BF16]
-    for block_m, block_n, warps, stages, one_chunk_only in batch_invariant_cuda.TILES[BF16]:
+    for block_m, block_n, warps, stages, wide_only in batch_invariant_cuda.TILES[BF16]:
         config = (block_m, block_n, block_k, warps, stages)
         batch_invariant_cuda.matmul(x, w.T, randn(1152), config=config)
-        if not one_chunk_only:
+        if not wide_only:
             batch_invariant_cuda.matmul(down_in, down_w.T, config=config, split=False)
     block_m, block_n, warps, stages, _ = batch_invariant_cuda.TILES[BF16][-1]  # the only one that splits
     batch_invariant_cuda.matmul(down_in, down_w.T, config=(block_m, block_n, block_k, warps, stages), split=True)

@@ -40,7 +40,7 @@ BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 """Columns of K per MMA step of the mode's matmul, one per input dtype: with K_CHUNK, all that
 decides a product's order of floating-point operations. fp32 inputs are multiplied in full
 precision (no TF32)."""
-TILES = {  # dtype: (BLOCK_M, BLOCK_N, num_warps, num_stages, one chunk only), largest tile first
+TILES = {  # dtype: (BLOCK_M, BLOCK_N, num_warps, num_stages, wide products only), largest tile first
     torch.bfloat16: ((128, 256, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, False)),
     torch.float16: ((128, 256, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, False)),
     torch.float32: ((32, 64, 4, 2, False),),
@@ -48,10 +48,15 @@ TILES = {  # dtype: (BLOCK_M, BLOCK_N, num_warps, num_stages, one chunk only), l
 """The matmul's tile configs: a product takes the first whose tiles fill every SM WAVES times (the
 last otherwise), among those whose pipeline fits the device's shared memory (the 128 x 256 tile's
 144 KiB fit an H100's, not the 99 KiB of an RTX 4090's). The largest holds its accumulator in all
-255 registers a thread has, so it takes products of one K chunk only: walking several needs a
-second accumulator. The 128-row tiles run on two warpgroups (Hopper's wgmma), the 64-row one on one."""
+255 registers a thread has, so it takes products of one K chunk only (walking several needs a
+second accumulator), and of WIDE_N columns or more: on an H100 (bench/kernel_bench.py
+--invariant-sweep) it was 5-40% slower than 128 x 128 on the projections of a 16k-token micro-batch
+(N 896 to 17,920) and 1-7% faster on the lm_head. The 128-row tiles run on two warpgroups (Hopper's
+wgmma), the 64-row one on one."""
 WAVES = 2
 """Tiles per SM a product needs before it takes a larger tile config."""
+WIDE_N = 32768
+"""Columns a product needs before it may take a wide-only tile (the vocabulary's, not a projection's)."""
 K_CHUNK = 4096
 """Columns of K per chunk of the matmul's sum (a multiple of every BLOCK_K). A product whose K fits
 in one chunk (every projection from the hidden state, up to 4096 wide) sums exactly as one walk over
@@ -130,10 +135,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
 def tile_config(m: int, n: int, chunks: int, dtype: torch.dtype, device: torch.device
                 ) -> tuple[tuple[int, int, int, int, int], bool]:
     """The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of an (m, n) product of `chunks` K
-    chunks, and whether to split its chunks over programs: the first of TILES[dtype] that gives
-    every SM WAVES tiles, else the last, split when it has fewer tiles than SMs and several chunks.
+    chunks, and whether to split its chunks over programs: the first of TILES[dtype] that the
+    product may take and that gives every SM WAVES tiles, else the last, split when it has fewer
+    tiles than SMs and several chunks.
     The interpreter (CPU tensors) takes the first config it may and splits only when asked."""
-    candidates = [tile for tile in TILES[dtype] if chunks == 1 or not tile[4]]
+    candidates = [tile for tile in TILES[dtype] if not tile[4] or (chunks == 1 and n >= WIDE_N)]
     sms = 0
     if device.type == "cuda":
         from colocate.kernels.paged_attention import _sm_count

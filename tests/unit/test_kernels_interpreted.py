@@ -64,11 +64,11 @@ def test_invariant_matmul_in_half_precision_in_every_tile_config(k, monkeypatch)
     monkeypatch.setattr(batch_invariant_cuda, "K_CHUNK", 64)
     a, b, bias = _randn(300, k).half(), (_randn(k, 270, seed=1) * k ** -0.5).half(), _randn(270, seed=2).half()
     block_k = batch_invariant_cuda.BLOCK_K[torch.float16]
-    for block_m, block_n, warps, stages, one_chunk_only in batch_invariant_cuda.TILES[torch.float16]:
+    for block_m, block_n, warps, stages, wide_only in batch_invariant_cuda.TILES[torch.float16]:
         config = (block_m, block_n, block_k, warps, stages)
-        x, w = (a[:, :k % 64 or 64], b[:k % 64 or 64]) if one_chunk_only else (a, b)
+        x, w = (a[:, :k % 64 or 64], b[:k % 64 or 64]) if wide_only else (a, b)
         want = 0.5 * (x.float() @ w.float()) + 2.0 * bias.float()
-        for split in (False,) if one_chunk_only else (False, True):
+        for split in (False,) if wide_only else (False, True):
             got = batch_invariant_cuda.matmul(x, w, bias, alpha=0.5, beta=2.0, config=config, split=split)
             assert got.dtype == torch.float16
             torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2, msg=f"{config} split={split}")
@@ -77,7 +77,8 @@ def test_invariant_matmul_in_half_precision_in_every_tile_config(k, monkeypatch)
 def test_invariant_matmul_picks_the_largest_tile_that_fills_the_device(monkeypatch):
     """On an H100-sized device (132 SMs): a decode step's products take the one-warpgroup 64 x 64
     tile, split over their K chunks when they have several and too few tiles; a training
-    micro-batch's take the largest tile their chunk count allows; every pick keeps BLOCK_K."""
+    micro-batch's projections take 128 x 128, and its lm_head (wide, one chunk) 128 x 256; every
+    pick keeps BLOCK_K."""
     from colocate.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
@@ -89,15 +90,17 @@ def test_invariant_matmul_picks_the_largest_tile_that_fills_the_device(monkeypat
     assert pick(256, 896, 2, bf16, cuda) == ((64, 64, 64, 4, 4), True)  # 0.5B down: 56 tiles, two chunks
     assert pick(256, 9728, 1, bf16, cuda) == ((64, 64, 64, 4, 4), False)  # 0.5B gate/up: 152 tiles of 128
     assert pick(512, 9728, 1, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # a 512-token prefill: 304 tiles
-    assert pick(16384, 896, 1, bf16, cuda) == ((128, 256, 64, 8, 3), False)  # training: 512 tiles
-    assert pick(16384, 896, 2, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # two chunks: two accumulators
+    assert pick(16384, 896, 1, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # training: a projection
+    assert pick(16384, 151936, 1, bf16, cuda) == ((128, 256, 64, 8, 3), False)  # the lm_head: wide, one chunk
+    assert pick(16384, 151936, 2, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # two chunks: two accumulators
     assert pick(3000, 151936, 1, torch.float32, cuda) == ((32, 64, 32, 4, 2), False)
-    assert pick(1, 8, 1, bf16, torch.device("cpu")) == ((128, 256, 64, 8, 3), False)  # no SMs to fill
+    assert pick(1, 8, 1, bf16, torch.device("cpu")) == ((128, 128, 64, 8, 3), False)  # no SMs to fill
+    assert pick(1, 40000, 1, bf16, torch.device("cpu")) == ((128, 256, 64, 8, 3), False)
     for tiles in batch_invariant_cuda.TILES.values():
         assert tiles[-1][4] is False  # the last config takes any product
     # An RTX 4090's 99 KiB: the 144 KiB pipeline of the 128 x 256 tile does not fit, the others do.
     monkeypatch.setattr(batch_invariant_cuda, "_shared_memory", lambda device: 101376)
-    assert pick(16384, 896, 1, bf16, cuda) == ((128, 128, 64, 8, 3), False)
+    assert pick(16384, 151936, 1, bf16, cuda) == ((128, 128, 64, 8, 3), False)
 
 
 def test_invariant_row_reductions_match_torch():
