@@ -263,11 +263,14 @@ INVARIANT_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 
 
 def invariant_sweep() -> None:
-    from triton.testing import do_bench
+    from triton.testing import do_bench, do_bench_cudagraph
 
     from colocate.kernels import batch_invariant_cuda as bic
 
-    def ms(fn) -> float:
+    def ms(fn) -> float:  # replayed from a CUDA graph, as the decode step is: no host launch cost
+        return do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+    def eager_ms(fn) -> float:  # the trainer's packed attention runs outside graphs
         return do_bench(fn, rep=50, return_mode="median")
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -322,13 +325,13 @@ def invariant_sweep() -> None:
         results["shapes"][shape] = rows
     results["same_block_k_bits_differ"] = broken
     print(f"configs of BLOCK_K {block_k} whose bits differ from the pick's: {broken or 'none'}", flush=True)
-    results["attention"] = invariant_attention_sweep(ms)
+    results["attention"] = invariant_attention_sweep(eager_ms, ms)
     path = RESULTS.parent / "invariant_matmul_sweep.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
 
 
-def invariant_attention_sweep(ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_kv_heads=2, head_dim=128,
-                              decode_batch=256, decode_context=1024, block_size=16) -> dict:
+def invariant_attention_sweep(eager_ms, graphed_ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_kv_heads=2,
+                              head_dim=128, decode_batch=256, decode_context=1024, block_size=16) -> dict:
     """The mode's packed attention forward (the trainer's) with query tiles of 16 to 128 rows and its
     paged decode (the engine's) with tiles of 16 and 64 query heads, on the 1.5B shape's heads: time,
     and whether each gives the bits of the current tile sizes; beside the default packed attention
@@ -357,8 +360,8 @@ def invariant_attention_sweep(ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_
 
     current = {"packed": (ia.BLOCK_M, packed()), "decode": (ia.DECODE_BLOCK_M, decoded())}
     rows = {}
-    for path, name, fn, sizes in (("packed", "BLOCK_M", packed, (16, 64, 128)),
-                                  ("decode", "DECODE_BLOCK_M", decoded, (16, 64))):
+    for path, name, fn, sizes, ms in (("packed", "BLOCK_M", packed, (16, 64, 128), eager_ms),
+                                      ("decode", "DECODE_BLOCK_M", decoded, (16, 64), graphed_ms)):
         default = getattr(ia, name)
         try:
             for size in sizes:
@@ -369,8 +372,8 @@ def invariant_attention_sweep(ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_
     result = {"shape": dict(seqs=num_seqs, seq_len=seq_len, q_heads=num_q_heads, kv_heads=num_kv_heads,
                             head_dim=head_dim, decode_batch=decode_batch, decode_context=decode_context),
               "current": {path: size for path, (size, _) in current.items()},
-              "default_packed_ms": ms(lambda: fast_packed_attention(q, k, v, cu, seq_len, scale)),
-              "default_decode_ms": ms(lambda: paged_attention.paged_decode_attention(dq, k_cache, v_cache, tables,
+              "default_packed_ms": eager_ms(lambda: fast_packed_attention(q, k, v, cu, seq_len, scale)),
+              "default_decode_ms": graphed_ms(lambda: paged_attention.paged_decode_attention(dq, k_cache, v_cache, tables,
                                                                                      lens, scale)),
               "tiles": rows}
     print(f"invariant attention {num_seqs} x {seq_len} / decode {decode_batch} x {decode_context}: default "

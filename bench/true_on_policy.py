@@ -12,13 +12,15 @@ Per shape (bench/train_plans.py's Qwen2.5-0.5B / -1.5B shapes, random bf16 weigh
   compares them.
 - train: optimizer steps of --step-tokens tokens (prompt + response, bench/train.py's steps on its
   rollout-like samples), one plan per shape (the best of bench/results/train.json, else the grid's
-  first; the optimizer state stays resident): off and on, each compiled (the default, through the
-  mode's custom ops when on: colocate/kernels/invariant_ops.py) and uncompiled. Median tok/s of
-  --reps steps after 2 warm-up steps.
+  first; the optimizer state stays resident; --max-tokens-per-gpu overrides its micro-batch, for a
+  GPU with less memory than the one train.json was measured on): off and on, each compiled (the
+  default, through the mode's custom ops when on: colocate/kernels/invariant_ops.py) and
+  uncompiled. Median tok/s of --reps steps after 2 warm-up steps. The training cases run before the
+  rollout ones: an engine's CUDA-graph pools stay reserved in its process after shutdown.
 Slowdowns are off / on tok/s; targets: rollout <= 1.3, train <= 1.15 (both compiled).
 
 Run: python bench/true_on_policy.py [--models 0.5b,1.5b] [--reps 3] [--step-tokens 131072] [--out PATH]
-                                    [--profile PATH]   (op tables of every case, per shape)
+                                    [--max-tokens-per-gpu N] [--profile PATH]   (op tables of every case)
      python bench/true_on_policy.py --cpu-smoke [--out PATH]   (a tiny shape in fp32 on CPU)
 Each shape runs in a process of its own (an engine's CUDA-graph and memory-saver pools stay reserved in
 its process after shutdown). Writes bench/results/true_on_policy.json (after each shape); prints one
@@ -81,16 +83,19 @@ def mode(on: bool, device: torch.device):
         batch_invariant.disable()
 
 
-def pick_plan(name: str) -> tuple[Plan, str]:
+def pick_plan(name: str, max_tokens_per_gpu: int | None = None) -> tuple[Plan, str]:
     """The fastest plan within the memory limit of the last bench/train.py run of `name`, else the
-    grid's first; either way without optimizer-state offload between steps."""
+    grid's first; either way without optimizer-state offload between steps, and with
+    `max_tokens_per_gpu` tokens per micro-batch where given."""
     try:
         best = _best(json.loads(TRAIN_RESULTS.read_text())["models"][name])
     except (OSError, ValueError, KeyError):
         best = None
-    if best is None:
-        return GRID[name][0], "first plan of bench/train_plans.py GRID"
-    return Plan.of(best)._replace(offload=False), "best plan of bench/results/train.json"
+    plan, source = ((GRID[name][0], "first plan of bench/train_plans.py GRID") if best is None
+                    else (Plan.of(best)._replace(offload=False), "best plan of bench/results/train.json"))
+    if max_tokens_per_gpu is not None:
+        plan, source = plan._replace(max_tokens=max_tokens_per_gpu), f"{source}, micro-batch overridden"
+    return plan, source
 
 
 def bitwise_equal_frac(model, prompts: list[list[int]], outs, device: torch.device) -> float:
@@ -192,13 +197,13 @@ def run_shape(name: str, mcfg, plan: Plan, source: str, args, info) -> dict:
     dtype = torch.float32 if smoke else torch.bfloat16
     run = SMOKE_ROLLOUT if smoke else ROLLOUT
     tables = [] if args.profile else None
-    off = run_rollout(mcfg, False, run, args.reps, device, dtype, tables)
-    on = run_rollout(mcfg, True, run, args.reps, device, dtype, tables)
     batches = train_batches(mcfg.vocab_size, args.step_tokens, args.reps, smoke)
     cases = {"off": (False, not smoke), "off_uncompiled": (False, False), "on": (True, not smoke),
              "on_uncompiled": (True, False)}  # a case that fails (out of memory, say) is recorded, not fatal
     train = {case: _guarded(run_train, mcfg, plan, on, compiled, info, batches, tables)
              for case, (on, compiled) in cases.items()}
+    off = run_rollout(mcfg, False, run, args.reps, device, dtype, tables)
+    on = run_rollout(mcfg, True, run, args.reps, device, dtype, tables)
     if tables is not None:
         path = args.profile.with_name(f"{args.profile.stem}.{name}{args.profile.suffix}")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -242,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help="tokens of one optimizer step")
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="JSON path (default bench/results/true_on_policy.json; a temporary one with --cpu-smoke)")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                        help="the trainer plan's micro-batch tokens instead of the picked plan's")
     parser.add_argument("--profile", type=pathlib.Path, default=None,
                         help="op tables of one more generate and train step per case, to PATH's stem.<shape>.txt")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape in fp32 on CPU, nothing compiled")
@@ -254,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         unknown = [m for m in args.models.split(",") if m not in SHAPES]
         if unknown:
             raise ValueError(f"--models: unknown {unknown}; known: {', '.join(SHAPES)}")
-        shapes = {m: (model_config(m), *pick_plan(m)) for m in args.models.split(",")}
+        shapes = {m: (model_config(m), *pick_plan(m, args.max_tokens_per_gpu)) for m in args.models.split(",")}
         out = args.out or RESULTS
     if len(shapes) > 1:  # one process per shape: a shut-down engine's pools stay reserved in its process
         run_each(list(shapes), args, out)
@@ -279,6 +286,8 @@ def run_each(names: list[str], args, out: pathlib.Path) -> None:
         part = out.with_name(f"{out.stem}.{name}.json")
         cmd = [sys.executable, __file__, "--models", name, "--reps", str(args.reps),
                "--step-tokens", str(args.step_tokens), "--out", str(part)]
+        if args.max_tokens_per_gpu is not None:
+            cmd += ["--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
         if args.profile:
             cmd += ["--profile", str(args.profile)]
         if subprocess.run(cmd).returncode != 0:
