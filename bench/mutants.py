@@ -60,7 +60,8 @@ SPLIT_KV = (INTERPRETED + "test_paged_decode_kernel_matches_the_reference",)
 K_CHUNKS = (INTERPRETED + "test_invariant_matmul_sums_k_chunks_alike_in_one_program_or_one_per_chunk",)
 TILE_PICK = (INTERPRETED + "test_invariant_matmul_picks_the_largest_tile_that_fills_the_device",)
 INVARIANT_ATTENTION = (INTERPRETED + "test_invariant_attention_packed_prefill_and_decode_agree",)
-INVARIANT_ROWS = (INTERPRETED + "test_invariant_row_reductions_match_torch",)
+INVARIANT_ROWS = (INTERPRETED + "test_invariant_row_reductions_match_torch",
+                  INTERPRETED + "test_the_modes_sampler_subtracts_the_trainers_log_sum_exp_bit_for_bit")
 LEDGER = ("tests/unit/test_memory_ledger.py",)
 MANAGER = "tests/integration/test_rollout_manager.py::"
 FALLBACK = "tests/integration/test_checkpoint_fallback.py::"
@@ -188,11 +189,15 @@ MUTANTS = [
            "for _ in range(1, chunks):", "for _ in range(2, chunks):", K_CHUNKS),
     Mutant("invariant_attention_denominator_not_rescaled", "colocate/kernels/invariant_attention.py",
            "l_acc = tl.dot(p, ones, l_acc * alpha[:, None]", "l_acc = tl.dot(p, ones, l_acc", INVARIANT_ATTENTION),
-    Mutant("invariant_entropy_drops_the_log_sum", "colocate/kernels/batch_invariant_cuda.py",
-           "tl.log(total) - tl.sum(lane_sum_ez, axis=0) / total", "-tl.sum(lane_sum_ez, axis=0) / total",
-           INVARIANT_ROWS),
-    Mutant("tile_pick_ignores_the_chunk_count", "colocate/kernels/batch_invariant_cuda.py",
-           "if chunks == 1 or not tile[4]]", "]", TILE_PICK),
+    Mutant("invariant_entropy_drops_the_log_sum", "colocate/kernels/sampling.py",
+           "tl.log(total) - tl.sum(weight * (t + (m - top) * s), axis=0) / total",
+           "-tl.sum(weight * (t + (m - top) * s), axis=0) / total", INVARIANT_ROWS),
+    Mutant("invariant_entropy_slices_not_shifted_to_the_row_max", "colocate/kernels/sampling.py",
+           "tl.sum(weight * (t + (m - top) * s), axis=0)", "tl.sum(weight * t, axis=0)", INVARIANT_ROWS),
+    Mutant("invariant_entropy_blocks_not_shifted_to_the_new_max", "colocate/kernels/sampling.py",
+           "t = (t + (m - m_new) * s) * rescale", "t = t * rescale", INVARIANT_ROWS),
+    Mutant("tile_pick_ignores_the_wide_tiles_rule", "colocate/kernels/batch_invariant_cuda.py",
+           "if not tile[4] or (chunks == 1 and n >= WIDE_N)]", "]", TILE_PICK),
     Mutant("alloc_retries_since_start_not_per_step", "colocate/colocation/ledger.py",
            "new, first = retries - self._retries,", "new, first = retries,", LEDGER),
     Mutant("eval_pass_needs_every_sample", "colocate/rollout/orchestrator.py", "sum(max(r) >= 1.0 for r in rewards)",

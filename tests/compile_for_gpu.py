@@ -129,6 +129,7 @@ def launch_every_kernel() -> None:
     temperature, seed, counter = torch.ones(8), torch.arange(8), torch.arange(8)
     for config in (sampling.SampleConfig(1), sampling.SampleConfig(4)):
         sampling._gumbel_sample_triton(logits, temperature, seed, counter, None, None, config)
+    sampling.invariant_gumbel_sample(logits, temperature, seed, counter)  # the mode's: no division
     rows = 16
     chunk, targets = randn(rows, 8192, dtype=torch.float32), torch.randint(0, 151936, (rows,))
     state = [torch.zeros(rows) for _ in range(4)]

@@ -19,15 +19,16 @@ other rows are, in the same order of floating-point operations:
   sequence, a prefill chunk, the paged cache). Chunks past a query's position are fully masked and
   change nothing (their update is an exact no-op: a factor of 1 and a sum of zeros). On CUDA one
   Triton kernel does the same in blocks of its own (kernels/invariant_attention.py);
-- the log-prob itself: `kernels.sampling.sampled_logprobs`, one function for the sampler and
-  the trainer;
+- the log-prob itself: the scaled logit minus the row's logsumexp, one definition for the sampler
+  and the trainer (`kernels.sampling.sampled_logprobs`); on CUDA the sampler draws the token and
+  subtracts that logsumexp in one pass (`kernels.sampling.invariant_gumbel_sample`);
 - SiLU: the CPU's vectorised sigmoid rounds a vector's tail elements otherwise than the others;
   `enable` computes it from exp (which rounds alike everywhere) instead. CUDA's elementwise kernels
   apply one scalar formula to every element;
 - row-wise reductions: on the CPU, those of a fixed length (RMSNorm's mean, logsumexp) already give
   each row the same result in any batch. On CUDA torch's reduction kernels shape their thread
   blocks by the number of rows, so RMSNorm (and qk-norm) and the log-prob's logsumexp run as Triton
-  row kernels with a fixed reduction order;
+  kernels with a fixed reduction order (the logsumexp in a fixed number of slices per row);
 - the rotary embedding: the engine rotates q/k with the trainer's op (`kernels.rotary.rotate`),
   whose CUDA kernel rounds once where the engine's plain ops round after each product.
 

@@ -20,8 +20,9 @@ here fix every choice that decides the order of floating-point operations:
   block, its sum of squares by one fixed reduction tree; `add_rms_norm` adds the residual in the
   same program first;
 - `silu_mul`: the MLP's SiLU(gate) * up, element-wise, in one kernel;
-- `logsumexp`: one program per row, the row walked in LSE_BLOCK columns from column 0, per-lane
-  maxima then per-lane sums of exp, merged by one fixed tree.
+- `logsumexp`: the sampler's kernel (colocate/kernels/sampling.py) in the launch the mode's sampler
+  takes too: each row cut into a fixed number of slices whatever the batch, each slice walked in
+  blocks with an online maximum, the slices merged in one fixed order.
 
 RMSNorm's gradient is kernels.invariant_ops.rms_norm's plain formula and the log-sum-exp's the
 autograd function's here (the gradient needs no invariance); matrix products get theirs from aten,
@@ -35,6 +36,8 @@ import functools
 from types import SimpleNamespace
 
 import torch
+
+from colocate.kernels import sampling
 
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 """Columns of K per MMA step of the mode's matmul, one per input dtype: with K_CHUNK, all that
@@ -63,8 +66,6 @@ in one chunk (every projection from the hidden state, up to 4096 wide) sums exac
 K from 0; only the MLP's down projection has several."""
 GROUP_M = 8
 """Row tiles per group of the matmul's launch order (for L2 reuse; no effect on values)."""
-LSE_BLOCK = 1024
-"""Columns per step of the log-sum-exp kernel."""
 RMS_WARPS = 4
 SILU_BLOCK = 1024
 """Columns per program of the fused SiLU-and-product kernel."""
@@ -243,7 +244,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        lse = _logsumexp_triton(x)
+        lse = sampling.invariant_logsumexp(x)
         ctx.save_for_backward(x, lse)
         return lse
 
@@ -262,18 +263,7 @@ def logsumexp_and_entropy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`logsumexp`'s values (the same bits) and each row's softmax entropy, in one pass over x (B, V)
     fp32 (forward only: the trainer's log-prob has its own backward). The entropy needs no
     invariance; it rides along to spare the full-vocabulary passes of its plain formula."""
-    return _logsumexp_triton(x, with_entropy=True)
-
-
-def _logsumexp_triton(x: torch.Tensor, with_entropy: bool = False):
-    if x.ndim != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
-        raise ValueError(f"logsumexp: x must be (B, V) fp32 contiguous in V, got {tuple(x.shape)} {x.dtype}")
-    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    entropy = torch.empty_like(out) if with_entropy else out
-    if x.shape[0]:
-        _kernels().lse[(x.shape[0],)](x, out, entropy, x.shape[1], x.stride(0), BLOCK=LSE_BLOCK, ENTROPY=with_entropy,
-                                      num_warps=4)
-    return (out, entropy) if with_entropy else out
+    return sampling.invariant_logsumexp(x, with_entropy=True)
 
 
 @functools.cache
@@ -405,28 +395,5 @@ def _kernels():
         act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
         tl.store(out_ptr + row * cols + c, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
-    def lse_kernel(x_ptr, out_ptr, entropy_ptr, num_cols, s_xb, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
-        row_ptr = x_ptr + tl.program_id(0).to(tl.int64) * s_xb
-        offs = tl.arange(0, BLOCK)
-        lane_max = tl.full([BLOCK], -float("inf"), tl.float32)
-        for start in range(0, num_cols, BLOCK):
-            cols = start + offs
-            lane_max = tl.maximum(lane_max, tl.load(row_ptr + cols, mask=cols < num_cols, other=-float("inf")))
-        top = tl.max(lane_max, axis=0)
-        lane_sum = tl.zeros([BLOCK], tl.float32)
-        lane_sum_ez = tl.zeros([BLOCK], tl.float32)  # sum of exp(z - top) * (z - top), for the entropy
-        for start in range(0, num_cols, BLOCK):
-            cols = start + offs
-            shifted = tl.load(row_ptr + cols, mask=cols < num_cols, other=-float("inf")) - top
-            e = tl.exp(shifted)
-            lane_sum += e
-            if ENTROPY:
-                lane_sum_ez += tl.where(e > 0, e * shifted, 0.0)
-        total = tl.sum(lane_sum, axis=0)
-        tl.store(out_ptr + tl.program_id(0), top + tl.log(total))
-        if ENTROPY:  # -sum p log p with p = e / total: log(total) - sum(e (z - top)) / total
-            tl.store(entropy_ptr + tl.program_id(0), tl.log(total) - tl.sum(lane_sum_ez, axis=0) / total)
-
     return SimpleNamespace(matmul=matmul_kernel, chunk_sum=chunk_sum_kernel, rms=rms_kernel,
-                           silu_mul=silu_mul_kernel, lse=lse_kernel)
+                           silu_mul=silu_mul_kernel)

@@ -13,6 +13,11 @@ as a (B, V) tensor. The Triton kernel streams each row's vocabulary in slices, o
 best of logits / T + noise; a second kernel merges the slices. The hash is computed in uint32 lanes
 (the reference's int64 lanes hold the same 32-bit values), so the noise bits are identical on both
 paths.
+
+The batch-invariant mode (colocate/kernels/batch_invariant.py) launches the same kernels with a
+fixed number of slices per row (INVARIANT_CONFIG, whatever the batch) on logits already divided by
+the temperature: `invariant_gumbel_sample` for the engine, and `invariant_logsumexp` (no sampling,
+optionally the entropy) for the trainer's log-prob, so both subtract the same log-sum-exp bits.
 """
 
 from __future__ import annotations
@@ -105,12 +110,12 @@ def gumbel_sample(logits, temperature, seed, counter, suppress_ids=None, suppres
     _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left)
     if not logits.is_cuda:
         return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
-    ids, logprobs = _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left,
-                                          sample_config(logits.shape[0], logits.shape[1], logits.device))
-    if batch_invariant.enabled():  # the kernel splits a row's sum by the batch size: the trainer's function
+    if batch_invariant.enabled():  # a launch fixed whatever the batch: the trainer's log-sum-exp, bit for bit
         # Division by 1 is exact: at unit temperatures the (B, V) quotient is skipped, not its bits.
-        return ids, sampled_logprobs(logits if unit_temperature else scale_logits(logits, temperature), ids)
-    return ids, logprobs
+        scaled = logits if unit_temperature else scale_logits(logits, temperature)
+        return invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids, suppress_left)
+    return _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left,
+                                 sample_config(logits.shape[0], logits.shape[1], logits.device))
 
 
 def _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left) -> None:
@@ -142,6 +147,11 @@ class SampleConfig:
     num_warps: int = 8
 
 
+INVARIANT_CONFIG = SampleConfig(num_splits=16)
+"""The batch-invariant mode's launch: a fixed number of slices per row whatever the batch, so that
+a row's sums (and the trainer's, through `invariant_logsumexp`) never depend on the rows beside it."""
+
+
 def sample_config(batch: int, vocab_size: int, device: torch.device, programs_per_sm: int = _PROGRAMS_PER_SM
                   ) -> SampleConfig:
     """About `programs_per_sm` programs per SM, each slice at least one block (bench/kernel_bench.py
@@ -154,28 +164,64 @@ def sample_config(batch: int, vocab_size: int, device: torch.device, programs_pe
 
 
 def _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left, config: SampleConfig):
+    ids, logprobs, _, _ = _launch(logits, config, (temperature, seed, counter, suppress_ids, suppress_left))
+    return ids, logprobs
+
+
+def invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids=None, suppress_left=None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch-invariant mode's sampler: ids as `gumbel_sample` draws them, from logits already
+    divided by the temperature (`temperature` only tells greedy rows, T = 0), and log-probs
+    `scaled[id] - invariant_logsumexp(scaled)`, bit for bit, in the same one pass."""
+    ids, logprobs, _, _ = _launch(scaled, INVARIANT_CONFIG, (temperature, seed, counter, suppress_ids, suppress_left),
+                                  divide=False)
+    return ids, logprobs
+
+
+def invariant_logsumexp(x: torch.Tensor, with_entropy: bool = False):
+    """Each row's log-sum-exp of x (B, V) fp32 (and its softmax entropy, with_entropy) by the
+    sampler's kernel in the mode's fixed launch (INVARIANT_CONFIG): a row's bits depend on the row
+    alone, and equal the log-sum-exp `invariant_gumbel_sample` subtracts."""
+    if x.ndim != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError(f"logsumexp: x must be (B, V) fp32 contiguous in V, got {tuple(x.shape)} {x.dtype}")
+    _, _, lse, entropy = _launch(x, INVARIANT_CONFIG, None, divide=False, entropy=with_entropy)
+    return (lse, entropy) if with_entropy else lse
+
+
+def _launch(logits, config: SampleConfig, sampling, divide: bool = True, entropy: bool = False):
+    """The partial kernel over (row, slice), then the merge per row. `sampling`: (temperature, seed,
+    counter, suppress_ids, suppress_left) to draw ids and their log-probs, or None for the
+    log-sum-exp alone. Returns ids, log-probs (None without sampling), log-sum-exps and entropies
+    (None unless `entropy`)."""
     partial_kernel, merge_kernel = _triton_kernels()
     batch, vocab_size = logits.shape
-    ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    if batch == 0:
-        return ids, logprobs
-    splits = config.num_splits
-    assert 1 <= splits <= _MAX_SPLITS and config.block & (config.block - 1) == 0
-    stats = torch.empty((4, batch, splits), dtype=torch.float32, device=logits.device)  # m, s, best, at best
-    best_ids = torch.empty((batch, splits), dtype=torch.int32, device=logits.device)
-    num_suppress = 0 if suppress_ids is None else suppress_ids.shape[1]
-    cols_per_split = -(-vocab_size // (splits * config.block)) * config.block
-    partial_kernel[(batch, splits)](
-        logits, temperature, seed, counter,
-        suppress_ids if num_suppress else ids, suppress_left if num_suppress else ids,
-        stats, best_ids, logits.stride(0), suppress_ids.stride(0) if num_suppress else 0,
-        vocab_size, cols_per_split, splits, batch * splits,
-        NUM_SUPPRESS=num_suppress, BLOCK=config.block, num_warps=config.num_warps,
-    )
-    merge_kernel[(batch,)](stats, best_ids, ids, logprobs, splits, batch * splits, MAX_SPLITS=_MAX_SPLITS,
-                           num_warps=1)
-    return ids, logprobs
+    device = logits.device
+    lse = torch.empty(batch, dtype=torch.float32, device=device)
+    ent = torch.empty(batch, dtype=torch.float32, device=device) if entropy else lse
+    ids, logprobs = (torch.empty(batch, dtype=torch.int64, device=device),
+                     torch.empty(batch, dtype=torch.float32, device=device)) if sampling else (lse, lse)
+    if batch:
+        splits = config.num_splits
+        assert 1 <= splits <= _MAX_SPLITS and config.block & (config.block - 1) == 0
+        # m, s, best, the scaled logit at best, and the entropy's sum
+        stats = torch.empty((5 if entropy else 4, batch, splits), dtype=torch.float32, device=device)
+        best_ids = torch.empty((batch, splits), dtype=torch.int32, device=device)
+        temperature, seed, counter, suppress_ids, suppress_left = sampling or (lse, lse, lse, None, None)
+        num_suppress = 0 if suppress_ids is None else suppress_ids.shape[1]
+        cols_per_split = -(-vocab_size // (splits * config.block)) * config.block
+        partial_kernel[(batch, splits)](
+            logits, temperature, seed, counter,
+            suppress_ids if num_suppress else best_ids, suppress_left if num_suppress else best_ids,
+            stats, best_ids, logits.stride(0), suppress_ids.stride(0) if num_suppress else 0,
+            vocab_size, cols_per_split, splits, batch * splits,
+            NUM_SUPPRESS=num_suppress, BLOCK=config.block, DIVIDE=divide, SAMPLE=sampling is not None,
+            ENTROPY=entropy, num_warps=config.num_warps,
+        )
+        merge_kernel[(batch,)](stats, best_ids, ids, logprobs, lse, ent, splits, batch * splits,
+                               MAX_SPLITS=_MAX_SPLITS, SAMPLE=sampling is not None, ENTROPY=entropy, num_warps=1)
+    if sampling is None:
+        ids = logprobs = None
+    return ids, logprobs, lse, (ent if entropy else None)
 
 
 @functools.cache
@@ -199,20 +245,24 @@ def _triton_kernels():
     @triton.jit(do_not_specialize=["num_splits", "num_rows"])
     def partial(logits_ptr, temp_ptr, seed_ptr, counter_ptr, sup_ptr, sup_left_ptr, stats_ptr, best_ids_ptr,
                 stride_lb, stride_sb, vocab_size, cols_per_split, num_splits, num_rows,
-                NUM_SUPPRESS: tl.constexpr, BLOCK: tl.constexpr):
+                NUM_SUPPRESS: tl.constexpr, BLOCK: tl.constexpr, DIVIDE: tl.constexpr = True,
+                SAMPLE: tl.constexpr = True, ENTROPY: tl.constexpr = False):
         # Per lane: the running sum of exp(scaled - m) (m, the slice's running max, is one scalar)
         # and the best candidate with its column and scaled logit. One reduction per block (the
-        # max); the lanes merge once at the end.
+        # max); the lanes merge once at the end. DIVIDE: the logits are divided by the row's
+        # temperature here (else they come scaled); SAMPLE: the Gumbel argmax (else only the
+        # log-sum-exp); ENTROPY: beside the sum, the lanes sum exp(scaled - m) * (scaled - m).
         row = tl.program_id(0)
         split = tl.program_id(1)
-        temp = tl.load(temp_ptr + row)
-        greedy = temp == 0.0
-        divisor = tl.where(greedy, 1.0, temp)
-        seed = tl.load(seed_ptr + row)
-        counter = tl.load(counter_ptr + row)
-        seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-        seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        key = mix32(seed_lo ^ mix32(seed_hi ^ mix32((counter & 0xFFFFFFFF).to(tl.uint32))))
+        if SAMPLE:
+            temp = tl.load(temp_ptr + row)
+            greedy = temp == 0.0
+            divisor = tl.where(greedy, 1.0, temp)
+            seed = tl.load(seed_ptr + row)
+            counter = tl.load(counter_ptr + row)
+            seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+            seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            key = mix32(seed_lo ^ mix32(seed_hi ^ mix32((counter & 0xFFFFFFFF).to(tl.uint32))))
         suppress_on = False
         if NUM_SUPPRESS > 0:
             suppress_on = tl.load(sup_left_ptr + row) > 0
@@ -221,6 +271,7 @@ def _triton_kernels():
         offs = tl.arange(0, BLOCK)
         m = -1e30
         s = tl.zeros([BLOCK], dtype=tl.float32)
+        t = tl.zeros([BLOCK], dtype=tl.float32)
         best = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
         best_scaled = tl.zeros([BLOCK], dtype=tl.float32)
         best_col = tl.zeros([BLOCK], dtype=tl.int32)
@@ -228,49 +279,67 @@ def _triton_kernels():
         for block_start in range(start, end, BLOCK):
             cols = block_start + offs
             ok = cols < end
-            scaled = tl.load(row_ptr + cols, mask=ok, other=-float("inf")) / divisor
+            scaled = tl.load(row_ptr + cols, mask=ok, other=-float("inf"))
+            if DIVIDE:
+                scaled = scaled / divisor
             m_new = tl.maximum(m, tl.max(scaled, axis=0))
-            s = s * tl.exp(m - m_new) + tl.exp(scaled - m_new)
+            rescale = tl.exp(m - m_new)
+            e = tl.exp(scaled - m_new)
+            if ENTROPY:  # sum e (z - m) against the new max: rescale (t + (m - m_new) s), then add
+                t = (t + (m - m_new) * s) * rescale + tl.where(e > 0, e * (scaled - m_new), 0.0)
+            s = s * rescale + e
             m = m_new
-            bits = mix32(key ^ mix32((cols.to(tl.uint32) ^ 0x9E3779B9).to(tl.uint32))) >> 9
-            u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            noise = tl.where(greedy, 0.0, -tl.log(-tl.log(u)))
-            candidate = tl.where(ok, scaled + noise, -float("inf"))
-            if NUM_SUPPRESS > 0:
-                for i in tl.static_range(NUM_SUPPRESS):
-                    blocked_id = tl.load(sup_ptr + row.to(tl.int64) * stride_sb + i)
-                    candidate = tl.where(suppress_on & (cols == blocked_id), -float("inf"), candidate)
-            take = candidate > best  # strict: a lane keeps its earliest column on ties
-            best = tl.where(take, candidate, best)
-            best_scaled = tl.where(take, scaled, best_scaled)
-            best_col = tl.where(take, cols, best_col)
-        top = tl.max(best, axis=0)
-        # The first column reaching the maximum, as a row-wide argmax picks.
-        col = tl.min(tl.where(best == top, best_col, 2147483647), axis=0)
-        at_col = (best == top) & (best_col == col)
+            if SAMPLE:
+                bits = mix32(key ^ mix32((cols.to(tl.uint32) ^ 0x9E3779B9).to(tl.uint32))) >> 9
+                u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+                noise = tl.where(greedy, 0.0, -tl.log(-tl.log(u)))
+                candidate = tl.where(ok, scaled + noise, -float("inf"))
+                if NUM_SUPPRESS > 0:
+                    for i in tl.static_range(NUM_SUPPRESS):
+                        blocked_id = tl.load(sup_ptr + row.to(tl.int64) * stride_sb + i)
+                        candidate = tl.where(suppress_on & (cols == blocked_id), -float("inf"), candidate)
+                take = candidate > best  # strict: a lane keeps its earliest column on ties
+                best = tl.where(take, candidate, best)
+                best_scaled = tl.where(take, scaled, best_scaled)
+                best_col = tl.where(take, cols, best_col)
         slot = row * num_splits + split
         tl.store(stats_ptr + slot, m)
         tl.store(stats_ptr + num_rows + slot, tl.sum(s, axis=0))
-        tl.store(stats_ptr + 2 * num_rows + slot, top)
-        tl.store(stats_ptr + 3 * num_rows + slot, tl.sum(tl.where(at_col, best_scaled, 0.0), axis=0))
-        tl.store(best_ids_ptr + slot, tl.where(top > -float("inf"), col, start))
+        if ENTROPY:
+            tl.store(stats_ptr + 4 * num_rows + slot, tl.sum(t, axis=0))
+        if SAMPLE:
+            top = tl.max(best, axis=0)
+            # The first column reaching the maximum, as a row-wide argmax picks.
+            col = tl.min(tl.where(best == top, best_col, 2147483647), axis=0)
+            at_col = (best == top) & (best_col == col)
+            tl.store(stats_ptr + 2 * num_rows + slot, top)
+            tl.store(stats_ptr + 3 * num_rows + slot, tl.sum(tl.where(at_col, best_scaled, 0.0), axis=0))
+            tl.store(best_ids_ptr + slot, tl.where(top > -float("inf"), col, start))
 
     @triton.jit(do_not_specialize=["num_splits", "num_rows"])
-    def merge(stats_ptr, best_ids_ptr, ids_ptr, logprobs_ptr, num_splits, num_rows, MAX_SPLITS: tl.constexpr):
+    def merge(stats_ptr, best_ids_ptr, ids_ptr, logprobs_ptr, lse_ptr, entropy_ptr, num_splits, num_rows,
+              MAX_SPLITS: tl.constexpr, SAMPLE: tl.constexpr = True, ENTROPY: tl.constexpr = False):
         row = tl.program_id(0)
         k = tl.arange(0, MAX_SPLITS)
         live = k < num_splits
         slot = row * num_splits + k
         m = tl.load(stats_ptr + slot, mask=live, other=-1e30)
         s = tl.load(stats_ptr + num_rows + slot, mask=live, other=0.0)
-        best = tl.load(stats_ptr + 2 * num_rows + slot, mask=live, other=-float("inf"))
-        at_best = tl.load(stats_ptr + 3 * num_rows + slot, mask=live, other=0.0)
         top = tl.max(m, axis=0)
-        lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
-        winner = tl.argmax(best, axis=0)  # the first split on ties, as a row-wide argmax
-        chosen = k == winner
-        best_id = tl.sum(tl.where(chosen, tl.load(best_ids_ptr + slot, mask=live, other=0), 0), axis=0)
-        tl.store(ids_ptr + row, best_id.to(tl.int64))
-        tl.store(logprobs_ptr + row, tl.sum(tl.where(chosen, at_best, 0.0), axis=0) - lse)
+        weight = tl.exp(m - top)
+        total = tl.sum(s * weight, axis=0)
+        lse = top + tl.log(total)
+        tl.store(lse_ptr + row, lse)
+        if ENTROPY:  # -sum p log p = log(total) - sum(e (z - top)) / total, e against the row's max
+            t = tl.load(stats_ptr + 4 * num_rows + slot, mask=live, other=0.0)
+            tl.store(entropy_ptr + row, tl.log(total) - tl.sum(weight * (t + (m - top) * s), axis=0) / total)
+        if SAMPLE:
+            best = tl.load(stats_ptr + 2 * num_rows + slot, mask=live, other=-float("inf"))
+            at_best = tl.load(stats_ptr + 3 * num_rows + slot, mask=live, other=0.0)
+            winner = tl.argmax(best, axis=0)  # the first split on ties, as a row-wide argmax
+            chosen = k == winner
+            best_id = tl.sum(tl.where(chosen, tl.load(best_ids_ptr + slot, mask=live, other=0), 0), axis=0)
+            tl.store(ids_ptr + row, best_id.to(tl.int64))
+            tl.store(logprobs_ptr + row, tl.sum(tl.where(chosen, at_best, 0.0), axis=0) - lse)
 
     return partial, merge

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-KERNELS = {"matmul_kernel", "chunk_sum_kernel", "rms_kernel", "silu_mul_kernel", "lse_kernel", "attend", "rotary",
+KERNELS = {"matmul_kernel", "chunk_sum_kernel", "rms_kernel", "silu_mul_kernel", "attend", "rotary",
            "decode", "merge", "partial", "stats", "grad"}
 """Every kernel of colocate/kernels (the KV-cache store aside, reached only from CUDA tensors)."""
 TENSOR_CORES = {90: "wgmma", 100: "tcgen05.mma"}

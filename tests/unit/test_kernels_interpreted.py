@@ -254,6 +254,40 @@ def test_sampling_kernel_matches_the_reference(config):
         torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
 
 
+def test_the_modes_sampler_subtracts_the_trainers_log_sum_exp_bit_for_bit(monkeypatch):
+    """The mode's sampler (a fixed launch, logits scaled beforehand) draws the reference's ids, and
+    each log-prob is exactly the scaled logit minus the trainer's log-sum-exp of that row
+    (`logsumexp`, `logsumexp_and_entropy`, whose entropy matches torch's), with three rows or one
+    beside it; the slices walk two blocks each, the last block part-filled and one slice empty."""
+    monkeypatch.setattr(sampling, "INVARIANT_CONFIG", SampleConfig(5, 128, 4))
+    vocab = 1000  # 5 slices of 256 columns: the last one holds none
+    logits = _randn(6, vocab, scale=3)
+    logits[4, 100:900] = float("-inf")
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.3, 0.0, 1.0])
+    seed, counter = torch.arange(6) * 7919 + 3, torch.arange(6) + 11
+    scaled = sampling.scale_logits(logits, temperature)
+    stop, left = torch.tensor([[3, 7]] * 6), torch.tensor([1, 0, 2, 1, 0, 5])
+    for suppress_ids, suppress_left in ((None, None), (stop, left)):
+        ids, logprobs = sampling.invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids,
+                                                         suppress_left)
+        want = reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
+        assert torch.equal(ids, want[0])
+        torch.testing.assert_close(logprobs, want[1], atol=1e-5, rtol=0)
+        lse = batch_invariant_cuda.logsumexp(scaled)
+        assert torch.equal(logprobs, scaled.gather(1, ids[:, None]).squeeze(1) - lse)
+        same_lse, entropy = batch_invariant_cuda.logsumexp_and_entropy(scaled)
+        assert torch.equal(same_lse, lse)
+        logp = torch.log_softmax(scaled, -1)
+        torch.testing.assert_close(entropy, -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5,
+                                   atol=1e-5)
+        for rows in (slice(2, 5), slice(4, 5)):
+            part = sampling.invariant_gumbel_sample(scaled[rows], temperature[rows], seed[rows], counter[rows],
+                                                    *(t[rows] if t is not None else None for t in (suppress_ids,
+                                                                                                  suppress_left)))
+            assert torch.equal(part[0], ids[rows]) and torch.equal(part[1], logprobs[rows])
+            assert torch.equal(batch_invariant_cuda.logsumexp(scaled[rows]), lse[rows])
+
+
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_logprob_chunk_kernels_match_their_torch_versions(with_entropy):
     """One vocabulary chunk's online statistics and its logits gradient: targets inside and outside
