@@ -83,19 +83,16 @@ def mode(on: bool, device: torch.device):
         batch_invariant.disable()
 
 
-def pick_plan(name: str, max_tokens_per_gpu: int | None = None) -> tuple[Plan, str]:
+def pick_plan(name: str) -> tuple[Plan, str]:
     """The fastest plan within the memory limit of the last bench/train.py run of `name`, else the
-    grid's first; either way without optimizer-state offload between steps, and with
-    `max_tokens_per_gpu` tokens per micro-batch where given."""
+    grid's first; either way without optimizer-state offload between steps."""
     try:
         best = _best(json.loads(TRAIN_RESULTS.read_text())["models"][name])
     except (OSError, ValueError, KeyError):
         best = None
-    plan, source = ((GRID[name][0], "first plan of bench/train_plans.py GRID") if best is None
-                    else (Plan.of(best)._replace(offload=False), "best plan of bench/results/train.json"))
-    if max_tokens_per_gpu is not None:
-        plan, source = plan._replace(max_tokens=max_tokens_per_gpu), f"{source}, micro-batch overridden"
-    return plan, source
+    if best is None:
+        return GRID[name][0], "first plan of bench/train_plans.py GRID"
+    return Plan.of(best)._replace(offload=False), "best plan of bench/results/train.json"
 
 
 def bitwise_equal_frac(model, prompts: list[list[int]], outs, device: torch.device) -> float:
@@ -261,8 +258,11 @@ def main(argv: list[str] | None = None) -> None:
         unknown = [m for m in args.models.split(",") if m not in SHAPES]
         if unknown:
             raise ValueError(f"--models: unknown {unknown}; known: {', '.join(SHAPES)}")
-        shapes = {m: (model_config(m), *pick_plan(m, args.max_tokens_per_gpu)) for m in args.models.split(",")}
+        shapes = {m: (model_config(m), *pick_plan(m)) for m in args.models.split(",")}
         out = args.out or RESULTS
+    if args.max_tokens_per_gpu is not None:
+        shapes = {name: (mcfg, plan._replace(max_tokens=args.max_tokens_per_gpu), f"{source}, micro-batch overridden")
+                  for name, (mcfg, plan, source) in shapes.items()}
     if len(shapes) > 1:  # one process per shape: a shut-down engine's pools stay reserved in its process
         run_each(list(shapes), args, out)
         return
