@@ -373,8 +373,8 @@ def invariant_attention_sweep(eager_ms, graphed_ms, num_seqs=8, seq_len=2048, nu
                             head_dim=head_dim, decode_batch=decode_batch, decode_context=decode_context),
               "current": {path: size for path, (size, _) in current.items()},
               "default_packed_ms": eager_ms(lambda: fast_packed_attention(q, k, v, cu, seq_len, scale)),
-              "default_decode_ms": graphed_ms(lambda: paged_attention.paged_decode_attention(dq, k_cache, v_cache, tables,
-                                                                                     lens, scale)),
+              "default_decode_ms": graphed_ms(lambda: paged_attention.paged_decode_attention(
+                  dq, k_cache, v_cache, tables, lens, scale)),
               "tiles": rows}
     print(f"invariant attention {num_seqs} x {seq_len} / decode {decode_batch} x {decode_context}: default "
           f"{result['default_packed_ms']:.2f} / {result['default_decode_ms']:.3f} ms | "

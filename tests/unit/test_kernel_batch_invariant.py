@@ -104,8 +104,9 @@ def test_row_reductions_do_not_depend_on_the_batch():
 
 
 def test_the_samplers_log_prob_at_unit_temperatures_skips_the_quotient_not_its_bits(invariant):
-    """Rows at temperature 0 or 1 take their log-probs from the logits themselves: the same bits as
-    from logits / T, with no (B, V) quotient made."""
+    """The mode's one-pass sampler gives the trainer's log-prob function's bits (the scaled logit
+    minus `logsumexp`), at unit temperatures from the logits themselves (no (B, V) quotient made),
+    at others from logits / T; and a row's draw and log-prob are the same in a batch of 5 rows."""
     b, v = 64, 151936
     logits = torch.randn(b, v, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 4
     counter = torch.arange(b, device="cuda") + 100
@@ -120,6 +121,11 @@ def test_the_samplers_log_prob_at_unit_temperatures_skips_the_quotient_not_its_b
         ids, logprobs = sampling.sample(logits, counter)
         assert torch.equal(logprobs, sampled_logprobs(scale_logits(logits, sampling.temperature), ids))
     assert not torch.equal(mixed.sample(logits, counter)[1][:1], unit.sample(logits, counter)[1][:1])
+    ids, logprobs = unit.sample(logits, counter)
+    few = batch([float(i % 2) for i in range(3, 8)])
+    few.seed = unit.seed[3:8]
+    part = few.sample(logits[3:8], counter[3:8])
+    assert torch.equal(part[0], ids[3:8]) and torch.equal(part[1], logprobs[3:8])
 
 
 def test_fused_residual_norm_and_gate_product_do_not_depend_on_the_batch():
