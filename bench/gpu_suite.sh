@@ -5,12 +5,14 @@
 #                                          (and, asked for by name: tail e2e_tail_off e2e_tail_on startup
 #                                          on_policy_bits on_policy invariant_sweep; multigpu, on a machine of
 #                                          2 or more GPUs)
-# Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and OUT_DIR; one line per step.
+# Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and, for the files this run wrote,
+# OUT_DIR; one line per step.
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
 shift
 steps=${*:-loop default engine e2e rollout colocation train train_small kernels units}
 mkdir -p "$out"
+marker=$(mktemp)
 export PYTHONUNBUFFERED=1
 
 run() {
@@ -52,5 +54,5 @@ for step in $steps; do
     *) echo "unknown step $step" >&2 ;;
   esac
 done
-cp bench/results/*.json bench/results/*.txt "$out/" 2>/dev/null
-true
+find bench/results -maxdepth 1 -newer "$marker" \( -name '*.json' -o -name '*.txt' \) -exec cp {} "$out/" \;
+rm -f "$marker"
