@@ -290,7 +290,7 @@ def invariant_sweep() -> None:
                 x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
                 picked = bic.matmul(x, w.T, out_dtype=out_dtype)
                 torch.testing.assert_close(picked.float(), x.float() @ w.float().T, atol=5e-2, rtol=2e-2)
-                config, split = bic.tile_config(m, n, chunks, torch.bfloat16, x.device)
+                config, split = bic.tile_config(m, n, k, torch.bfloat16, x.device)
                 row[f"picked_m{m}"] = dict(config=list(config), split=split,
                                            ms=ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype)))
                 row[f"cublas_ms_m{m}"] = ms(lambda: F.linear(x, w))

@@ -198,6 +198,8 @@ MUTANTS = [
            "t = (t + (m - m_new) * s) * rescale", "t = t * rescale", INVARIANT_ROWS),
     Mutant("tile_pick_ignores_the_wide_tiles_rule", "colocate/kernels/batch_invariant_cuda.py",
            "if not tile[4] or (chunks == 1 and n >= WIDE_N)]", "]", TILE_PICK),
+    Mutant("tile_pick_splits_whatever_the_walk_saved", "colocate/kernels/batch_invariant_cuda.py",
+           "split = k >= SPLIT_GAIN * K_CHUNK and", "split = chunks > 1 and", TILE_PICK),
     Mutant("alloc_retries_since_start_not_per_step", "colocate/colocation/ledger.py",
            "new, first = retries - self._retries,", "new, first = retries,", LEDGER),
     Mutant("eval_pass_needs_every_sample", "colocate/rollout/orchestrator.py", "sum(max(r) >= 1.0 for r in rewards)",

@@ -13,8 +13,9 @@ here fix every choice that decides the order of floating-point operations:
   element's bits come from its row of A, its column of B and the order of the k steps, not from how
   many other rows and columns its tile computes beside it (tests/unit/test_kernel_batch_invariant.py
   checks every tile config bit for bit on the GPU). A product of too few tiles to fill the device
-  (a decode step's) computes each chunk in a program of its own and sums the partials in a second
-  kernel, in that same order; any other walks all chunks in one program. Both give the same bits.
+  (a decode step's) whose K spans SPLIT_GAIN chunks or more computes each chunk in a program of its
+  own and sums the partials in a second kernel, in that same order; any other walks all chunks in
+  one program. Both give the same bits.
   Bias and alpha/beta are applied in fp32 before the one cast to the output dtype;
 - `rms_norm`: one program per row (a token, or a token's head for qk-norm), the whole row in one
   block, its sum of squares by one fixed reduction tree; `add_rms_norm` adds the residual in the
@@ -64,6 +65,11 @@ K_CHUNK = 4096
 """Columns of K per chunk of the matmul's sum (a multiple of every BLOCK_K). A product whose K fits
 in one chunk (every projection from the hidden state, up to 4096 wide) sums exactly as one walk over
 K from 0; only the MLP's down projection has several."""
+SPLIT_GAIN = 1.5
+"""How many times shorter the split launch must make a program's walk over K (K / K_CHUNK) before
+it pays for its partials and their merge. On an H200 (bench/kernel_bench.py --invariant-sweep, from
+CUDA graphs, 256 rows): the 0.5B shape's down projection (K 4,864: 1.19 times) took 23.9 us split
+against 15.0 us walked by one program; the 1.5B shape's (K 8,960: 2.19 times) 30.3 against 31.6 us."""
 GROUP_M = 8
 """Row tiles per group of the matmul's launch order (for L2 reuse; no effect on values)."""
 RMS_WARPS = 4
@@ -111,7 +117,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     if bias is not None:
         bias = bias.expand(m, n)
     chunks = max(_cdiv(k, K_CHUNK), 1)
-    picked, picked_split = tile_config(m, n, chunks, a.dtype, a.device)
+    picked, picked_split = tile_config(m, n, k, a.dtype, a.device)
     block_m, block_n, block_k, warps, stages = config or picked
     split = picked_split if split is None else split
     if K_CHUNK % block_k:
@@ -133,13 +139,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     return out
 
 
-def tile_config(m: int, n: int, chunks: int, dtype: torch.dtype, device: torch.device
+def tile_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
                 ) -> tuple[tuple[int, int, int, int, int], bool]:
-    """The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of an (m, n) product of `chunks` K
-    chunks, and whether to split its chunks over programs: the first of TILES[dtype] that the
-    product may take and that gives every SM WAVES tiles, else the last, split when it has fewer
-    tiles than SMs and several chunks.
+    """The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of an (m, k) @ (k, n) product, and
+    whether to split its K chunks over programs: the first of TILES[dtype] that the product may take
+    and that gives every SM WAVES tiles, else the last; split when it has fewer tiles than SMs and
+    K is at least SPLIT_GAIN chunks long.
     The interpreter (CPU tensors) takes the first config it may and splits only when asked."""
+    chunks = max(_cdiv(k, K_CHUNK), 1)
     candidates = [tile for tile in TILES[dtype] if not tile[4] or (chunks == 1 and n >= WIDE_N)]
     sms = 0
     if device.type == "cuda":
@@ -150,7 +157,7 @@ def tile_config(m: int, n: int, chunks: int, dtype: torch.dtype, device: torch.d
                       or tile[3] * (tile[0] + tile[1]) * BLOCK_K[dtype] * dtype.itemsize <= room]
     block_m, block_n, warps, stages, _ = next(
         (tile for tile in candidates if _cdiv(m, tile[0]) * _cdiv(n, tile[1]) >= WAVES * sms), candidates[-1])
-    split = chunks > 1 and _cdiv(m, block_m) * _cdiv(n, block_n) < sms
+    split = k >= SPLIT_GAIN * K_CHUNK and _cdiv(m, block_m) * _cdiv(n, block_n) < sms
     return (block_m, block_n, BLOCK_K[dtype], warps, stages), split
 
 

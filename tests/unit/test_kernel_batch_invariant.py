@@ -79,7 +79,7 @@ def test_every_tile_config_gives_a_row_the_same_bits(n, k, out_dtype):
             got = batch_invariant_cuda.matmul(x, weight.T, out_dtype=out_dtype, config=config, split=split)
             assert torch.equal(got, want), (config, split)
     for m in (1, 7, 64, 256, 1000, 3000):
-        picked = batch_invariant_cuda.tile_config(m, n, chunks, torch.bfloat16, x.device)
+        picked = batch_invariant_cuda.tile_config(m, n, k, torch.bfloat16, x.device)
         got = batch_invariant_cuda.matmul(x[:m], weight.T, out_dtype=out_dtype)
         assert torch.equal(got, want[:m]), (m, picked)
 

@@ -76,31 +76,35 @@ def test_invariant_matmul_in_half_precision_in_every_tile_config(k, monkeypatch)
 
 def test_invariant_matmul_picks_the_largest_tile_that_fills_the_device(monkeypatch):
     """On an H100-sized device (132 SMs): a decode step's products take the one-warpgroup 64 x 64
-    tile, split over their K chunks when they have several and too few tiles; a training
-    micro-batch's projections take 128 x 128, and its lm_head (wide, one chunk) 128 x 256; every
-    pick keeps BLOCK_K."""
+    tile, split over their K chunks when they have too few tiles and K is at least SPLIT_GAIN chunks
+    long; a training micro-batch's projections take 128 x 128, and its lm_head (wide, one chunk)
+    128 x 256; every pick keeps BLOCK_K."""
     from colocate.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "_sm_count", lambda device: 132)
     monkeypatch.setattr(batch_invariant_cuda, "_shared_memory", lambda device: 227 * 1024)
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     pick = batch_invariant_cuda.tile_config
-    assert batch_invariant_cuda.K_CHUNK == 4096
-    assert pick(256, 1152, 1, bf16, cuda) == ((64, 64, 64, 4, 4), False)  # 0.5B qkv at decode: 72 tiles
-    assert pick(256, 896, 2, bf16, cuda) == ((64, 64, 64, 4, 4), True)  # 0.5B down: 56 tiles, two chunks
-    assert pick(256, 9728, 1, bf16, cuda) == ((64, 64, 64, 4, 4), False)  # 0.5B gate/up: 152 tiles of 128
-    assert pick(512, 9728, 1, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # a 512-token prefill: 304 tiles
-    assert pick(16384, 896, 1, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # training: a projection
-    assert pick(16384, 151936, 1, bf16, cuda) == ((128, 256, 64, 8, 3), False)  # the lm_head: wide, one chunk
-    assert pick(16384, 151936, 2, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # two chunks: two accumulators
-    assert pick(3000, 151936, 1, torch.float32, cuda) == ((32, 64, 32, 4, 2), False)
-    assert pick(1, 8, 1, bf16, torch.device("cpu")) == ((128, 128, 64, 8, 3), False)  # no SMs to fill
-    assert pick(1, 40000, 1, bf16, torch.device("cpu")) == ((128, 256, 64, 8, 3), False)
+    assert batch_invariant_cuda.K_CHUNK == 4096 and batch_invariant_cuda.SPLIT_GAIN == 1.5
+    assert pick(256, 1152, 896, bf16, cuda) == ((64, 64, 64, 4, 4), False)  # 0.5B qkv at decode: 72 tiles
+    assert pick(256, 896, 4864, bf16, cuda) == ((64, 64, 64, 4, 4), False)  # 0.5B down: two chunks, 1.19 long
+    assert pick(256, 896, 6144, bf16, cuda) == ((64, 64, 64, 4, 4), True)  # 1.5 chunks long: split
+    assert pick(256, 896, 6143, bf16, cuda) == ((64, 64, 64, 4, 4), False)
+    assert pick(256, 1536, 8960, bf16, cuda) == ((64, 64, 64, 4, 4), True)  # 1.5B down: 96 tiles, 2.19 long
+    assert pick(4096, 1536, 8960, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # enough tiles: one walk each
+    assert pick(256, 9728, 896, bf16, cuda) == ((64, 64, 64, 4, 4), False)  # 0.5B gate/up: 152 tiles of 128
+    assert pick(512, 9728, 896, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # a 512-token prefill: 304 tiles
+    assert pick(16384, 896, 896, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # training: a projection
+    assert pick(16384, 151936, 896, bf16, cuda) == ((128, 256, 64, 8, 3), False)  # the lm_head: wide, one chunk
+    assert pick(16384, 151936, 4097, bf16, cuda) == ((128, 128, 64, 8, 3), False)  # two chunks: two accumulators
+    assert pick(3000, 151936, 896, torch.float32, cuda) == ((32, 64, 32, 4, 2), False)
+    assert pick(1, 8, 16, bf16, torch.device("cpu")) == ((128, 128, 64, 8, 3), False)  # no SMs to fill
+    assert pick(1, 40000, 16, bf16, torch.device("cpu")) == ((128, 256, 64, 8, 3), False)
     for tiles in batch_invariant_cuda.TILES.values():
         assert tiles[-1][4] is False  # the last config takes any product
     # An RTX 4090's 99 KiB: the 144 KiB pipeline of the 128 x 256 tile does not fit, the others do.
     monkeypatch.setattr(batch_invariant_cuda, "_shared_memory", lambda device: 101376)
-    assert pick(16384, 151936, 1, bf16, cuda) == ((128, 128, 64, 8, 3), False)
+    assert pick(16384, 151936, 896, bf16, cuda) == ((128, 128, 64, 8, 3), False)
 
 
 def test_invariant_row_reductions_match_torch():
