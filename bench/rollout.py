@@ -264,8 +264,8 @@ def run_tail(shape: str, device: torch.device) -> dict:
         "shape": {"name": shape, **cfg}, "run": {k: v for k, v in run.items() if k != "points"},
         "lengths": {"mean": statistics.mean(lengths), "median": statistics.median(lengths), "max": max(lengths),
                     "at_cap": sum(x == run["max_tokens"] for x in lengths), "total": sum(lengths)},
-        "engine": {"init_seconds": init_s, "memory": engine.memory_stats(),
-                   "preemptions": engine.scheduler.num_preemptions},
+        "engine": {"init_seconds": init_s, "init_parts_seconds": engine.startup_seconds,
+                   "memory": engine.memory_stats(), "preemptions": engine.scheduler.num_preemptions},
         "tail": tail, "full_batch": {"output_tokens_each": mean_len, **full},
         "utilization": tail["tokens_per_s"] / full["tokens_per_s"],
         "decode_batch_occupancy": tail["mean_decode_batch"] / n,
@@ -337,10 +337,12 @@ def main(argv: list[str] | None = None) -> None:
     for batch in (256, 64, 8, 1):  # compile the sampler and touch every path before timing
         engine.generate(make_prompts(batch, 16, seed=1), SamplingParams(max_new_tokens=16, ignore_eos=True))
     warmup_s = time.perf_counter() - start
-    print(f"engine ready: init {init_s:.1f} s, warm-up {warmup_s:.1f} s", flush=True)
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in engine.startup_seconds.items())
+    print(f"engine ready: init {init_s:.1f} s ({parts}), warm-up {warmup_s:.1f} s", flush=True)
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": HF_CONFIG,
-        "engine": {"init_seconds": init_s, "warmup_seconds": warmup_s, "memory": engine.memory_stats(),
+        "engine": {"init_seconds": init_s, "init_parts_seconds": engine.startup_seconds,
+                   "warmup_seconds": warmup_s, "memory": engine.memory_stats(),
                    "max_decode_steps": args.max_decode_steps, "compile_decode": not args.no_compile_decode},
         "cases": {},
     }

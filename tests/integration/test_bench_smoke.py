@@ -54,6 +54,7 @@ def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(t
     assert r["full_batch"]["output_tokens"] == 16 * 18 and r["full_batch"]["decode_steps"] == 17
     assert r["decode_batch_occupancy"] == pytest.approx((286 - 16) / 63 / 16)  # one token each from prefill
     assert r["utilization"] > 0 and r["engine"]["preemptions"] == 0
+    assert set(r["engine"]["init_parts_seconds"]) == {"weights", "runner"}  # no CUDA graphs on the CPU
     assert set(r["roofline"]) == {"b16_ctx64", "b2_ctx256"}
     floor = r["hbm_floor"]  # 63 steps under continuous batching, 18 with all 16 seats busy, 18 equal
     assert floor["continuous_batching_s"] > floor["full_seats_s"] > floor["equal_lengths_s"] > 0

@@ -9,6 +9,8 @@ context length 0 (zero attention output).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -37,9 +39,14 @@ class DecodeGraphs:
     def captured(self) -> bool:
         return bool(self.graphs)
 
-    def capture(self) -> None:
+    def capture(self) -> dict[str, float]:
+        """Warm up, then capture, every bucket. Returns seconds: `first_decode`, the largest
+        bucket's warm-up (the decode forward's compile when it is compiled, and the first launch of
+        each Triton kernel it runs), and `cuda_graphs`, the other warm-ups and the captures."""
         runner = self.runner
         device = runner.device
+        start = time.perf_counter()
+        first_decode = 0.0
         runner.reset_padding(0)
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
@@ -48,8 +55,11 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.no_grad():
-            for bs in reversed(self.buckets):
+            for i, bs in enumerate(reversed(self.buckets)):
                 runner.decode_forward(bs)
+                if i == 0:
+                    torch.cuda.synchronize(device)
+                    first_decode = time.perf_counter() - start
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
         with torch.no_grad():
@@ -62,6 +72,7 @@ class DecodeGraphs:
                 self.graphs[bs] = graph
         torch.cuda.synchronize(device)
         self.num_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
+        return {"first_decode": first_decode, "cuda_graphs": time.perf_counter() - start - first_decode}
 
     def bucket(self, batch_size: int) -> int | None:
         """The smallest captured bucket holding `batch_size` rows, or None (run eagerly)."""

@@ -84,7 +84,8 @@ class NativeEngine:
         self.model = self._load(model, resolve_dtype(dtype, self.device))
         self.startup_seconds = {"weights": time.perf_counter() - start}
         """Seconds of construction: weights (load and pack), runner (KV cache and static buffers),
-        cuda_graphs (warm-up, which compiles the decode forward, then capture of every bucket)."""
+        with CUDA graphs first_decode (the first warm-up forward, which compiles the decode forward)
+        and cuda_graphs (the other warm-ups and the capture of every bucket)."""
         cfg = self.model.config
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         num_blocks = self._num_kv_blocks(block_size, kv_cache_fraction, max_kv_tokens)
@@ -98,9 +99,7 @@ class NativeEngine:
             compile_decode=self.device.type == "cuda" if compile_decode is None else compile_decode)
         self.startup_seconds["runner"] = time.perf_counter() - start - self.startup_seconds["weights"]
         if self.runner.graphs is not None:
-            start = time.perf_counter()
-            self.runner.graphs.capture()
-            self.startup_seconds["cuda_graphs"] = time.perf_counter() - start
+            self.startup_seconds.update(self.runner.graphs.capture())
         self.weight_version = 0
         self._weights_valid = True
         self._released: set[str] = set()
