@@ -40,7 +40,7 @@ for step in $steps; do
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
-    startup) run startup 400 python bench/startup.py ;;
+    startup) run startup 560 python bench/startup.py ;;
     on_policy_bits) run on_policy_bits 300 python -m pytest -q -s -rA -m gpu -p no:cacheprovider \
                       tests/unit/test_kernel_batch_invariant.py tests/parity/test_true_on_policy_gpu.py ;;
     on_policy) run on_policy 580 python bench/true_on_policy.py --profile "$out/on_policy_profile.txt" ;;

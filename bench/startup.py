@@ -1,6 +1,6 @@
 """Start-up time, cold and warm: the 1-GPU smoke run and offline generation, each a fresh process.
 
-    python bench/startup.py [--cases toy,generate,generate_compiled] [--out PATH] [--cpu-smoke]
+    python bench/startup.py [--cases toy,generate,generate_compiled,rollout_engine] [--out PATH] [--cpu-smoke]
 
 Cases:
   toy       `python -m colocate.train` on configs/default.yaml for 10 steps (`./launch.sh test-gpu`'s
@@ -9,10 +9,15 @@ Cases:
             of 128 token ids x 256 new tokens (ignore_eos): wall time and its start-up line. Its
             default --compile-decode auto leaves this short job's decode uncompiled;
   generate_compiled  the same with --compile-decode on, for the compile's cost beside it.
+  rollout_engine  `bench/rollout.py --cases b256 --peers none`: the engine of its rollout figures
+            (0.5B shape, decode compiled, CUDA graphs up to 256): its init time and parts, wall
+            time, and b256 tok/s (start-up must not cost steady-state speed). With --cpu-smoke
+            its tail case on a tiny shape instead.
 
 Each case runs twice in one set of empty cache directories (Triton, inductor, colocate's toy
 model and data): "cold" is the first run, as on a fresh CI machine, "warm" the second, caches
-filled. Writes bench/results/startup.json. --cpu-smoke: generate on a tiny shape (CPU, for tests).
+filled. Writes bench/results/startup.json. --cpu-smoke: generate and rollout_engine on a tiny
+shape (CPU, for tests).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ GENERATE = dict(prompts=256, prompt_tokens=128, new_tokens=256)
 SMOKE_GENERATE = dict(prompts=8, prompt_tokens=16, new_tokens=8)
 SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
-CASES = ("toy", "generate", "generate_compiled")
+CASES = ("toy", "generate", "generate_compiled", "rollout_engine")
 
 
 def cache_env(root: pathlib.Path) -> dict:
@@ -123,6 +128,17 @@ def run_generate(work: pathlib.Path, env: dict, label: str, inputs, new_tokens: 
     return {"wall_s": wall, "output_tokens": float(len(rows) * new_tokens), "startup_line": line}
 
 
+def run_rollout_engine(work: pathlib.Path, env: dict, label: str, smoke: bool) -> dict:
+    out = work / f"rollout_{label}.json"
+    cases = ["--cases", "tail", "--cpu-smoke"] if smoke else ["--cases", "b256", "--peers", "none"]
+    cmd = [sys.executable, str(ROOT / "bench" / "rollout.py"), *cases, "--out", str(out)]
+    wall = timed_run(cmd, env, work / f"rollout_{label}.log")
+    r = json.loads(out.read_text())
+    speed = r["tail"] if smoke else r["cases"]["b256"]["ours"]
+    return {"wall_s": wall, "init_s": r["engine"]["init_seconds"], "init_parts_s": r["engine"]["init_parts_seconds"],
+            "tokens_per_s": speed["tokens_per_s"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
@@ -140,12 +156,17 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="colocate_startup_") as tmp:
         work = pathlib.Path(tmp)
         env = cache_env(work / "caches")
-        inputs = write_generate_inputs(work, args.cpu_smoke) if any(c != "toy" for c in cases) else None
+        inputs = (write_generate_inputs(work, args.cpu_smoke)
+                  if any(c.startswith("generate") for c in cases) else None)
         for case in cases:
             for label in ("cold", "warm"):
-                r = (run_toy(work, env, label) if case == "toy"
-                     else run_generate(work, env, f"{case}_{label}", inputs, result["generate"]["new_tokens"],
-                                       "on" if case == "generate_compiled" else "auto"))
+                if case == "toy":
+                    r = run_toy(work, env, label)
+                elif case == "rollout_engine":
+                    r = run_rollout_engine(work, env, label, args.cpu_smoke)
+                else:
+                    r = run_generate(work, env, f"{case}_{label}", inputs, result["generate"]["new_tokens"],
+                                     "on" if case == "generate_compiled" else "auto")
                 result[f"{case}_{label}"] = r
                 print(f"{case} {label} -> " + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if isinstance(v, float)),
                       flush=True)

@@ -89,6 +89,9 @@ def test_startup_bench_cpu_smoke_times_every_case_cold_and_warm(tmp_path):
         assert gen["output_tokens"] == 8 * 8 and gen["wall_s"] > 0
         assert gen["startup_line"].startswith("start-up ") and gen["startup_line"].endswith("not compiled")
         assert r[f"generate_compiled_{label}"]["startup_line"].endswith(", decode compiled")  # on CPU too when asked
+        engine = r[f"rollout_engine_{label}"]
+        assert set(engine["init_parts_s"]) == {"weights", "runner"}  # the CPU captures no graphs
+        assert 0 < engine["init_s"] < engine["wall_s"] and engine["tokens_per_s"] > 0, engine
 
 
 def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(tmp_path):
