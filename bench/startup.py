@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
                     r = run_generate(work, env, f"{case}_{label}", inputs, result["generate"]["new_tokens"],
                                      "on" if case == "generate_compiled" else "auto")
                 result[f"{case}_{label}"] = r
-                print(f"{case} {label} -> " + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if isinstance(v, float)),
-                      flush=True)
+                shown = {k: v for k, v in {**r, **r.get("init_parts_s", {})}.items() if isinstance(v, float)}
+                print(f"{case} {label} -> " + ", ".join(f"{k} {v:.1f}" for k, v in shown.items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -11,7 +11,9 @@ cache and attends over it, so the model never knows about paging:
 - decode: one token per sequence through `paged_decode_attention` (wrapped as a custom op, so that
   torch.compile can fuse the rest of the forward around it), from static buffers that CUDA graphs
   replay; several decode steps run back to back on the device, each step feeding its sampled ids
-  to the next, and the host reads all of them at once.
+  to the next, and the host reads all of them at once. Compiled, the decode forward is three
+  graphs (embedding, one decoder layer that every layer runs, head), so the compile costs about
+  one layer's, whatever the depth.
 
 Logits are computed for the sampled positions only, in fp32 (the trainer's log-prob definition).
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from colocate.kernels import batch_invariant, invariant_attention
 from colocate.kernels.paged_attention import paged_decode_attention, store_kv
@@ -39,12 +42,12 @@ from colocate.rollout.native.scheduler import PrefillChunk, Sequence
 
 
 @torch.library.custom_op("colocate_native::decode_attention", mutates_args=("kv",))
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, layer: int,
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Store one layer's new K/V into the paged cache `kv` (2, L, num_blocks, block_size, Hk, D) and
+    """Store one layer's new K/V into its paged cache `kv` (2, num_blocks, block_size, Hk, D) and
     attend over it. An opaque op to torch.compile, which fuses everything around it."""
-    k_cache, v_cache = kv[0, layer], kv[1, layer]
+    k_cache, v_cache = kv[0], kv[1]
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     if batch_invariant.enabled() and q.is_cuda:
         return invariant_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
@@ -54,8 +57,25 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torc
 
 
 @decode_attention.register_fake
-def _(q, k, v, kv, layer, slot_mapping, block_tables, context_lens, scale):
+def _(q, k, v, kv, slot_mapping, block_tables, context_lens, scale):
     return torch.empty_like(q)
+
+
+def _decode_layer(layer: nn.Module, x: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer of a decode step, as `DecoderLayer.forward` computes it but with the
+    residual sum moved to the start: takes the stream `x` and the previous layer's MLP output
+    `delta`, returns this layer's stream and MLP output. The sum then fuses with the norm that
+    reads it, as it would in a compile of the whole forward, while one compiled graph serves every
+    layer (the layer's cache `kv` (2, num_blocks, block_size, Hk, D) is an input, not an index)."""
+    def attn(_, q, k, v):
+        return decode_attention(q, k, v, kv, slot_mapping, block_tables, context_lens, scale)
+
+    x, normed = layer.input_layernorm.add_forward(x, delta)
+    attended = layer.self_attn(normed, cos, sin, None, None, attn)
+    x, normed = layer.post_attention_layernorm.add_forward(x, attended)
+    return x, layer.mlp(normed)
 
 
 @dataclass
@@ -94,10 +114,15 @@ class ModelRunner:
         self._prefill: _PrefillContext | None = None
         # Eager, a decode step is ~40 small kernels per layer; compiled, the elementwise work
         # between the GEMMs and the attention op fuses (the graphs then replay fewer launches).
-        # Never in the batch-invariant mode: inductor would bypass the mode's kernels.
+        # Compiled a layer at a time: the layers share one graph, so the compile costs one layer's
+        # trace and code generation rather than the whole model's. Never in the batch-invariant
+        # mode: inductor would bypass the mode's kernels.
         self.compiled_decode = bool(compile_decode) and not batch_invariant.enabled()
-        self._decode_fn = (torch.compile(self._decode_logits, dynamic=True, fullgraph=True)
-                           if self.compiled_decode else self._decode_logits)
+        def compiled(fn):
+            return torch.compile(fn, dynamic=True, fullgraph=True) if self.compiled_decode else fn
+
+        self._embed, self._layer, self._head = (compiled(self._decode_embed), compiled(_decode_layer),
+                                                compiled(self._decode_head))
         self.graphs = None
         if cuda_graph_max_bs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_num_seqs))
@@ -200,14 +225,28 @@ class ModelRunner:
     def decode_forward(self, batch_size: int) -> torch.Tensor:
         """Logits (B, V) fp32 for the first `batch_size` rows of the static decode buffers."""
         b = batch_size
-        return self._decode_fn(self.input_ids[:b], self.positions[:b], self.kv, self.slot_mapping[:b],
-                               self.block_tables[:b], self.context_lens[:b])
+        slot_mapping, block_tables, context_lens = self.slot_mapping[:b], self.block_tables[:b], self.context_lens[:b]
+        if batch_invariant.enabled():  # the trainer's layer, as the mode's bits are checked against it
+            def attn(layer, q, k, v):
+                return decode_attention(q, k, v, self.kv[:, layer], slot_mapping, block_tables, context_lens,
+                                        self.scale)
 
-    def _decode_logits(self, input_ids, positions, kv, slot_mapping, block_tables, context_lens):
-        def attn(layer, q, k, v):
-            return decode_attention(q, k, v, kv, layer, slot_mapping, block_tables, context_lens, self.scale)
+            return self._logits(self.model.hidden_states(self.input_ids[:b], positions=self.positions[:b], attn=attn))
+        x, delta, cos, sin = self._embed(self.input_ids[:b], self.positions[:b])
+        for i, layer in enumerate(self.model.model.layers):
+            x, delta = self._layer(layer, x, delta, cos, sin, self.kv[:, i], slot_mapping, block_tables, context_lens,
+                                   self.scale)
+        return self._head(x, delta)
 
-        return self._logits(self.model.hidden_states(input_ids, positions=positions, attn=attn))
+    def _decode_embed(self, input_ids, positions):
+        """The stream (B, H), a zero first delta, and the rotary tables of a decode step."""
+        x = self.model.model.embed_tokens(input_ids)
+        cos, sin = self.model.model.rotary(positions, x.dtype)
+        return x, torch.zeros_like(x), cos, sin
+
+    def _decode_head(self, x, delta):
+        """The last layer's residual sum, the final norm and the fp32 logits (B, V)."""
+        return self._logits(self.model.model.norm(x + delta))
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence], num_steps: int, sampling: SamplingBatch
