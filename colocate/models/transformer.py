@@ -1,8 +1,9 @@
 """One plain-torch decoder definition for Llama, Qwen2 and Qwen3, with HF parameter names.
 
 The model never knows about parallelism or paging. `forward` works on flat packed tokens; callers
-that own a KV cache (the rollout engine) pass an `attn(layer_idx, q, k, v)` callable that stores
-k/v and attends over the cache, and the model stays the same.
+that own a KV cache (the rollout engine) pass an `attn(module, q, k, v)` callable that stores
+k/v and attends over the cache (the calling `Attention` module tells it the layer by its
+`layer_idx`), and the model stays the same.
 
 q/k/v run as one GEMM whose output is split, since one wide GEMM beats a wide one and two narrow
 GQA ones, in training too, where their weights are joined for each call (a copy of a few MB;
@@ -27,7 +28,7 @@ from colocate.kernels import batch_invariant
 from colocate.kernels.rotary import reference_rotate, rotate
 from colocate.models.layers import Linear, RMSNorm, Rotary, linear, packed_causal_attention, silu_mul
 
-AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttnFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -71,7 +72,9 @@ class Attention(nn.Module):
                 q, k = rotate(q, k, cos, sin)
             else:
                 q, k = reference_rotate(q, cos, sin), reference_rotate(k, cos, sin)
-            out = attn(self.layer_idx, q, k, v)
+            # The module, not its index: a compile of one layer shared by all then never reads a
+            # number that differs between layers (which some torch versions guard on).
+            out = attn(self, q, k, v)
         return self.o_proj(out.reshape(n, -1))
 
 

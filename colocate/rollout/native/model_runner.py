@@ -69,7 +69,7 @@ def _decode_layer(layer: nn.Module, x: torch.Tensor, delta: torch.Tensor, cos: t
     `delta`, returns this layer's stream and MLP output. The sum then fuses with the norm that
     reads it, as it would in a compile of the whole forward, while one compiled graph serves every
     layer (the layer's cache `kv` (2, num_blocks, block_size, Hk, D) is an input, not an index)."""
-    def attn(_, q, k, v):
+    def attn(_module, q, k, v):
         return decode_attention(q, k, v, kv, slot_mapping, block_tables, context_lens, scale)
 
     x, normed = layer.input_layernorm.add_forward(x, delta)
@@ -197,9 +197,9 @@ class ModelRunner:
         logits = self._logits(hidden[torch.tensor(last_rows, **to)])  # (R, V)
         return sampling.sample(logits, torch.tensor(counters, dtype=torch.int64, **to))
 
-    def _prefill_attention(self, layer: int, q, k, v):
+    def _prefill_attention(self, module: nn.Module, q, k, v):
         ctx = self._prefill
-        k_cache, v_cache = self.kv[0, layer], self.kv[1, layer]
+        k_cache, v_cache = self.kv[0, module.layer_idx], self.kv[1, module.layer_idx]
         store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.block_tables is not None:  # every key read from the cache, the new ones included
             return invariant_attention.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.q_lens,
@@ -227,9 +227,9 @@ class ModelRunner:
         b = batch_size
         slot_mapping, block_tables, context_lens = self.slot_mapping[:b], self.block_tables[:b], self.context_lens[:b]
         if batch_invariant.enabled():  # the trainer's layer, as the mode's bits are checked against it
-            def attn(layer, q, k, v):
-                return decode_attention(q, k, v, self.kv[:, layer], slot_mapping, block_tables, context_lens,
-                                        self.scale)
+            def attn(module, q, k, v):
+                return decode_attention(q, k, v, self.kv[:, module.layer_idx], slot_mapping, block_tables,
+                                        context_lens, self.scale)
 
             return self._logits(self.model.hidden_states(self.input_ids[:b], positions=self.positions[:b], attn=attn))
         x, delta, cos, sin = self._embed(self.input_ids[:b], self.positions[:b])
