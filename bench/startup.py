@@ -14,10 +14,11 @@ Cases:
             time, and b256 tok/s (start-up must not cost steady-state speed). With --cpu-smoke
             its tail case on a tiny shape instead.
 
-Each case runs twice in one set of empty cache directories (Triton, inductor, colocate's toy
-model and data): "cold" is the first run, as on a fresh CI machine, "warm" the second, caches
-filled. Writes bench/results/startup.json. --cpu-smoke: generate and rollout_engine on a tiny
-shape (CPU, for tests).
+Each case runs twice in a set of empty cache directories of its own (Triton, inductor, colocate's
+toy model and data): "cold" is the first run, as on a fresh CI machine, "warm" the second, caches
+filled. (Shared, a case would find the kernels and graphs that an earlier case compiled, such as
+generate_compiled's decode layer, which rollout_engine's is too.) Writes bench/results/startup.json.
+--cpu-smoke: generate and rollout_engine on a tiny shape (CPU, for tests).
 """
 
 from __future__ import annotations
@@ -155,10 +156,10 @@ def main(argv: list[str] | None = None) -> None:
               "generate": SMOKE_GENERATE if args.cpu_smoke else GENERATE}
     with tempfile.TemporaryDirectory(prefix="colocate_startup_") as tmp:
         work = pathlib.Path(tmp)
-        env = cache_env(work / "caches")
         inputs = (write_generate_inputs(work, args.cpu_smoke)
                   if any(c.startswith("generate") for c in cases) else None)
         for case in cases:
+            env = cache_env(work / "caches" / case)
             for label in ("cold", "warm"):
                 if case == "toy":
                     r = run_toy(work, env, label)
