@@ -1,6 +1,7 @@
 """The native engine on a GPU: memory release read from the device, CUDA graphs, and bf16
 log-probs against transformers in fp32, bounded by transformers' own bf16 error."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -145,6 +146,22 @@ def test_cuda_graph_decode_equals_eager_decode():
     assert [c.output_ids for c in a] == [c.output_ids for c in b]
     diff = max(abs(x - y) for ca, cb in zip(a, b) for x, y in zip(ca.logprobs, cb.logprobs))
     assert diff <= 1e-5
+
+
+def test_compiled_decode_compiles_one_layer_for_all_layers():
+    """More layers than dynamo's recompile limit (8): were the shared layer graph recompiled for
+    each layer (a guard on something that differs between layers), fullgraph would fail here.
+    Its numbers are the log-prob tests' below, which run the compiled default."""
+    from torch._dynamo.utils import counters
+
+    cfg = dataclasses.replace(SMALL, num_hidden_layers=12)
+    counters.clear()
+    engine = NativeEngine(random_model(cfg), max_kv_tokens=1 << 15, compile_decode=True)
+    out = engine.generate(prompts(16, 24, cfg.vocab_size),
+                          SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=3))
+    assert engine.runner.compiled_decode and engine.runner.graphs.captured
+    assert counters["stats"]["unique_graphs"] == 3  # embedding, the layer every layer shares, head
+    assert [len(c.output_ids) for c in out] == [32] * 16
 
 
 def test_production_sampler_paths():

@@ -118,6 +118,7 @@ class ModelRunner:
         # trace and code generation rather than the whole model's. Never in the batch-invariant
         # mode: inductor would bypass the mode's kernels.
         self.compiled_decode = bool(compile_decode) and not batch_invariant.enabled()
+
         def compiled(fn):
             return torch.compile(fn, dynamic=True, fullgraph=True) if self.compiled_decode else fn
 
