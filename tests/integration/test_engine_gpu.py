@@ -155,6 +155,7 @@ def test_compiled_decode_compiles_one_layer_for_all_layers():
     from torch._dynamo.utils import counters
 
     cfg = dataclasses.replace(SMALL, num_hidden_layers=12)
+    torch._dynamo.reset()  # graphs an earlier test compiled would be reused, not counted
     counters.clear()
     engine = NativeEngine(random_model(cfg), max_kv_tokens=1 << 15, compile_decode=True)
     out = engine.generate(prompts(16, 24, cfg.vocab_size),
