@@ -51,6 +51,7 @@ graphs before its first step).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -62,6 +63,7 @@ import string
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -101,6 +103,8 @@ TRL_TIMEOUT_S = 300.0
 """Per-process limits that keep a hung run from eating the whole GPU session."""
 LR = 1e-6
 CHOICES = {"on": [True], "off": [False], "both": [True, False]}
+PROGRESS = "e2e progress:"
+"""Lines of a worker that start with this are echoed by the parent as they come."""
 LOOP_PHASES = ("generate", "to_train", "train", "save", "to_rollout", "eval")
 """The loop's perf/<phase>_time keys in step order; other perf/*_time keys time parts of these."""
 
@@ -216,6 +220,17 @@ def _profile_last_step(loop, num_steps: int, trace: Path):
     return prof
 
 
+def _report_steps(loop, num_steps: int, name: str) -> None:
+    """Print a progress line as each of the loop's metric records (one per step) is logged."""
+    log, start = loop.log.log, time.perf_counter()
+
+    def log_and_report(step, *args, **kwargs):
+        log(step, *args, **kwargs)
+        print(f"{PROGRESS} {name} step {step + 1}/{num_steps} logged at {time.perf_counter() - start:.1f} s", flush=True)
+
+    loop.log.log = log_and_report
+
+
 def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: str | None = None) -> dict:
     """Run the loop in this process; per-phase and per-step seconds of the steps after warm-up.
     With `trace`, the last step is profiled into it and left out of the timings; with `tail`
@@ -237,6 +252,8 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         start = time.perf_counter()
         loop.build()
         build_s = time.perf_counter() - start
+        print(f"{PROGRESS} {config_path.stem} built in {build_s:.1f} s", flush=True)
+        _report_steps(loop, cfg.train.num_rollout, config_path.stem)
         stats = loop.engine.memory_stats() if hasattr(loop.engine, "memory_stats") else None
         kv_tokens = stats["num_kv_blocks"] * stats["block_size"] if stats else None
         record = e2e_tail.install(loop, tail) if tail else None
@@ -292,19 +309,28 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
 
 
 def _child(args: list[str], env: dict, timeout: float) -> dict:
-    """Run this script as a worker: its result, or {"error": last line, "output_tail": ...}."""
+    """Run this script as a worker: its result, or {"error": last line, "output_tail": ...}. Its
+    progress lines are echoed as they come, so a run cut short by an outer time limit still says
+    how far it got."""
     start = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    proc = subprocess.Popen([sys.executable, __file__, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace")
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    tail: collections.deque[str] = collections.deque(maxlen=400)
+    for line in proc.stdout:
+        tail.append(line)
+        if line.startswith(PROGRESS):
+            print(line.rstrip(), file=sys.stderr, flush=True)
+    returncode = proc.wait()
+    timer.cancel()
+    output = "".join(tail)
+    if time.perf_counter() - start >= timeout:
         return {"error": f"timed out after {timeout:.0f} s", "output_tail": output[-3000:]}
     out = Path(args[args.index("--result") + 1])
-    if done.returncode != 0 or not out.exists():
-        output = done.stdout + done.stderr
+    if returncode != 0 or not out.exists():
         lines = [line for line in output.splitlines() if line.strip()]
-        return {"error": f"exit code {done.returncode}: {lines[-1] if lines else 'no output'}",
+        return {"error": f"exit code {returncode}: {lines[-1] if lines else 'no output'}",
                 "output_tail": output[-3000:]}
     return {**json.loads(out.read_text()), "process_s": time.perf_counter() - start}
 
