@@ -150,7 +150,8 @@ def test_cuda_graph_decode_equals_eager_decode():
 
 def test_compiled_decode_compiles_one_layer_for_all_layers():
     """More layers than dynamo's recompile limit (8): were the shared layer graph recompiled for
-    each layer (a guard on something that differs between layers), fullgraph would fail here.
+    each layer (a guard on something that differs between layers), fullgraph would fail here. The
+    first warm-up is the largest bucket, a batch of max_num_seqs: no bucket may compile again.
     Its numbers are the log-prob tests' below, which run the compiled default."""
     from torch._dynamo.utils import counters
 

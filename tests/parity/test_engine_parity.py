@@ -329,8 +329,8 @@ def test_compiled_decode_equals_eager_decode(models):
     torch._dynamo.reset()  # graphs an earlier test compiled would be reused, not counted
     counters.clear()
     engine = NativeEngine(str(path), compile_decode=True, max_num_seqs=2 * len(PROMPTS), **SMALL)
-    compiled = engine.generate(PROMPTS, sp)  # a batch as large as the engine's: no size to specialise on
-    engine.generate(PROMPTS[:2], sp)
+    compiled = engine.generate(PROMPTS, sp)  # 8 rows: as many as the engine holds
+    engine.generate(PROMPTS[:2], sp)  # 4 rows: the same three graphs serve them
     assert engine.model.config.num_hidden_layers >= 2
     assert counters["stats"]["unique_graphs"] == 3  # embedding, the layer every layer shares, head
     assert [c.output_ids for c in compiled] == [c.output_ids for c in eager]
