@@ -33,8 +33,9 @@ Both sides train fp32 master weights with bf16 compute and take one optimizer st
   is recorded in the JSON.
 
 The reward (`vowel_reward`) is cheap and varies within a group, so advantages are not zero.
-Each variant runs in a child process (one CUDA context each; the native engine's graph memory
-needs torch_memory_saver's preload hook set before the process starts, as launch.sh does).
+Each variant runs in a child process (bench/e2e_ours.py; one CUDA context each; the native
+engine's graph memory needs torch_memory_saver's preload hook set before the process starts, as
+launch.sh does).
 
 Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
                          [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trl-configs A,B] [--trace-dir DIR]
@@ -69,7 +70,8 @@ from pathlib import Path
 
 import e2e_tail
 import e2e_trl
-from e2e_trl import median, run_trl
+from e2e_ours import PROGRESS, run_ours
+from e2e_trl import run_trl
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "e2e.json"
@@ -103,10 +105,6 @@ TRL_TIMEOUT_S = 300.0
 """Per-process limits that keep a hung run from eating the whole GPU session."""
 LR = 1e-6
 CHOICES = {"on": [True], "off": [False], "both": [True, False]}
-PROGRESS = "e2e progress:"
-"""Lines of a worker that start with this are echoed by the parent as they come."""
-LOOP_PHASES = ("generate", "to_train", "train", "save", "to_rollout", "eval")
-"""The loop's perf/<phase>_time keys in step order; other perf/*_time keys time parts of these."""
 
 
 def vowel_reward(prompts: list[str], responses: list[str], labels: list, metadata: list[dict]) -> list[float]:
@@ -192,119 +190,6 @@ def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name:
         "offload": {"offload_rollout": offload, "offload_train": offload},
         "checkpoint": {"save_interval": None, "resume": False},
         "logging": {"wandb": False, "console": False},
-    }
-
-
-def _profile_last_step(loop, num_steps: int, trace: Path):
-    """A profiler (use it as a context around `loop.run()`) that records only the last of the
-    loop's `num_steps` steps and writes it to `trace` (Chrome JSON, gzipped) plus a table of the
-    ops with the most device time next to it."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    def write(prof):
-        prof.export_chrome_trace(str(trace))
-        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=50, max_name_column_width=70)
-        trace.with_name(trace.name.replace(".json.gz", ".txt")).write_text(table)
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities, schedule=schedule(wait=num_steps - 1, warmup=0, active=1, repeat=1),
-                   on_trace_ready=write)
-    log = loop.log.log
-
-    def log_and_step(*args, **kwargs):
-        log(*args, **kwargs)
-        prof.step()
-
-    loop.log.log = log_and_step
-    return prof
-
-
-def _report_steps(loop, num_steps: int, name: str) -> None:
-    """Print a progress line as each of the loop's metric records (one per step) is logged."""
-    log, start = loop.log.log, time.perf_counter()
-
-    def log_and_report(step, *args, **kwargs):
-        log(step, *args, **kwargs)
-        print(f"{PROGRESS} {name} step {step + 1}/{num_steps} logged at {time.perf_counter() - start:.1f} s", flush=True)
-
-    loop.log.log = log_and_report
-
-
-def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: str | None = None) -> dict:
-    """Run the loop in this process; per-phase and per-step seconds of the steps after warm-up.
-    With `trace`, the last step is profiled into it and left out of the timings; with `tail`
-    (a shape of e2e_tail), samples get the tail's lengths and lost groups are looked for."""
-    import contextlib
-
-    import torch
-
-    from colocate import dist
-    from colocate.config import load_config
-    from colocate.metrics import read_metrics, startup_phases
-    from colocate.train import Loop
-
-    cfg = load_config(["--config", str(config_path)])
-    info = dist.init()
-    torch.manual_seed(cfg.train.seed)
-    loop = Loop(cfg, info)
-    try:
-        start = time.perf_counter()
-        loop.build()
-        build_s = time.perf_counter() - start
-        print(f"{PROGRESS} {config_path.stem} built in {build_s:.1f} s", flush=True)
-        _report_steps(loop, cfg.train.num_rollout, config_path.stem)
-        stats = loop.engine.memory_stats() if hasattr(loop.engine, "memory_stats") else None
-        kv_tokens = stats["num_kv_blocks"] * stats["block_size"] if stats else None
-        record = e2e_tail.install(loop, tail) if tail else None
-        start = time.time()  # metric records carry time.time() stamps
-        profiler = _profile_last_step(loop, cfg.train.num_rollout, trace) if trace else contextlib.nullcontext()
-        with profiler:
-            loop.run()
-        groups = e2e_tail.groups_report(record, loop) if tail else None
-    finally:
-        loop.close()
-        dist.destroy()
-    rows = read_metrics(cfg.output_dir)
-    stamps = [start] + [r["time"] for r in rows]
-    end = len(rows) - (1 if trace else 0)
-    steps = [b - a for a, b in zip(stamps, stamps[1:])][warmup:end]
-    timed = rows[warmup:end]
-    timers = {k[len("perf/"):-len("_time")] for r in timed for k in r if k.startswith("perf/") and k.endswith("_time")}
-    phases = [p for p in LOOP_PHASES if p in timers]
-
-    def med(key):
-        return median([r[key] for r in timed if r.get(key) is not None])
-
-    partial = [{k[len("rollout/partial/"):]: v for k, v in sorted(r.items()) if k.startswith("rollout/partial/")}
-               for r in timed if "rollout/partial/carried_groups" in r]
-
-    def peak(kind):  # over the phases of the timed steps, as the ledger read them
-        return max((v for r in timed for k, v in r.items()
-                    if k.startswith("memory/") and k.endswith(f"/{kind}_gib") and v is not None), default=None)
-
-    return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-        "build_s": build_s,
-        "startup_s": startup_phases(rows[0]) if rows else {},
-        "steps_s": steps,
-        "step_median_s": median(steps),
-        "phase_median_s": {p: med(f"perf/{p}_time") for p in phases},
-        "phase_sum_median_s": median([sum(r.get(f"perf/{p}_time") or 0.0 for p in phases) for r in timed]),
-        "sub_phase_median_s": {p: med(f"perf/{p}_time") for p in sorted(timers - set(phases))},
-        "handoff_median_s": {k[len("handoff/"):-len("_s")]: med(k) for k in sorted({k for r in timed for k in r})
-                             if k.startswith("handoff/") and k.endswith("_s")},
-        "response_len_mean": med("rollout/response_len/mean"),
-        "truncated_ratio": med("rollout/truncated_ratio"),
-        "decode_utilization": med("rollout/decode_utilization"),
-        "groups": groups,
-        "partial_per_step": partial or None,
-        "rollout_tokens_per_s": med("perf/rollout_tokens_per_s"),
-        "grad_norm": med("train/grad_norm"),
-        "peak_allocated_gib": peak("allocated"),
-        "peak_device_used_gib": peak("device_used"),
-        "kv_cache_tokens": kv_tokens,
-        "sync_tensors": med("perf/sync_tensors"),
     }
 
 
