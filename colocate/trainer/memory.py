@@ -94,7 +94,9 @@ class TrainerMemory:
         return self.offloader.region(tag)
 
     def add_model(self, tag: str, model: nn.Module) -> None:
-        self.offloader.register(tag, model.parameters)
+        """A model's parameters; those that train nothing (the frozen base under LoRA adapters, as
+        the weight sync also assumes) are copied to the host once, then only freed."""
+        self.offloader.register(tag, model.parameters, constant=lambda p: not p.requires_grad)
 
     def add_optimizer(self, tag: str, opt: OptimizerStep, model: nn.Module) -> StateArrival:
         self.offloader.register(tag, lambda: _optimizer_tensors(opt, model))

@@ -9,6 +9,8 @@ sharded parameters, the optimizer holds its state by identity), with the same va
   reused, since pinning many GiB takes seconds), on a side stream, then the storage is resized to
   zero. Onload resizes it back and copies the bytes home. Views into a storage (FSDP's padded
   shard, the parameter view) keep working because they reference the storage, not its address.
+  A group may name tensors that never change (`constant`: the frozen base under LoRA adapters):
+  their bytes are copied out once, and later offloads only free their storages.
 - "tms": the tensors are allocated inside a torch_memory_saver region with a CPU backup, and
   offload/onload pause and resume that region. Slower (the library copies through freshly
   allocated pinned memory each time), kept selectable for setups that already use the library.
@@ -33,6 +35,7 @@ _ALIGN = 512
 """Byte alignment of each storage's slot in the pinned buffer (keeps copies on fast paths)."""
 
 TensorSource = Callable[[], Iterable[torch.Tensor]]
+ConstantTest = Callable[[torch.Tensor], bool]
 
 
 @dataclass
@@ -78,8 +81,8 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 class _PinnedGroup:
     """One group's storages and their slots in a reusable pinned host buffer."""
 
-    def __init__(self, source: TensorSource):
-        self.source = source
+    def __init__(self, source: TensorSource, constant: ConstantTest | None = None):
+        self.source, self.constant = source, constant
         self.storages: list[torch.UntypedStorage] = []
         self.sizes: list[int] = []
         self.buffer: torch.Tensor | None = None  # (total_bytes,) uint8, pinned
@@ -88,6 +91,7 @@ class _PinnedGroup:
         self.tensors: list[torch.Tensor] = []  # held while offloaded, so that `index`'s ids stay theirs
         self.index: dict[int, int] = {}  # id(tensor) -> its storage's position
         self.arrived: torch.cuda.Event | None = None  # end of an onload not yet waited for
+        self.kept: set[int] = set()  # constant storages whose slot holds their bytes already
 
     @property
     def offloaded(self) -> bool:
@@ -109,21 +113,32 @@ class _PinnedGroup:
                 self.offsets.append(total)
                 total += -(-size // _ALIGN) * _ALIGN
             self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            self.kept = set()
         return tensors, index
 
     def offload(self, stream: torch.cuda.Stream) -> int:
         if self.offloaded:
             return 0
         self.tensors, self.index = self.prepare()
+        copies = [i for i in range(len(self.storages)) if i not in self.kept]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for i, storage in enumerate(self.storages):
-                self._slot(i).copy_(_bytes_view(storage), non_blocking=True)
+            for i in copies:
+                self._slot(i).copy_(_bytes_view(self.storages[i]), non_blocking=True)
         stream.synchronize()
         for storage in self.storages:
             storage.resize_(0)
         self.away, self.arrived = set(range(len(self.storages))), None
-        return sum(self.sizes)
+        self.kept = self._constant_storages()
+        return sum(self.sizes[i] for i in copies)
+
+    def _constant_storages(self) -> set[int]:
+        """Positions of the storages behind constant tensors only (one changing tensor on a
+        storage makes it change)."""
+        if self.constant is None:
+            return set()
+        changing = {self.index[id(t)] for t in self.tensors if not self.constant(t)}
+        return set(range(len(self.storages))) - changing
 
     def onload(self, stream: torch.cuda.Stream, tensors: Iterable[torch.Tensor] | None = None) -> int:
         """Allocate the storages again (only those behind `tensors`, when given) on the current
@@ -154,8 +169,10 @@ class _PinnedGroup:
 class StateOffloader:
     """Named groups of device tensors that go to the host and come back together.
 
-    `register(tag, source)` names a group; `source()` returns its tensors at offload time (so
-    gradients and lazily created state are found as they are then). Under "tms" the group's
+    `register(tag, source, constant)` names a group; `source()` returns its tensors at offload time
+    (so gradients and lazily created state are found as they are then), `constant(t)` says whether
+    a tensor's bytes never change once built ("pinned": copied out at the first offload only).
+    Under "tms" the group's
     tensors must be allocated inside `region(tag)`; under "pinned" that context does nothing.
     """
 
@@ -169,9 +186,9 @@ class StateOffloader:
         self._stream = torch.cuda.Stream(device) if self.enabled and method == "pinned" else None
         self._tms = memory_saver_handle() if self.enabled and method == "tms" else None
 
-    def register(self, tag: str, source: TensorSource) -> None:
+    def register(self, tag: str, source: TensorSource, constant: ConstantTest | None = None) -> None:
         assert tag not in self.groups, f"offload group {tag!r} registered twice"
-        self.groups[tag] = _PinnedGroup(source)
+        self.groups[tag] = _PinnedGroup(source, constant)
 
     def region(self, tag: str):
         if self._tms is None:

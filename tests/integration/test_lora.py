@@ -421,12 +421,13 @@ def test_two_ranks_equal_one_process(model_path, one_rank, tmp_path):
 
 def _cuda_rank(rank, world_size, path):
     """bf16 compute, pinned offload and the log-prob kernel on one GPU, with a LoRA critic; a push
-    into a bf16 engine."""
+    into a bf16 engine. The frozen base goes to the host at the first offload only, and comes back
+    unchanged from every later one."""
     from colocate import dist
     from colocate.colocation.weight_sync import sync_weights
     from colocate.rollout.native import NativeEngine
     from colocate.trainer import Trainer
-    from colocate.trainer.lora import adapted_modules, merged_weight
+    from colocate.trainer.lora import adapted_modules, adapters_disabled, merged_weight
     from colocate.trainer.memory import ACTOR_OPTIM, PARAMS, STATE
 
     info = dist.get_info()
@@ -447,6 +448,13 @@ def _cuda_rank(rank, world_size, path):
         moved = trainer.memory.offload(ACTOR_OPTIM).num_bytes
         adapter_bytes = sum(p.to_local().nbytes for n, p in trainer.actor_module.named_parameters() if is_adapter(n))
         assert 2 * adapter_bytes <= moved < 2 * adapter_bytes + (64 << 10)  # two fp32 moments and step counts
+        storage_bytes = {n: p.to_local().untyped_storage().nbytes() for n, p in trainer.actor_module.named_parameters()}
+        trained_bytes = sum(b for n, b in storage_bytes.items() if is_adapter(n))
+        moved = trainer.memory.offload(*PARAMS).num_bytes
+        assert moved == (sum(storage_bytes.values()) if rollout_id == 0 else trained_bytes), rollout_id
+    trainer.memory.onload(*PARAMS)
+    with adapters_disabled(trainer.actor_module):  # the base, after two offloads without a copy
+        assert torch.equal(_logits(trainer, ids), _logits(full, ids))
     engine = NativeEngine(str(path), dtype=torch.bfloat16, max_kv_tokens=256)
     sync_weights(trainer.actor_module, engine, version=1, dtype=torch.bfloat16)
     got = dict(engine.model.named_parameters())

@@ -217,6 +217,34 @@ def test_partial_onload_brings_back_just_the_chosen_tensors():
     assert all(torch.equal(t, s) for t, s in zip(tensors, saved))
 
 
+def test_constant_tensors_are_copied_out_once():
+    """A group's constant tensors (the frozen base under LoRA) go to the host at the first offload
+    only; later offloads free their storages without copying, and each onload brings back their
+    bytes, beside the changing tensors' new ones. A new layout copies everything again."""
+    from colocate.trainer.offload import StateOffloader
+
+    frozen, trained = torch.randn(256, 64, device="cuda"), torch.randn(1000, device="cuda")
+    frozen.requires_grad_(False)
+    trained.requires_grad_(True)
+    tensors = [frozen, trained]
+    expected_frozen, expected_trained = frozen.clone(), trained.detach().clone()
+    offloader = StateOffloader("pinned", torch.device("cuda"))
+    offloader.register("g", lambda: tensors, constant=lambda t: not t.requires_grad)
+    assert offloader.offload(["g"]).num_bytes == (256 * 64 + 1000) * 4
+    for step in range(3):
+        offloader.onload(["g"])
+        assert torch.equal(frozen, expected_frozen) and torch.equal(trained, expected_trained), step
+        with torch.no_grad():
+            trained.fill_(step)
+        expected_trained = trained.detach().clone()
+        assert offloader.offload(["g"]).num_bytes == 1000 * 4  # the frozen bytes stayed on the host
+        assert frozen.untyped_storage().nbytes() == 0
+    offloader.onload(["g"])
+    assert torch.equal(frozen, expected_frozen) and torch.equal(trained, expected_trained)
+    tensors.append(torch.zeros(10, device="cuda"))  # a new layout: a new buffer, every byte copied
+    assert offloader.offload(["g"]).num_bytes == (256 * 64 + 1000 + 10) * 4
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_compiled_blocks_train_like_eager_ones(tmp_path, info, family):
     """model.compile (inductor, dynamic shapes) with half the blocks recomputed and the rest
