@@ -221,8 +221,8 @@ MUTANTS = [
            "        self.waiting.appendleft([seq])",
            ("tests/unit/test_scheduler.py::test_preemption_frees_blocks_and_recomputes_with_identical_results",
             "tests/parity/test_engine_parity.py::test_preemption_gives_the_same_outputs")),
-    Mutant("decode_buffers_without_a_spare_row", "colocate/rollout/native/model_runner.py",
-           "rows = max_num_seqs + 1", "rows = max_num_seqs",
+    Mutant("decode_batch_not_marked_dynamic", "colocate/rollout/native/model_runner.py",
+           "                torch._dynamo.maybe_mark_dynamic(t, 0)\n", "                pass\n",
            ("tests/parity/test_engine_parity.py::test_compiled_decode_equals_eager_decode",)),
 ]
 

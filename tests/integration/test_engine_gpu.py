@@ -151,8 +151,9 @@ def test_cuda_graph_decode_equals_eager_decode():
 def test_compiled_decode_compiles_one_layer_for_all_layers():
     """More layers than dynamo's recompile limit (8): were the shared layer graph recompiled for
     each layer (a guard on something that differs between layers), fullgraph would fail here. The
-    first warm-up is the largest bucket, a batch of max_num_seqs: no bucket may compile again.
-    Its numbers are the log-prob tests' below, which run the compiled default."""
+    first warm-up is the largest bucket, a batch of max_num_seqs (256) that fills the decode
+    buffers and equals the hidden size: no bucket may compile again. Its numbers are the log-prob
+    tests' below, which run the compiled default."""
     from torch._dynamo.utils import counters
 
     cfg = dataclasses.replace(SMALL, num_hidden_layers=12)

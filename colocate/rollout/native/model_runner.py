@@ -103,12 +103,9 @@ class ModelRunner:
         self.scale = cfg.head_dim ** -0.5
         self.kv: torch.Tensor | None = None
         self.allocate_kv()
-        # Static decode inputs (outside any releasable region: small, and graphs read them). One
-        # row more than a batch can fill: were a batch's slice the whole buffer, the compiled
-        # forward would specialise on that size (a guard on the view's base) and compile again for
-        # every smaller batch.
+        # Static decode inputs (outside any releasable region: small, and graphs read them).
         max_blocks_per_seq = -(-max_model_len // block_size)
-        rows = max_num_seqs + 1
+        rows = max_num_seqs
         dev = dict(device=self.device)
         self.input_ids = torch.zeros(rows, dtype=torch.int64, **dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, **dev)
@@ -124,7 +121,7 @@ class ModelRunner:
         self.compiled_decode = bool(compile_decode) and not batch_invariant.enabled()
 
         def compiled(fn):
-            return torch.compile(fn, dynamic=True, fullgraph=True) if self.compiled_decode else fn
+            return torch.compile(fn, fullgraph=True) if self.compiled_decode else fn
 
         self._embed, self._layer, self._head = (compiled(self._decode_embed), compiled(_decode_layer),
                                                 compiled(self._decode_head))
@@ -237,11 +234,23 @@ class ModelRunner:
                                         context_lens, self.scale)
 
             return self._logits(self.model.hidden_states(self.input_ids[:b], positions=self.positions[:b], attn=attn))
-        x, delta, cos, sin = self._embed(self.input_ids[:b], self.positions[:b])
+        batch = self._batch_dim
+        x, delta, cos, sin = batch(*self._embed(*batch(self.input_ids[:b], self.positions[:b])))
+        batch(slot_mapping, block_tables, context_lens)
         for i, layer in enumerate(self.model.model.layers):
-            x, delta = self._layer(layer, x, delta, cos, sin, self.kv[:, i], slot_mapping, block_tables, context_lens,
-                                   self.scale)
+            x, delta = batch(*self._layer(layer, x, delta, cos, sin, self.kv[:, i], slot_mapping, block_tables,
+                                          context_lens, self.scale))
         return self._head(x, delta)
+
+    def _batch_dim(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Mark dim 0, the batch, as the compiled decode's one varying size; every other size is
+        traced as a constant. Were all sizes symbolic, a batch equal to another size (a hidden size
+        or a block-table width of 256, say) would share its symbol, the first trace would fix both,
+        and every other batch would compile again."""
+        if self.compiled_decode:
+            for t in tensors:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return tensors
 
     def _decode_embed(self, input_ids, positions):
         """The stream (B, H), a zero first delta, and the rotary tables of a decode step."""
