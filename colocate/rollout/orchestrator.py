@@ -131,7 +131,7 @@ class RolloutManager:
         """This rank's training samples for one rollout step, and rollout/* metrics (global).
 
         `on_progress(n)` is called with the number of groups newly accepted (or completed)."""
-        decode_before = self._decode_counts()
+        engine_before = self._engine_counts()
         if self.cfg.partial_rollout:
             samples, stats, partial_metrics = self._generate_partial(data, rollout_id, on_progress)
         else:
@@ -139,8 +139,8 @@ class RolloutManager:
             partial_metrics = {}
         metrics = self._metrics(samples, stats)
         metrics.update(partial_metrics)
-        if decode_before is not None:
-            metrics["rollout/decode_utilization"] = self._decode_utilization(decode_before, stats.num_seqs)
+        if engine_before is not None:
+            metrics.update(self._engine_metrics(engine_before, stats.num_seqs))
         return samples, metrics
 
     def _generate_groups(self, data, rollout_id: int, on_progress) -> tuple[list[Sample], GroupStats]:
@@ -293,22 +293,32 @@ class RolloutManager:
             metrics[f"rollout/partial/{name}"] = sums[7 + k] / num_samples
         return metrics
 
-    def _decode_counts(self) -> tuple[int, int] | None:
-        """(decode tokens, decode steps) so far, of an engine that counts them (the native one);
-        None as well with custom generation, whose batches are its own."""
+    def _engine_counts(self) -> dict[str, float] | None:
+        """The engine's cumulative counters so far (the native engine's `stats`), or None for an
+        engine that keeps none."""
         counters = getattr(self.engine, "stats", None)
-        if counters is None or self.custom_generate is not None:
-            return None
-        return counters["decode_tokens"], counters["decode_steps"]
+        return None if counters is None else dict(counters)
 
-    def _decode_utilization(self, before: tuple[int, int], num_seqs: int) -> float:
-        """The mean decode batch since `before` over the batch the engine could have run (the
-        samples handed to it, up to its running limit), over all ranks: how far the step's tail
-        of few long samples left the engine's batch empty."""
-        tokens, steps = (now - then for now, then in zip(self._decode_counts(), before))
+    def _engine_metrics(self, before: dict[str, float], num_seqs: int) -> dict[str, float]:
+        """The engine's work since `before`, over all ranks:
+        - rollout/prefill_tokens: prompts, plus what continued samples and preempted sequences
+          recompute (with partial rollout under offload, every carried sample's context again);
+        - rollout/preemptions: sequences preempted for want of KV-cache blocks;
+        - perf/engine_prefill_time, perf/engine_decode_time: the engine's seconds in each (mean
+          over ranks);
+        - rollout/decode_utilization: the mean decode batch over the batch the engine could have
+          run (the samples handed to it, up to its running limit): how far the step's tail of few
+          long samples left it empty. Not with custom generation, whose batches are its own."""
+        d = {k: v - before.get(k, 0) for k, v in self._engine_counts().items()}
         seats = min(num_seqs, self.cfg.max_running_requests)
-        sums = dist.all_reduce_sum([tokens, steps * seats]).tolist()
-        return sums[0] / max(sums[1], 1)
+        sums = dist.all_reduce_sum([d["prefill_tokens"], d["preemptions"], d["prefill_seconds"], d["decode_seconds"],
+                                    d["decode_tokens"], d["decode_steps"] * seats]).tolist()
+        world = self.info.world_size
+        metrics = {"rollout/prefill_tokens": sums[0], "rollout/preemptions": sums[1],
+                   "perf/engine_prefill_time": sums[2] / world, "perf/engine_decode_time": sums[3] / world}
+        if self.custom_generate is None:
+            metrics["rollout/decode_utilization"] = sums[4] / max(sums[5], 1)
+        return metrics
 
     def state_dict(self) -> list[list[dict]]:
         """Every rank's groups in flight, in rank order (collective): a checkpoint's partial rollout."""

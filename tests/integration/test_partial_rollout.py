@@ -78,8 +78,15 @@ def test_carried_samples_keep_tokens_logprobs_and_versions(toy):  # noqa: F811
     assert 0 < m1["rollout/decode_utilization"] <= 1
 
     rm.engine.weight_version = 2
+    prompt_len = {g.prompt.index: len(g.prompt.prompt_ids) for g in rm.in_flight}
     second, m2 = rm.generate(data, rollout_id=1)
     _check_whole_groups(second)
+    # Every unfinished carried sample is prefilled again with its kept tokens, each new group once.
+    new_groups = {s.group_index: len(s.prompt_ids) for s in second if s.group_index not in prompt_len}
+    new_groups |= {g.prompt.index: len(g.prompt.prompt_ids) for g in rm.in_flight if g.prompt.index not in prompt_len}
+    assert m2["rollout/prefill_tokens"] == sum(new_groups.values()) + sum(
+        prompt_len[g] + len(carried[g, j][0]) for g, j in unfinished)
+    assert m2["rollout/preemptions"] == 0
     assert m2["rollout/partial/resumed_samples"] == sum(1 for k in unfinished if carried[k][0])
     now = {(s.group_index, s.sample_index): s for s in second} | {k: None for k in _state(rm)}
     checked = 0

@@ -53,6 +53,9 @@ def test_groups_rewards_and_metrics(toy):
     assert all(s.weight_version == 0 and len(s.rollout_logprobs) == s.response_len for s in samples)
     assert m["rollout/raw_reward"] == pytest.approx(sum(s.raw_reward for s in samples) / 16)
     assert m["rollout/num_samples"] == 16 and m["rollout/sampling_rounds"] == 1
+    # One prefill per group (its samples share the prompt's), no preemption in a cache this large.
+    assert m["rollout/prefill_tokens"] == sum(len(s.prompt_ids) for s in samples[::4])
+    assert m["rollout/preemptions"] == 0 and m["perf/engine_prefill_time"] > 0 and m["perf/engine_decode_time"] > 0
     again, _ = manager(toy)[0].generate(manager(toy)[1], rollout_id=0)
     assert [s.response_ids for s in again] == [s.response_ids for s in samples]  # seeded
 

@@ -112,8 +112,9 @@ class NativeEngine:
         self._next_prompt_index = 0
         self._decode_sampling: tuple[list[int], SamplingBatch] | None = None
         self.stats = dict(prefill_steps=0, prefill_tokens=0, prefill_seconds=0.0, decode_steps=0,
-                          decode_tokens=0, decode_seconds=0.0)
-        """Cumulative counters: tokens computed and wall time (synchronised) per phase."""
+                          decode_tokens=0, decode_seconds=0.0, preemptions=0)
+        """Cumulative counters: tokens computed and wall time (synchronised) per phase, and
+        sequences preempted for want of KV-cache blocks (each recomputes its context later)."""
 
     def _load(self, model: CausalLM | str | Path, dtype: torch.dtype) -> CausalLM:
         with self.memory.region("weights"):
@@ -218,6 +219,7 @@ class NativeEngine:
         self._check_ready()
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        self.stats["preemptions"] = self.scheduler.num_preemptions
         self.runner.copy_blocks(batch.copies)
         vocab = self.model.config.vocab_size
         if batch.is_prefill:
