@@ -41,7 +41,7 @@ Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on
                          [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trl-configs A,B] [--trace-dir DIR]
                          [--lora-rank N [--lora-only]] [--shape 0.5b|1.5b|8b]
      python bench/e2e.py --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
-     python bench/e2e.py --tail [--partial both] [--cpu-smoke]   (bench/e2e_tail.py: long-tailed
+     python bench/e2e.py --tail [--partial both] [--over-sampling 4] [--cpu-smoke]   (bench/e2e_tail.py: long-tailed
                          lengths on a Qwen3-4B shape, partial rollout off and on; no TRL)
 Writes bench/results/e2e.json (--tail: e2e_tail.json; --cpu-smoke: a file in its temporary
 directory unless --out) and prints one summary line. On a cold H200 both of our variants and one
@@ -297,7 +297,7 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
         cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, budget,
                           warmup + steps + profiled, rank)
         if args.tail:
-            cfg = e2e_tail.tail_config(cfg, shape, partial)
+            cfg = e2e_tail.tail_config(cfg, shape, partial, args.over_sampling)
         cfg_path = workdir / f"{name}.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         trace = ["--trace", str(args.trace_dir / f"e2e_{name}.json.gz")] if profiled else []
@@ -371,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail", action="store_true",
                         help="long-tailed lengths on a Qwen3-4B shape, offload on (bench/e2e_tail.py)")
     parser.add_argument("--partial", choices=tuple(CHOICES), default="both", help="--tail: partial rollout")
+    parser.add_argument("--over-sampling", type=int, default=4,
+                        help="--tail with partial rollout: groups in flight, in multiples of a step's (default 4)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/e2e.json)")
     for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--result", "--trace", "--tail-shape",
                    "--worker-shape", "--num-prompts", "--workdir", "--trl-config"):

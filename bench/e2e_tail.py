@@ -6,8 +6,11 @@ prompts of 256 tokens x 8 samples a step. Every sample's length comes from the l
 index, with ignore_eos: `TailLengths` sits between the rollout manager and the engine and splits
 each request into one request per sample with that sample's max_new_tokens, so a sample continued
 in a later step keeps its length. Partial rollout on keeps 64 groups in flight (four times the
-step's: with twice, a step on the H200 took as long as without partial rollout), with
-max_staleness 8: a group then trains about three versions after its first token, and a sample at
+step's, `--over-sampling 4`: with twice, steps 2 and 3 on the H200 took as long as without
+partial rollout; on an H100, four times slowed step after step, 59, 63, 90 and over 170 s, a run
+cut off before its JSON: carried samples' contexts are prefilled again after every offload and may
+outgrow the KV cache, which each step's rollout/prefill_tokens and rollout/preemptions now show),
+with max_staleness 8: a group then trains about three versions after its first token, and a sample at
 the 8192-token cap needs several steps of a full batch to finish; a bound that close would hold
 steps open for it (validation wants at least 3 for four steps' groups in flight).
 Reported next to the step times: how many groups were drawn, trained and left in flight, and
@@ -37,13 +40,14 @@ TIMEOUT_S = 1500.0
 """Per variant: the 4B shape compiles, captures graphs and trains ~0.3M tokens a step."""
 
 
-def tail_config(cfg: dict, shape: str, partial: bool) -> dict:
-    """e2e.py's config of one variant, turned into the tail run's."""
+def tail_config(cfg: dict, shape: str, partial: bool, over_sampling: int = 4) -> dict:
+    """e2e.py's config of one variant, turned into the tail run's: with partial rollout,
+    `over_sampling` times the step's groups in flight."""
     rollout = cfg["rollout"]
     del rollout["custom_generate"]  # TailLengths fixes the lengths; partial rollout refuses a custom one
     rollout["partial_rollout"] = partial
     if partial:
-        rollout["over_sampling_batch_size"] = 4 * BATCHES[shape]["prompts"]
+        rollout["over_sampling_batch_size"] = over_sampling * BATCHES[shape]["prompts"]
         rollout["max_staleness"] = 8
     rollout["gpu_memory_fraction"] = 0.75  # the whole tail in flight must fit without preemption
     cfg["model"]["gradient_checkpointing"] = shape == "4b"

@@ -102,8 +102,9 @@ def test_startup_bench_cpu_smoke_times_every_case_cold_and_warm(tmp_path):
 
 def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(tmp_path):
     out = tmp_path / "e2e_tail.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--tail", "--cpu-smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--tail", "--cpu-smoke",
+                           "--over-sampling", "3", "--out", str(out)], capture_output=True, text=True, timeout=400,
+                          cwd=ROOT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     results = json.loads(out.read_text())
     ours = results["ours"]
@@ -119,11 +120,12 @@ def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(
         prompts = results["batch"]["prompts"] * results["batch"]["prompt_tokens"]  # a step's at least
         assert all(r["prefill_tokens"] >= prompts and r["preemptions"] >= 0 and r["generate_time"] > 0
                    for r in every), (name, every)
-    # Two steps of 4 groups each; with partial rollout 16 are drawn first (4x in flight), 4 more
-    # for the second step, and 12 stay in flight.
+    # Two steps of 4 groups each; with partial rollout 12 are drawn first (3x in flight), 4 more
+    # for the second step, and 8 stay in flight.
     off, on = ours["offload_on_partial_off"]["groups"], ours["offload_on_partial_on"]["groups"]
     assert off == {"drawn": 8, "trained": 8, "in_flight_at_end": 0, "trained_beyond_drawn": 0, "nothing_lost": True}
-    assert on == {"drawn": 20, "trained": 8, "in_flight_at_end": 12, "trained_beyond_drawn": 0, "nothing_lost": True}
+    assert on == {"drawn": 16, "trained": 8, "in_flight_at_end": 8, "trained_beyond_drawn": 0, "nothing_lost": True}
+    assert ours["offload_on_partial_on"]["config"]["rollout"]["over_sampling_batch_size"] == 12
 
 
 @pytest.mark.slow
