@@ -172,8 +172,8 @@ class StateOffloader:
     `register(tag, source, constant)` names a group; `source()` returns its tensors at offload time
     (so gradients and lazily created state are found as they are then), `constant(t)` says whether
     a tensor's bytes never change once built ("pinned": copied out at the first offload only).
-    Under "tms" the group's
-    tensors must be allocated inside `region(tag)`; under "pinned" that context does nothing.
+    Under "tms" the group's tensors must be allocated inside `region(tag)`; under "pinned" that
+    context does nothing.
     """
 
     def __init__(self, method: str, device: torch.device):

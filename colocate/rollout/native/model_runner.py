@@ -105,13 +105,12 @@ class ModelRunner:
         self.allocate_kv()
         # Static decode inputs (outside any releasable region: small, and graphs read them).
         max_blocks_per_seq = -(-max_model_len // block_size)
-        rows = max_num_seqs
         dev = dict(device=self.device)
-        self.input_ids = torch.zeros(rows, dtype=torch.int64, **dev)
-        self.positions = torch.zeros(rows, dtype=torch.int64, **dev)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, **dev)
-        self.block_tables = torch.full((rows, max_blocks_per_seq), -1, dtype=torch.int32, **dev)
-        self.context_lens = torch.zeros(rows, dtype=torch.int32, **dev)
+        self.input_ids = torch.zeros(max_num_seqs, dtype=torch.int64, **dev)
+        self.positions = torch.zeros(max_num_seqs, dtype=torch.int64, **dev)
+        self.slot_mapping = torch.full((max_num_seqs,), -1, dtype=torch.int64, **dev)
+        self.block_tables = torch.full((max_num_seqs, max_blocks_per_seq), -1, dtype=torch.int32, **dev)
+        self.context_lens = torch.zeros(max_num_seqs, dtype=torch.int32, **dev)
         self._prefill: _PrefillContext | None = None
         # Eager, a decode step is ~40 small kernels per layer; compiled, the elementwise work
         # between the GEMMs and the attention op fuses (the graphs then replay fewer launches).
