@@ -44,9 +44,9 @@ def load_tokenizer(model_dir: Path):
     """The model directory's tokenizer, or None when it has none."""
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
+    from colocate.models.config import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return load(model_dir)
 
 
 def read_prompts(path: Path, tokenizer, chat: bool = False) -> list[tuple[int, list[int]]]:

@@ -61,10 +61,8 @@ class RunInputs:
 
     @classmethod
     def load(cls, cfg: Config, info: DistInfo) -> "RunInputs":
-        from transformers import AutoTokenizer
-
         from colocate.models import ModelConfig
-        from colocate.models.config import stop_token_ids
+        from colocate.models.config import load_tokenizer, stop_token_ids
         from colocate.rollout.data import PromptDataset, PromptSampler
         from colocate.rollout.rewards import load_reward_fn
         from colocate.user_code import load_function
@@ -74,7 +72,7 @@ class RunInputs:
         _resolve_hub_ids(cfg, info)
         r = cfg.rollout
         ModelConfig.from_dir(cfg.model.path)  # unsupported architectures fail here
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path)
         eos = stop_token_ids(cfg.model.path, tokenizer)
         reward_fn = load_reward_fn(r.reward)
 

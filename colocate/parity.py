@@ -25,7 +25,7 @@ def _prompts(args, vocab_size: int) -> list[list[int]]:
     if args.prompts is None:
         g = torch.Generator().manual_seed(args.seed)
         return [torch.randint(0, vocab_size, (8 + 5 * i,), generator=g).tolist() for i in range(args.num_prompts)]
-    from transformers import AutoTokenizer
+    from colocate.models.config import load_tokenizer
 
     tok = None
     out = []
@@ -45,7 +45,7 @@ def _prompts(args, vocab_size: int) -> list[list[int]]:
                                  f"[0, {vocab_size})")
             out.append(ids)
         elif "prompt" in row:
-            tok = tok or AutoTokenizer.from_pretrained(args.model)
+            tok = tok or load_tokenizer(args.model)
             out.append(tok(row["prompt"])["input_ids"])
         else:
             raise ValueError(f"{args.prompts}:{n}: needs 'prompt' or 'input_ids'")

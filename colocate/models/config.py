@@ -113,6 +113,34 @@ class ModelConfig:
         return out
 
 
+GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+"""tokenizer_config.json classes that are the tokenizers library's backend itself, with no
+model-specific class: the toy's, and any tokenizer saved from a bare tokenizer.json."""
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The model directory's tokenizer, as `AutoTokenizer.from_pretrained` loads it.
+
+    A tokenizer_config.json that names the generic fast class (GENERIC_TOKENIZERS) and no remote
+    code is loaded by that class directly: the same tokenizer, without AutoTokenizer's import of
+    the model registry, which on some transformers versions pulls in the generation utilities and
+    their optional dependencies (2-3 s of the toy run's start on a GPU machine).
+    """
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if (isinstance(config, dict) and config.get("tokenizer_class") in GENERIC_TOKENIZERS
+            and "auto_map" not in config and (model_dir / "tokenizer.json").is_file()):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def stop_token_ids(model_dir: str | Path, tokenizer=None) -> list[int]:
     """The token ids that end a completion of this model directory's model, sorted.
 

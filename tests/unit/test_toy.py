@@ -92,3 +92,32 @@ def test_ensure_toy_is_idempotent_and_replaces_stale_copies(tmp_path, monkeypatc
     assert (path / "VERSION").read_text().strip() == TOY_VERSION
     assert read_jsonl(path / "train.jsonl")[0]["prompt"] == "d a a a after c"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["toy"]  # no temporary leftovers
+
+
+def test_generic_tokenizer_loads_without_the_auto_registry(toy, tmp_path):
+    """load_tokenizer gives AutoTokenizer's tokenizer; for the generic class (the toy's) without
+    importing AutoTokenizer's model registry, for any other class through AutoTokenizer."""
+    import shutil
+    import subprocess
+    import sys
+
+    from colocate.models.config import load_tokenizer
+
+    mine, auto = load_tokenizer(toy / "model"), AutoTokenizer.from_pretrained(toy / "model")
+    assert type(mine) is type(auto)
+    text = "c a after b"
+    assert mine(text)["input_ids"] == auto(text)["input_ids"] and mine.eos_token_id == auto.eos_token_id == 0
+    code = ("import sys; from colocate.models.config import load_tokenizer; load_tokenizer(sys.argv[1]); "
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.models.auto')))")
+    out = subprocess.run([sys.executable, "-c", code, str(toy / "model")], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+    other = tmp_path / "other"
+    shutil.copytree(toy / "model", other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AutoTokenizer, "from_pretrained", lambda path, **kw: calls.append(path) or auto)
+        assert load_tokenizer(other) is auto and load_tokenizer(toy / "model") is not auto
+    assert calls == [str(other)]
