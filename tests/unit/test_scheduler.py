@@ -158,3 +158,31 @@ def test_abort_all_frees_every_block_and_marks_the_sequences():
     assert sorted(s.seq_id for s in aborted) == [0, 1, 2, 3]
     assert all(s.finish_reason == "abort" for s in aborted)
     assert not sched.has_unfinished() and bm.num_free_blocks == 32
+
+
+def test_admission_backs_off_after_a_preemption(monkeypatch):
+    """Long-tailed lengths on a cache they outgrow: without the reservation, blocks freed by a
+    finished sequence readmit a preempted one whose context is computed again, only to be
+    preempted again. With it, a fraction of the preemptions and of the recomputed tokens, the same
+    outputs; a cache that holds everything reserves nothing and schedules exactly as before."""
+    from colocate.rollout.native import scheduler
+
+    lengths = [8, 90, 12, 60, 30, 110, 15, 45, 70, 20, 100, 25, 35, 80, 10, 55] * 2
+
+    def outputs(num_blocks, fade):
+        monkeypatch.setattr(scheduler, "RESERVE_FADE_TOKENS", fade)
+        bm = BlockManager(num_blocks=num_blocks, block_size=4)
+        sched = Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=256, max_decode_steps=4)
+        for i, n in enumerate(lengths):
+            sched.add(make_group([2 + i, 3, 4, 5, 6, 7, 8, 9], prompt_index=i, first_id=i, max_new_tokens=n))
+        finished, batches, spans = run(sched, max_steps=5000)
+        recomputed = sum(end - start for _, start, end, _, total in spans if total > 8)
+        schedule = [([c.seq.seq_id for c in b.chunks], [s.seq_id for s in b.seqs], b.num_steps) for b in batches]
+        return {s.seq_id: s.output_ids for s in finished}, sched.num_preemptions, recomputed, schedule
+
+    backing_off = outputs(120, 1024)
+    greedy = outputs(120, 1e-9)  # the reservation gone as soon as it is made
+    assert backing_off[0] == greedy[0] and len(backing_off[0]) == len(lengths)
+    assert greedy[1] >= 3 * backing_off[1] and greedy[2] >= 3 * backing_off[2], (greedy[1:3], backing_off[1:3])
+    roomy = outputs(2000, 1024)
+    assert roomy[1] == 0 and roomy[0] == greedy[0] and roomy[3] == outputs(2000, 1e-9)[3]

@@ -9,6 +9,13 @@ per host round trip; the few tokens sampled past a stop are discarded). When blo
 most recently admitted sequence is preempted: its blocks are freed and it is recomputed later from
 its prompt and generated tokens. Sampling noise depends only on (seed, position), so preemption
 and batching never change what is sampled.
+
+Admission backs off after a preemption: it then keeps free the blocks that the admitted sequences'
+remaining token budgets would fill, a reservation that fades to nothing over
+`RESERVE_FADE_TOKENS` decode tokens without another preemption. Without it, blocks freed by a
+finished sequence readmit a preempted one at once, whose context is computed again only to be
+preempted again as the others grow (long-tailed lengths on a cache they outgrow: hundreds of
+preemptions a step). Until the first preemption nothing is reserved.
 """
 
 from __future__ import annotations
@@ -82,6 +89,10 @@ class Batch:
         return bool(self.chunks)
 
 
+RESERVE_FADE_TOKENS = 1024
+"""Decode tokens over which admission's reservation fades from whole budgets to none."""
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_decode_steps: int):
@@ -95,6 +106,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         """Decoding sequences, in admission order (the last one is preempted first)."""
         self.num_preemptions = 0
+        self.reserve = 0.0
+        """The fraction of admitted sequences' remaining budgets that admission keeps free: 1 after
+        a preemption, fading to 0 (see the module docstring)."""
 
     def add(self, group: list[Sequence]) -> None:
         assert group and all(s.prompt_index == group[0].prompt_index for s in group)
@@ -130,7 +144,7 @@ class Scheduler:
             # Keep a block of headroom per admitted sequence for its first decode write, unless the
             # cache is idle (then anything that fits at all must be admitted, or nothing ever runs).
             idle = not self.running and not self.prefilling
-            headroom = 0 if idle else min(len(group), seats)
+            headroom = 0 if idle else min(len(group), seats) + self._reserved_blocks(group[:seats])
             if needed + headroom > self.blocks.num_free_blocks:
                 break
             self.waiting.popleft()
@@ -143,6 +157,14 @@ class Scheduler:
             self.prefilling.append(group)
             budget -= self._add_chunk(batch, group, budget)
         return batch
+
+    def _reserved_blocks(self, group: list[Sequence]) -> int:
+        """Blocks kept free for growth when `group` is admitted: `reserve` of the remaining budgets
+        of the admitted sequences and the group's."""
+        if not self.reserve:
+            return 0
+        admitted = [*self.running, *(s for g in self.prefilling for s in g), *group]
+        return self.blocks.blocks_for(int(self.reserve * sum(s.num_remaining for s in admitted)))
 
     def _add_chunk(self, batch: Batch, group: list[Sequence], budget: int) -> int:
         head = group[0]
@@ -158,6 +180,7 @@ class Scheduler:
             num_steps = 1  # short of blocks: advance one token at a time before preempting anyone
             needs = [self._blocks_to_decode(s, num_steps) for s in self.running]
         batch = Batch(num_steps=num_steps)
+        self.reserve = max(0.0, self.reserve - num_steps / RESERVE_FADE_TOKENS)
         if sum(needs) <= self.blocks.num_free_blocks:  # the common case: everyone fits
             for seq, need in zip(self.running, needs):
                 if need:
@@ -191,6 +214,7 @@ class Scheduler:
         seq.num_computed = 0
         self.waiting.appendleft([seq])
         self.num_preemptions += 1
+        self.reserve = 1.0
 
     def abort_all(self) -> list[Sequence]:
         """Remove every unfinished sequence (finish reason 'abort') and free its blocks."""
