@@ -93,8 +93,11 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
             loop.run()
         groups = e2e_tail.groups_report(record, loop) if tail else None
     finally:
+        closing = time.perf_counter()
         loop.close()
         dist.destroy()
+        # Seen on an H100: the tail run's process went on for over 110 s after its last step.
+        print(f"{PROGRESS} {config_path.stem} closed in {time.perf_counter() - closing:.1f} s", flush=True)
     rows = read_metrics(cfg.output_dir)
     stamps = [start] + [r["time"] for r in rows]
     end = len(rows) - (1 if trace else 0)
