@@ -7,9 +7,11 @@ index, with ignore_eos: `TailLengths` sits between the rollout manager and the e
 each request into one request per sample with that sample's max_new_tokens, so a sample continued
 in a later step keeps its length. Partial rollout on keeps 64 groups in flight (four times the
 step's, `--over-sampling 4`: with twice, steps 2 and 3 on the H200 took as long as without
-partial rollout; on an H100, four times slowed step after step, 59, 63, 90 and over 170 s, a run
-cut off before its JSON: carried samples' contexts are prefilled again after every offload and may
-outgrow the KV cache, which each step's rollout/prefill_tokens and rollout/preemptions now show),
+partial rollout; on an H100, four times slowed step after step, 59, 63, 90 and over 170 s, while
+the scheduler readmitted preempted sequences at once: carried samples' contexts are prefilled again
+after every offload and outgrow half the H200's KV cache. With admission backing off after a
+preemption, steps 2-5 generated in 41-57 s there; rollout/prefill_tokens and rollout/preemptions
+show each step's),
 with max_staleness 8: a group then trains about three versions after its first token, and a sample at
 the 8192-token cap needs several steps of a full batch to finish; a bound that close would hold
 steps open for it (validation wants at least 3 for four steps' groups in flight).
