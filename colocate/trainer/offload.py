@@ -5,9 +5,11 @@ the trainer needs its tensors back unchanged afterwards: the same Python objects
 sharded parameters, the optimizer holds its state by identity), with the same values. Two methods:
 
 - "pinned" (default, faster): every distinct device storage behind the registered tensors is copied
-  into one pinned host buffer per group (allocated by `reserve` or at the first offload, then
-  reused, since pinning many GiB takes seconds), on a side stream, then the storage is resized to
-  zero. Onload resizes it back and copies the bytes home. Views into a storage (FSDP's padded
+  into a slot of the group's pinned host buffers (allocated by `reserve` or at the first offload,
+  then reused, since pinning many GiB takes seconds), on a side stream, then the storage is resized
+  to zero. The buffers are pieces of at most a power of two each (`pinned_layout`): torch's pinned
+  allocator rounds every allocation up to a power of two, so one buffer a group pinned up to twice
+  its bytes (a 1.5B model's 18.5 GB of optimizer state and gradients: 32 GB). Onload resizes it back and copies the bytes home. Views into a storage (FSDP's padded
   shard, the parameter view) keep working because they reference the storage, not its address.
   A group may name tensors that never change (`constant`: the frozen base under LoRA adapters):
   their bytes are copied out once, and later offloads only free their storages.
@@ -33,6 +35,9 @@ from colocate.memory_saver import handle as memory_saver_handle
 OFFLOAD_METHODS = ("pinned", "tms")
 _ALIGN = 512
 """Byte alignment of each storage's slot in the pinned buffer (keeps copies on fast paths)."""
+_PIECE = 1 << 30
+"""The smallest size of a full pinned piece (bytes); a larger storage raises it to the power of two
+that holds it."""
 
 TensorSource = Callable[[], Iterable[torch.Tensor]]
 ConstantTest = Callable[[torch.Tensor], bool]
@@ -74,6 +79,25 @@ def _storages(tensors: Iterable[torch.Tensor], index: dict[int, int] | None = No
     return out
 
 
+def pinned_layout(sizes: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Slots for storages of these byte sizes: (piece, byte offset) each, and each piece's size.
+    Each storage goes to the first piece with room for it (first fit), a piece holding at most
+    `capacity` bytes: a power of two, at least _PIECE and at least the largest aligned storage. A
+    nearly full piece then pins its capacity, and only the last is rounded up (by less than half of
+    it). Slots are _ALIGN-aligned."""
+    aligned = [-(-size // _ALIGN) * _ALIGN for size in sizes]
+    capacity = max([_PIECE, *aligned])
+    capacity = 1 << (capacity - 1).bit_length()
+    slots, pieces = [], []
+    for size in aligned:
+        piece = next((i for i, used in enumerate(pieces) if used + size <= capacity), len(pieces))
+        if piece == len(pieces):
+            pieces.append(0)
+        slots.append((piece, pieces[piece]))
+        pieces[piece] += size
+    return slots, pieces
+
+
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
 
@@ -85,8 +109,8 @@ class _PinnedGroup:
         self.source, self.constant = source, constant
         self.storages: list[torch.UntypedStorage] = []
         self.sizes: list[int] = []
-        self.buffer: torch.Tensor | None = None  # (total_bytes,) uint8, pinned
-        self.offsets: list[int] = []
+        self.pieces: list[torch.Tensor] = []  # uint8, pinned (see pinned_layout)
+        self.slots: list[tuple[int, int]] = []  # (piece, offset) of each storage
         self.away: set[int] = set()  # storages on the host, not yet queued home
         self.tensors: list[torch.Tensor] = []  # held while offloaded, so that `index`'s ids stay theirs
         self.index: dict[int, int] = {}  # id(tensor) -> its storage's position
@@ -98,21 +122,20 @@ class _PinnedGroup:
         return bool(self.away)
 
     def _slot(self, i: int) -> torch.Tensor:
-        return self.buffer[self.offsets[i] : self.offsets[i] + self.sizes[i]]
+        piece, offset = self.slots[i]
+        return self.pieces[piece][offset : offset + self.sizes[i]]
 
     def prepare(self) -> tuple[list[torch.Tensor], dict[int, int]]:
-        """Find the group's storages as they are now; (re)allocate the pinned buffer if their sizes
+        """Find the group's storages as they are now; (re)allocate the pinned buffers if their sizes
         differ from the last layout. Returns the tensors and their storage positions."""
         tensors, index = [t for t in self.source() if t is not None], {}
         self.storages = _storages(tensors, index)
         sizes = [s.nbytes() for s in self.storages]
-        if sizes != self.sizes or self.buffer is None:
+        if sizes != self.sizes or not self.pieces:
             self.sizes = sizes
-            self.offsets, total = [], 0
-            for size in sizes:
-                self.offsets.append(total)
-                total += -(-size // _ALIGN) * _ALIGN
-            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            self.slots, pieces = pinned_layout(sizes)
+            self.pieces = []  # the old pieces go back to torch's pinned cache before the new ones come
+            self.pieces = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in pieces]
             self.kept = set()
         return tensors, index
 

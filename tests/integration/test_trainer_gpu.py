@@ -195,10 +195,14 @@ def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info, determinist
         torch.testing.assert_close(weights[1][name], expected, rtol=0, atol=1e-5, msg=name)
 
 
-def test_partial_onload_brings_back_just_the_chosen_tensors():
+def test_partial_onload_brings_back_just_the_chosen_tensors(monkeypatch):
     """The pinned offloader's per-tensor onload: the chosen tensors' storages (a view counts as its
-    base's) come back with their bytes, the rest stays away until the group's onload."""
+    base's) come back with their bytes, the rest stays away until the group's onload. Pieces of
+    8 KiB put the storages in two pinned pieces."""
+    from colocate.trainer import offload
     from colocate.trainer.offload import StateOffloader
+
+    monkeypatch.setattr(offload, "_PIECE", 4096)
 
     base = torch.randn(64, 32, device="cuda")
     tensors = [base, base[8:16], torch.randn(1000, device="cuda"), torch.arange(7, device="cuda")]
@@ -207,6 +211,7 @@ def test_partial_onload_brings_back_just_the_chosen_tensors():
     offloader.register("g", lambda: tensors)
     total = offloader.offload(["g"]).num_bytes
     assert total == (64 * 32 + 1000) * 4 + 7 * 8 and offloader.away_bytes("g") == total
+    assert [p.numel() for p in offloader.groups["g"].pieces] == [64 * 32 * 4, 4096 + 512]
     assert offloader.onload_part("g", [tensors[1]]) == 64 * 32 * 4
     assert offloader.onload_part("g", [tensors[0]]) == 0  # already queued
     offloader.wait(["g"])
