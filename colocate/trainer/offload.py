@@ -7,10 +7,11 @@ sharded parameters, the optimizer holds its state by identity), with the same va
 - "pinned" (default, faster): every distinct device storage behind the registered tensors is copied
   into a slot of the group's pinned host buffers (allocated by `reserve` or at the first offload,
   then reused, since pinning many GiB takes seconds), on a side stream, then the storage is resized
-  to zero. The buffers are pieces of at most a power of two each (`pinned_layout`): torch's pinned
-  allocator rounds every allocation up to a power of two, so one buffer a group pinned up to twice
-  its bytes (a 1.5B model's 18.5 GB of optimizer state and gradients: 32 GB). Onload resizes it back and copies the bytes home. Views into a storage (FSDP's padded
-  shard, the parameter view) keep working because they reference the storage, not its address.
+  to zero. Onload resizes it back and copies the bytes home. The buffers are pieces of one power of
+  two (`pinned_layout`): torch's pinned allocator rounds every allocation up to a power of two, so
+  one buffer a group pinned up to twice its bytes (a 1.5B model's 18.5 GB of gradients and AdamW
+  moments took 32 GiB). Views into a storage (FSDP's padded shard, the parameter view) keep
+  working because they reference the storage, not its address.
   A group may name tensors that never change (`constant`: the frozen base under LoRA adapters):
   their bytes are copied out once, and later offloads only free their storages.
 - "tms": the tensors are allocated inside a torch_memory_saver region with a CPU backup, and
@@ -34,7 +35,7 @@ from colocate.memory_saver import handle as memory_saver_handle
 
 OFFLOAD_METHODS = ("pinned", "tms")
 _ALIGN = 512
-"""Byte alignment of each storage's slot in the pinned buffer (keeps copies on fast paths)."""
+"""Byte alignment of each storage's slot in the pinned buffers (keeps copies on fast paths)."""
 _PIECE = 1 << 30
 """The smallest size of a full pinned piece (bytes); a larger storage raises it to the power of two
 that holds it."""
@@ -103,7 +104,7 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class _PinnedGroup:
-    """One group's storages and their slots in a reusable pinned host buffer."""
+    """One group's storages and their slots in reusable pinned host buffers."""
 
     def __init__(self, source: TensorSource, constant: ConstantTest | None = None):
         self.source, self.constant = source, constant
