@@ -35,7 +35,9 @@ Both sides train fp32 master weights with bf16 compute and take one optimizer st
 The reward (`vowel_reward`) is cheap and varies within a group, so advantages are not zero.
 Each variant runs in a child process (bench/e2e_ours.py; one CUDA context each; the native
 engine's graph memory needs torch_memory_saver's preload hook set before the process starts, as
-launch.sh does).
+launch.sh does). Its result goes into the JSON as soon as the child has written it, before the
+child's exit (a tail run's went on for over 110 s after its last step on an H100); `result_s` and
+`process_s` say when each came.
 
 Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
                          [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trl-configs A,B] [--trace-dir DIR]
@@ -76,6 +78,8 @@ from e2e_trl import run_trl
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "e2e.json"
 HOOKS = Path(__file__).stem  # module name of this file for the config's module:function hooks
+RESULT_WRITTEN = "result written"
+"""The end of the progress line an "ours" worker prints once its result file is complete."""
 QWEN2 = dict(model_type="qwen2", tie_word_embeddings=True, attention_bias=True)
 SHAPES = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -193,31 +197,37 @@ def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name:
     }
 
 
-def _child(args: list[str], env: dict, timeout: float) -> dict:
+def _child(args: list[str], env: dict, timeout: float, on_result=None) -> dict:
     """Run this script as a worker: its result, or {"error": last line, "output_tail": ...}. Its
     progress lines are echoed as they come, so a run cut short by an outer time limit still says
-    how far it got."""
+    how far it got. A worker that says its result is written (RESULT_WRITTEN) has it handed to
+    `on_result` at once, before the process's exit, which can take minutes (an outer limit may
+    cut that off); `result_s` is when that was, `process_s` when the process ended."""
     start = time.perf_counter()
+    out = Path(args[args.index("--result") + 1])
     proc = subprocess.Popen([sys.executable, __file__, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace")
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     tail: collections.deque[str] = collections.deque(maxlen=400)
+    result_s = None
     for line in proc.stdout:
         tail.append(line)
         if line.startswith(PROGRESS):
             print(line.rstrip(), file=sys.stderr, flush=True)
+        if line.rstrip().endswith(RESULT_WRITTEN) and on_result is not None:
+            result_s = time.perf_counter() - start
+            on_result({**json.loads(out.read_text()), "result_s": result_s})
     returncode = proc.wait()
     timer.cancel()
     output = "".join(tail)
     if time.perf_counter() - start >= timeout:
         return {"error": f"timed out after {timeout:.0f} s", "output_tail": output[-3000:]}
-    out = Path(args[args.index("--result") + 1])
     if returncode != 0 or not out.exists():
         lines = [line for line in output.splitlines() if line.strip()]
         return {"error": f"exit code {returncode}: {lines[-1] if lines else 'no output'}",
                 "output_tail": output[-3000:]}
-    return {**json.loads(out.read_text()), "process_s": time.perf_counter() - start}
+    return {**json.loads(out.read_text()), "result_s": result_s, "process_s": time.perf_counter() - start}
 
 
 def _child_env(extra_path: str | None = None, preload: bool = False, cpu: bool = False) -> dict:
@@ -302,8 +312,12 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         trace = ["--trace", str(args.trace_dir / f"e2e_{name}.json.gz")] if profiled else []
         tail = ["--tail-shape", shape] if args.tail else []
+        def keep(result, name=name, cfg=cfg):
+            results["ours"][name] = {"config": cfg, **result}
+            _write(results, out)
+
         result = _child(["--worker", "ours", "--config", str(cfg_path), "--warmup", str(warmup), *trace, *tail,
-                         "--result", str(workdir / f"result_{name}.json")], env, OURS_TIMEOUT_S[shape])
+                         "--result", str(workdir / f"result_{name}.json")], env, OURS_TIMEOUT_S[shape], keep)
         results["ours"][name] = {"config": cfg, **result}
         results["machine"]["device"] = results["machine"]["device"] or result.get("device")
         _write(results, out)
@@ -405,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0 if all("error" not in e for e in results["ours"].values()) else 1
     Path(args.result).write_text(json.dumps(result, indent=2))
+    if args.worker == "ours":
+        print(f"{PROGRESS} {Path(args.config).stem} {RESULT_WRITTEN}", flush=True)
     return 0
 
 

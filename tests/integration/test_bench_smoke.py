@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _e2e_smoke(tmp_path, *flags: str) -> tuple[dict, str]:
     """bench/e2e.py --cpu-smoke with these flags: its JSON results and its stdout. Each variant's
-    progress (built, then every step, then closed) reaches stderr as it runs."""
+    progress (built, every step, closed, result written) reaches stderr as it runs, and the result
+    is taken before the process ends."""
     out = tmp_path / "e2e.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--cpu-smoke", "--skip-trl", *flags,
                            "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -29,8 +30,9 @@ def _e2e_smoke(tmp_path, *flags: str) -> tuple[dict, str]:
     results = json.loads(out.read_text())
     progress = [line.split()[2:4] for line in done.stderr.splitlines() if line.startswith("e2e progress:")]
     steps = results["warmup_steps"] + results["timed_steps"]
-    assert progress == [p for name in results["ours"]
-                        for p in [[name, "built"]] + [[name, "step"]] * steps + [[name, "closed"]]], done.stderr[-3000:]
+    each = [["built"]] + [["step"]] * steps + [["closed"], ["result"]]
+    assert progress == [[name, *p] for name in results["ours"] for p in each], done.stderr[-3000:]
+    assert all(0 < run["result_s"] <= run["process_s"] for run in results["ours"].values())
     return results, done.stdout
 
 
