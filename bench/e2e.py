@@ -215,7 +215,7 @@ def _child(args: list[str], env: dict, timeout: float, on_result=None) -> dict:
         tail.append(line)
         if line.startswith(PROGRESS):
             print(line.rstrip(), file=sys.stderr, flush=True)
-        if line.rstrip().endswith(RESULT_WRITTEN) and on_result is not None:
+        if line.startswith(PROGRESS) and line.rstrip().endswith(RESULT_WRITTEN) and on_result is not None:
             result_s = time.perf_counter() - start
             on_result({**json.loads(out.read_text()), "result_s": result_s})
     returncode = proc.wait()
@@ -312,6 +312,7 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         trace = ["--trace", str(args.trace_dir / f"e2e_{name}.json.gz")] if profiled else []
         tail = ["--tail-shape", shape] if args.tail else []
+
         def keep(result, name=name, cfg=cfg):
             results["ours"][name] = {"config": cfg, **result}
             _write(results, out)
