@@ -116,23 +116,33 @@ class ModelConfig:
 GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
 """tokenizer_config.json classes that are the tokenizers library's backend itself, with no
 model-specific class: the toy's, and any tokenizer saved from a bare tokenizer.json."""
+GENERIC_TOKENIZER_MODEL_TYPES = ("llama", "qwen3")
+"""Model types for which AutoTokenizer keeps a generic class that tokenizer_config.json names. For
+qwen2 it substitutes Qwen2Tokenizer, whose own pre-tokenizer gives other ids (transformers 5)."""
 
 
 def load_tokenizer(model_dir: str | Path):
     """The model directory's tokenizer, as `AutoTokenizer.from_pretrained` loads it.
 
     A tokenizer_config.json that names the generic fast class (GENERIC_TOKENIZERS) and no remote
-    code is loaded by that class directly: the same tokenizer, without AutoTokenizer's import of
-    the model registry, which on some transformers versions pulls in the generation utilities and
-    their optional dependencies (2-3 s of the toy run's start on a GPU machine).
+    code, for a model type whose AutoTokenizer keeps that class (GENERIC_TOKENIZER_MODEL_TYPES), is
+    loaded by that class directly: the same tokenizer, without AutoTokenizer's import of the model
+    registry, which on some transformers versions pulls in the generation utilities and their
+    optional dependencies (2-3 s of the toy run's start on a GPU machine).
     """
     model_dir = Path(model_dir)
-    try:
-        config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    if (isinstance(config, dict) and config.get("tokenizer_class") in GENERIC_TOKENIZERS
-            and "auto_map" not in config and (model_dir / "tokenizer.json").is_file()):
+
+    def read(name: str) -> dict:
+        try:
+            value = json.loads((model_dir / name).read_text())
+        except (OSError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    config = read("tokenizer_config.json")
+    if (config.get("tokenizer_class") in GENERIC_TOKENIZERS and "auto_map" not in config
+            and read("config.json").get("model_type") in GENERIC_TOKENIZER_MODEL_TYPES
+            and (model_dir / "tokenizer.json").is_file()):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(model_dir))

@@ -94,30 +94,40 @@ def test_ensure_toy_is_idempotent_and_replaces_stale_copies(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["toy"]  # no temporary leftovers
 
 
-def test_generic_tokenizer_loads_without_the_auto_registry(toy, tmp_path):
-    """load_tokenizer gives AutoTokenizer's tokenizer; for the generic class (the toy's) without
-    importing AutoTokenizer's model registry, for any other class through AutoTokenizer."""
-    import shutil
+def test_toy_tokenizer_loads_without_the_auto_registry(toy):
+    """The toy's tokenizer (generic class, qwen3) loads by its class: AutoTokenizer's tokenizer,
+    without importing AutoTokenizer's model registry."""
     import subprocess
     import sys
 
     from colocate.models.config import load_tokenizer
 
     mine, auto = load_tokenizer(toy / "model"), AutoTokenizer.from_pretrained(toy / "model")
-    assert type(mine) is type(auto)
-    text = "c a after b"
-    assert mine(text)["input_ids"] == auto(text)["input_ids"] and mine.eos_token_id == auto.eos_token_id == 0
+    assert type(mine) is type(auto) and mine("c a after b")["input_ids"] == auto("c a after b")["input_ids"]
     code = ("import sys; from colocate.models.config import load_tokenizer; load_tokenizer(sys.argv[1]); "
-            "print(sorted(m for m in sys.modules if m.startswith('transformers.models.auto')))")
+            "print([m for m in ('transformers.models.auto.auto_factory', 'transformers.models.auto.tokenization_auto') "
+            "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code, str(toy / "model")], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
-    other = tmp_path / "other"
-    shutil.copytree(toy / "model", other)
-    config = json.loads((other / "tokenizer_config.json").read_text())
-    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
-    calls = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(AutoTokenizer, "from_pretrained", lambda path, **kw: calls.append(path) or auto)
-        assert load_tokenizer(other) is auto and load_tokenizer(toy / "model") is not auto
-    assert calls == [str(other)]
+
+@pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "TokenizersBackend", "Qwen2Tokenizer"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_load_tokenizer_equals_auto_tokenizer(toy, tmp_path, arch, tokenizer_class):
+    """For every supported architecture and a generic or specific declared class, load_tokenizer
+    gives AutoTokenizer's class and ids (for qwen2 AutoTokenizer replaces a generic class by
+    Qwen2Tokenizer, whose ids differ, so that model type is not loaded by the generic class)."""
+    import shutil
+
+    from colocate.models.config import ARCHITECTURES, GENERIC_TOKENIZERS, load_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(toy / "model", model)
+    for name, update in (("config.json", {"architectures": [arch], "model_type": ARCHITECTURES[arch]}),
+                         ("tokenizer_config.json", {"tokenizer_class": tokenizer_class})):
+        (model / name).write_text(json.dumps({**json.loads((model / name).read_text()), **update}))
+    mine, auto = load_tokenizer(model), AutoTokenizer.from_pretrained(model)
+    assert type(mine) is type(auto)
+    assert mine("c a after b")["input_ids"] == auto("c a after b")["input_ids"]
+    if tokenizer_class in GENERIC_TOKENIZERS and arch == "Qwen2ForCausalLM":
+        assert type(auto).__name__ == "Qwen2Tokenizer"  # the case the model-type rule exists for
