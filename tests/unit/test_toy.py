@@ -95,15 +95,11 @@ def test_ensure_toy_is_idempotent_and_replaces_stale_copies(tmp_path, monkeypatc
 
 
 def test_toy_tokenizer_loads_without_the_auto_registry(toy):
-    """The toy's tokenizer (generic class, qwen3) loads by its class: AutoTokenizer's tokenizer,
-    without importing AutoTokenizer's model registry."""
+    """The toy's tokenizer (generic class, qwen3) loads without importing AutoTokenizer's model
+    registry (that it is AutoTokenizer's tokenizer: test_load_tokenizer_equals_auto_tokenizer)."""
     import subprocess
     import sys
 
-    from colocate.models.config import load_tokenizer
-
-    mine, auto = load_tokenizer(toy / "model"), AutoTokenizer.from_pretrained(toy / "model")
-    assert type(mine) is type(auto) and mine("c a after b")["input_ids"] == auto("c a after b")["input_ids"]
     code = ("import sys; from colocate.models.config import load_tokenizer; load_tokenizer(sys.argv[1]); "
             "print([m for m in ('transformers.models.auto.auto_factory', 'transformers.models.auto.tokenization_auto') "
             "if m in sys.modules])")
