@@ -30,11 +30,13 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def init(timeout_minutes: int = 30, backend: str | None = None) -> DistInfo:
+def init(timeout_minutes: int = 30, backend: str | None = None, store: dist.Store | None = None) -> DistInfo:
     """Initialise the default process group from torchrun's variables (nccl on GPU, gloo on CPU).
 
-    Without torchrun (no WORLD_SIZE) a single-process gloo group is created on a free local port so
-    that collectives and FSDP2 work the same way in a plain `python -m` run.
+    Without torchrun (no WORLD_SIZE, no MASTER_ADDR) a single-process group is created on an
+    in-memory store, so that collectives and FSDP2 work the same way in a plain `python -m` run
+    with no port to pick (a port found free can be taken by another process before the group
+    binds it). `store` is the rendezvous of ranks started some other way (tests use a file store).
     """
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
@@ -44,25 +46,15 @@ def init(timeout_minutes: int = 30, backend: str | None = None) -> DistInfo:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if store is None and world == 1 and "MASTER_ADDR" not in os.environ:
+            store = dist.HashStore()
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world,
+            backend=backend, rank=rank, world_size=world, store=store,
             timeout=datetime.timedelta(minutes=timeout_minutes),
             device_id=device if device.type == "cuda" else None,
         )
     return DistInfo(rank, world, local_rank, local_world, device)
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_info() -> DistInfo:

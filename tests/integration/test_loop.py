@@ -16,7 +16,7 @@ import yaml
 
 from colocate.metrics import read_metrics
 from colocate.run_dir import LOCK_FILE
-from colocate.dist import free_port
+from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
