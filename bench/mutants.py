@@ -43,6 +43,8 @@ LORA_CRITIC = tuple(f"tests/integration/test_lora.py::{name}" for name in (
     "test_critic_checkpoint_holds_its_adapters_and_head_and_resumes_exactly"))
 PARTIAL = ("tests/unit/test_partial_rollout.py",
            "tests/integration/test_partial_rollout.py::test_a_run_never_exceeds_the_staleness_bound_nor_restarts")
+LORA_GRADIENTS = ("tests/unit/test_lora.py::test_forward_and_gradients_match_the_merged_weights",)
+LORA_RECOMPUTE = ("tests/unit/test_checkpointing.py::test_lora_blocks_never_keep_a_merged_weight",)
 ON_POLICY_LORA = ("tests/parity/test_true_on_policy.py::test_a_lora_run_in_the_mode_logs_no_mismatch_after_its_adapters_moved",)
 INVARIANT_OPS = ("tests/unit/test_invariant_ops.py",)
 SAMPLER = ("tests/parity/test_engine_parity.py::test_sampler_truncation_keeps_the_expected_tokens",
@@ -147,8 +149,15 @@ MUTANTS = [
            LOGITS),
     Mutant("rope_llama3_wavelength", "colocate/models/layers.py", "wavelen = 2 * math.pi / inv",
            "wavelen = math.pi / inv", LOGITS),
-    Mutant("on_policy_lora_multiplies_the_base", "colocate/trainer/lora.py",
-           "if self.enabled and batch_invariant.enabled():", "if False:", ON_POLICY_LORA),
+    Mutant("on_policy_lora_adds_its_terms_beside_the_base", "colocate/trainer/lora.py",
+           "if self.dropout and self.training and torch.is_grad_enabled() and not batch_invariant.enabled():",
+           "if True:", ON_POLICY_LORA),
+    Mutant("lora_input_gradient_skips_the_adapters", "colocate/trainer/lora.py",
+           "grad_x = torch.addmm(flat_grad @ _joined(weights), torch.cat(lows, dim=1), torch.cat(downs))",
+           "grad_x = flat_grad @ _joined(weights)", LORA_GRADIENTS),
+    Mutant("lora_merge_kept_for_backward_by_selective_plans", "colocate/trainer/parallelize.py",
+           "and shape[1] != recompute_width and shape[0] != low_rank)", "and shape[1] != recompute_width)",
+           LORA_RECOMPUTE),
     Mutant("invariant_rms_norm_backward_drops_the_mean_term", "colocate/kernels/invariant_ops.py",
            "return r * grad_n - xf * r.pow(3) * (grad_n * xf).mean(-1, keepdim=True), grad_w",
            "return r * grad_n, grad_w", INVARIANT_OPS),

@@ -100,19 +100,16 @@ class MLP(nn.Module):
 def joint_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...], weight: torch.Tensor | None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """All `parts` applied to `x` as one GEMM, their outputs side by side. `weight`/`bias` are the
-    packed tensors when the parts were packed; otherwise the parts' weights are joined here.
-    A part with a `delta(x)` method (a term its own forward adds to the GEMM's output, such as a
-    trainer's low-rank adapter) gets that term added to its slice; None adds nothing. A part with a
-    `forward_weight()` method multiplies what it returns instead of its `weight`."""
+    packed tensors when the parts were packed; otherwise the parts' weights are joined here, or,
+    when a part has a `joint_forward(x, parts)` method (a trainer's LoRA projection), that part
+    computes the joint product."""
     if weight is None:
-        weight = torch.cat([m.forward_weight() if hasattr(m, "forward_weight") else m.weight for m in parts])
+        owner = next((m for m in parts if hasattr(m, "joint_forward")), None)
+        if owner is not None:
+            return owner.joint_forward(x, parts)
+        weight = torch.cat([m.weight for m in parts])
         bias = torch.cat([m.bias for m in parts]) if parts[0].bias is not None else None
-    out = linear(x, weight, bias)
-    deltas = [m.delta(x) if hasattr(m, "delta") else None for m in parts]
-    if all(d is None for d in deltas):
-        return out
-    return out + torch.cat([x.new_zeros(*x.shape[:-1], m.out_features) if d is None else d
-                            for m, d in zip(parts, deltas)], dim=-1)
+    return linear(x, weight, bias)
 
 
 def pack_parameters(params: list[nn.Parameter], keep_values: bool) -> torch.Tensor:

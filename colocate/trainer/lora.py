@@ -6,12 +6,16 @@ in the compute dtype; each adapted module gains `lora_A.weight` (rank, in) and `
 (out, rank), fp32, the only trained parameters. Their names are peft's, less peft's adapter name.
 The adapters live in their block's FSDP unit, so a block's all-gather brings its adapters along.
 
-Forward: y = x W^T + b + (alpha / rank) B A dropout(x), the standard LoRA compute (the base GEMM
-and a low-rank path beside it; W + BA is never materialised in training). The joint q/k/v GEMM of
-the attention takes part through the `delta` and `forward_weight` hooks of
-colocate.models.transformer.joint_linear. With algorithm.true_on_policy the forward multiplies the
-merged weight instead (differentiably, by `merged_weight`, the function that makes the engine's
-copy): the engine's products are then the trainer's bit for bit, which x W^T + x A^T B^T is not.
+Forward: y = x M^T + b with M = W + (alpha / rank) B A, the merged weight, built for each call by
+`merged_weight` (the function that makes the engine's copy, so the trainer multiplies the weights
+the engine samples with; in the true on-policy mode the products are then the engine's bit for bit).
+Backward: dx through M, and A's and B's gradients through their low-rank products, never the full
+(out, in) weight gradient. Merging costs the weight's size in memory traffic per call where the
+low-rank path beside the base GEMM (x W^T + (x A^T) B^T) costs the activations' size (tokens x
+(in + out)) in every forward and backward, several times more for micro-batches of thousands of
+tokens. With dropout (`model.lora_dropout` > 0) the training forward takes that low-rank path, since
+the adapter sees dropout(x) where the base sees x. The joint q/k/v GEMM of the attention takes part
+through the `joint_forward` hook of colocate.models.transformer.joint_linear.
 A starts as peft initialises it (Kaiming-uniform) and B at zero, so step 0 is exactly the base
 model. `adapters_disabled` switches every adapter off: the base, which is the reference policy of
 the KL terms, with no second copy of the model.
@@ -88,28 +92,78 @@ class LoRALinear(nn.Linear):
         self.enabled = True
         """False: the module is its base (see adapters_disabled)."""
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The low-rank term (..., out), or None while the adapter is disabled. Dropout applies to
-        the passes that train (grad enabled), not to the log-prob passes. In the true on-policy
-        mode the adapter is inside `forward_weight` instead."""
-        if not self.enabled or batch_invariant.enabled():
-            return None
-        if self.dropout and self.training and torch.is_grad_enabled():
-            x = F.dropout(x, self.dropout)
-        low = F.linear(x, self.lora_A.weight) * self.scale  # (..., rank): the cheap side to scale
-        return F.linear(low, self.lora_B.weight)
-
-    def forward_weight(self) -> torch.Tensor:
-        """The weight the GEMM multiplies: the base's, or in the true on-policy mode (adapter
-        enabled) the merged weight, rounded to the base's dtype as the engine receives it."""
-        if self.enabled and batch_invariant.enabled():
-            return merged_weight(self.weight, self.lora_A.weight, self.lora_B.weight, self.scale, self.weight.dtype)
-        return self.weight
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.forward_weight(), self.bias)
-        delta = self.delta(x)
-        return out if delta is None else out + delta
+        return self.joint_forward(x, (self,))
+
+    def joint_forward(self, x: torch.Tensor, parts: tuple[nn.Linear, ...]) -> torch.Tensor:
+        """`x` through `parts` (this module among them, the others LoRALinear or plain projections of
+        the same input) as one GEMM, their outputs side by side; each enabled adapter's weight
+        merged. With dropout the training forward adds the low-rank terms beside the base GEMM."""
+        bias = torch.cat([m.bias for m in parts]) if parts[0].bias is not None else None
+        live = tuple(isinstance(m, LoRALinear) and m.enabled for m in parts)
+        if not any(live):
+            return linear(x, _joined([m.weight for m in parts]), bias)
+        if self.dropout and self.training and torch.is_grad_enabled() and not batch_invariant.enabled():
+            out = linear(x, _joined([m.weight for m in parts]), bias)
+            terms = [m.low_rank(F.dropout(x, m.dropout)) if on else x.new_zeros(*x.shape[:-1], m.out_features)
+                     for m, on in zip(parts, live)]
+            return out + torch.cat(terms, dim=-1)
+        tensors = [t for m, on in zip(parts, live)
+                   for t in ((m.weight, m.lora_A.weight, m.lora_B.weight) if on else (m.weight,))]
+        return _MergedLinear.apply(x, bias, self.scale, live, *tensors)
+
+    def low_rank(self, x: torch.Tensor) -> torch.Tensor:
+        """scale * (x A^T) B^T, the adapter's term beside the base GEMM (..., out)."""
+        return F.linear(F.linear(x, self.lora_A.weight) * self.scale, self.lora_B.weight)
+
+
+def _joined(weights: list[torch.Tensor]) -> torch.Tensor:
+    return weights[0] if len(weights) == 1 else torch.cat(weights)
+
+
+def _merged(live: tuple[bool, ...], tensors: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
+    """The joined weight that `_MergedLinear` multiplies: per part W, or W + scale * B A when `live`;
+    `tensors` holds W, or W, A and B, per part."""
+    weights, i = [], 0
+    for on in live:
+        w = tensors[i]
+        weights.append(merged_weight(w, tensors[i + 1], tensors[i + 2], scale, w.dtype) if on else w)
+        i += 3 if on else 1
+    return _joined(weights)
+
+
+class _MergedLinear(torch.autograd.Function):
+    """y = x M^T + bias (`_merged`), and the gradients of x and of the adapters, the base being
+    frozen. The backward never needs M (as large as the weight, so neither kept nor merged again):
+    dx = dy W + scale (dy B) A per part, the low-rank terms added into one GEMM's output."""
+
+    @staticmethod
+    def forward(ctx, x, bias, scale, live, *tensors):
+        ctx.scale, ctx.live = scale, live
+        ctx.save_for_backward(x, *tensors)
+        return linear(x, _merged(live, tensors, scale), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *tensors = ctx.saved_tensors
+        flat_x, flat_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        weights, grads, lows, downs, i, start = [], [], [], [], 0, 0
+        for on in ctx.live:
+            weights.append(tensors[i])
+            rows = flat_grad[:, start:start + tensors[i].shape[0]]  # this part's output gradient
+            start += tensors[i].shape[0]
+            grads.append(None)  # the frozen base weight
+            if on:
+                a, b = tensors[i + 1].to(x.dtype), tensors[i + 2].to(x.dtype)
+                low = flat_x @ a.T  # (tokens, rank)
+                grad_low = (rows @ b) * ctx.scale
+                grads += [(grad_low.T @ flat_x).to(tensors[i + 1].dtype),
+                          ((rows.T @ low) * ctx.scale).to(tensors[i + 2].dtype)]
+                lows.append(grad_low)
+                downs.append(a)
+            i += 3 if on else 1
+        grad_x = torch.addmm(flat_grad @ _joined(weights), torch.cat(lows, dim=1), torch.cat(downs))
+        return grad_x.view(x.shape), None, None, None, *grads
 
 
 def add_adapters(model: nn.Module, spec: LoRASpec) -> None:
@@ -167,8 +221,7 @@ def adapters_disabled(model: nn.Module):
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """W + scale * B A as a new tensor in `dtype`: A and B in W's dtype, product and sum in fp32,
-    rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank).
-    Differentiable in A and B (the true on-policy mode's forward)."""
+    rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank)."""
     a, b = lora_a.to(weight.dtype).float(), lora_b.to(weight.dtype).float()
     merged = linear(b, a.T)  # b @ a (out, in) fp32, by the mode's product in the mode
     merged.mul_(scale).add_(weight)

@@ -85,53 +85,62 @@ def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _matmul_width(op, args) -> int | None:
-    """Output width of a linear layer's matmul on flat tokens (mm(x, w_t), addmm(b, x, w_t), or the
-    true on-policy mode's linear(x, w, b)); None for any other op."""
+def _matmul(op, args) -> tuple[int, int] | None:
+    """(inner, output width) of a linear layer's matmul on flat tokens (mm(x, w_t), addmm(b, x, w_t),
+    or the true on-policy mode's linear(x, w, b)); None for any other op."""
     if op == torch.ops.aten.mm.default:
-        return args[1].shape[-1]
+        return args[0].shape[-1], args[1].shape[-1]
     if op == torch.ops.aten.addmm.default:
-        return args[2].shape[-1]
+        return args[1].shape[-1], args[2].shape[-1]
     if op == torch.ops.colocate.invariant_linear.default:
-        return args[1].shape[0]
+        return args[0].shape[-1], args[1].shape[0]
     return None
 
 
-def _keep_matmuls(recompute_width: int | None, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _keep_matmuls(recompute_width: int | None, low_rank: int, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Keep attention's output and the matmuls' (recomputing them would cost as much as the
-    forward), but for matmuls of output width `recompute_width`."""
-    width = _matmul_width(op, args)
-    if op in _attention_ops() or (width is not None and width != recompute_width):
+    forward), but for matmuls of output width `recompute_width` and those of inner dimension
+    `low_rank` (LoRA's rank: an adapter's products, cheap to recompute, among them the merge of its
+    weight, which is as large as the weight)."""
+    shape = _matmul(op, args)
+    if op in _attention_ops() or (shape is not None and shape[1] != recompute_width and shape[0] != low_rank):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _contexts(mode: str, mlp_width: str):
+def _contexts(mode: str, mlp_width: str, low_rank: str):
     """Block mode -> its selective recomputation's context ("full" keeps nothing but the input).
     "mlp" recomputes the matmuls of output width `mlp_width`: a block's gate and up projections
-    (and any other of that width: only more recompute, never a wrong gradient)."""
-    policy = {"attention": _keep_attention, "ops": functools.partial(_keep_matmuls, None),
-              "mlp": functools.partial(_keep_matmuls, int(mlp_width))}[mode]
+    (and any other of that width: only more recompute, never a wrong gradient); "ops" and "mlp"
+    recompute the products of inner dimension `low_rank` (0: none)."""
+    policy = {"attention": _keep_attention, "ops": functools.partial(_keep_matmuls, None, int(low_rank)),
+              "mlp": functools.partial(_keep_matmuls, int(mlp_width), int(low_rank))}[mode]
     return create_selective_checkpoint_contexts(policy)
 
 
-def _checkpointed(forward, mode: str, mlp_width: int, random: bool = False):
+def _checkpointed(forward, mode: str, mlp_width: int, low_rank: int = 0, random: bool = False):
     """`forward` recomputed in backward instead of keeping its activations (non-reentrant, so
     FSDP's hooks and torch.compile see ordinary autograd), but for the outputs that `mode` keeps
-    (`mlp_width`: the block's intermediate size, for "mlp").
+    (`mlp_width`: the block's intermediate size, for "mlp"; `low_rank`: its LoRA rank, 0 without).
     The RNG state is saved for the recomputation only when the forward is `random` (LoRA dropout):
     the models themselves draw no random numbers."""
     # torch.compile reads context_fn as a constant and guards on a partial's arguments by value;
-    # the width goes as a string because with dynamic shapes a bound int turns symbolic (the block
+    # the sizes go as strings because with dynamic shapes a bound int turns symbolic (the block
     # then runs eagerly), and a closure would be guarded by its code alone (all modes would share
     # the graph compiled first).
-    extra = {} if mode == "full" else dict(context_fn=functools.partial(_contexts, mode, str(mlp_width)))
+    extra = {} if mode == "full" else \
+        dict(context_fn=functools.partial(_contexts, mode, str(mlp_width), str(low_rank)))
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=random, **extra, **kwargs)
 
     return run
+
+
+def _adapter_rank(block: nn.Module) -> int:
+    """The rank of a block's LoRA adapters (their `lora_A` rows), 0 without."""
+    return next((m.lora_A.out_features for m in block.modules() if hasattr(m, "lora_A")), 0)
 
 
 def parallelize(
@@ -161,7 +170,8 @@ def parallelize(
     blocks = list(model.model.layers)
     for i, (block, mode) in enumerate(zip(blocks, checkpointing.block_modes(len(blocks)))):
         if mode != "none":
-            block.forward = _checkpointed(block.forward, mode, block.mlp.gate_proj.out_features, random)
+            block.forward = _checkpointed(block.forward, mode, block.mlp.gate_proj.out_features,
+                                          _adapter_rank(block), random)
         if compile:
             block.forward = torch.compile(block.forward, dynamic=True)
         # The last block's parameters are needed again at once by the backward: keep them gathered.

@@ -161,3 +161,72 @@ def test_attention_mode_recomputes_everything_but_attention(deterministic):
         for g, e in zip(grads, plain):
             torch.testing.assert_close(g, e, rtol=0, atol=0, msg=mode)
     assert plain_calls == 0 and calls == {"full": 1, "attention": 0, "ops": 0, "mlp": 0}, calls
+
+
+def _lora_block_grads(mode: str | None, compiled: bool = False) -> tuple[list[torch.Tensor], int, list]:
+    """Gradients of one decoder block with rank-4 adapters on every projection (B not zero), how
+    many weight merges its backward ran (recomputation included), and the tensors of a weight's
+    shape that its forward saved for backward, less the parameters themselves."""
+    from colocate.trainer.lora import LoRALinear, LoRASpec
+
+    torch.manual_seed(0)
+    block = DecoderLayer(CFG, 0)
+    block.requires_grad_(False)
+    spec = LoRASpec(4, 8.0, 0.0, ())
+    for parent in (block.self_attn, block.mlp):
+        for name, module in list(parent.named_children()):
+            if isinstance(module, torch.nn.Linear):
+                setattr(parent, name, LoRALinear(module, spec))
+                torch.nn.init.normal_(getattr(parent, name).lora_B.weight, std=0.05)
+    forward = _checkpointed(block.forward, mode, CFG.intermediate_size, 4) if mode else block.forward
+    if compiled:
+        forward = torch.compile(forward, backend="aot_eager", dynamic=True)
+    weights = {tuple(m.weight.shape) for m in block.modules() if isinstance(m, LoRALinear)}
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    kept = []
+
+    def pack(t):
+        if tuple(t.shape) in weights and t.untyped_storage().data_ptr() not in params:
+            kept.append(tuple(t.shape))
+        return t
+
+    n = sum(LENGTHS)
+    x = torch.randn(n, CFG.hidden_size, requires_grad=True)
+    cos, sin = Rotary(CFG.head_dim, CFG.rope_theta, None)(torch.arange(n), torch.float32)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward(x, cos, sin, torch.tensor([0, n], dtype=torch.int32), n)
+    ops = _Ops()
+    with ops:
+        out.square().sum().backward()
+    merges = sum(f == torch.ops.aten.mm.default and s in weights for f, s in ops.ops)
+    return [x.grad, *(p.grad for p in block.parameters() if p.requires_grad)], merges, kept
+
+
+MERGES = {(None, False): 0, (None, True): 0, **{(mode, False): 7 for mode in MODES},
+          ("full", True): 6, ("attention", True): 6, ("ops", True): 0, ("mlp", True): 2}
+"""Per mode, eager and compiled, the weight merges a LoRA block's backward runs: none of its own;
+an eager recomputation runs all 7 (one per adapted projection), a compiled one only those whose
+products it recomputes and needs (the down projection's output is not needed; "ops" keeps every
+product, "mlp" recomputes gate and up)."""
+
+
+def test_lora_blocks_never_keep_a_merged_weight(monkeypatch):
+    """A LoRA block multiplies merged weights: every mode gives the gradients of the plain block,
+    no merged weight (each as large as its weight) is kept for backward, the modes that keep
+    matmul outputs recompute the merges that they need rather than keep them, and a compiled block
+    has no graph break."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr("colocate.models.transformer.packed_causal_attention", _mixing_stand_in)
+    expected, _, _ = _lora_block_grads(None)
+    torch._dynamo.reset()
+    counters.clear()
+    seen = {}
+    for mode in (None, *MODES):
+        for compiled in (False, True):
+            grads, seen[mode, compiled], kept = _lora_block_grads(mode, compiled)
+            assert not kept, (mode, compiled, kept)
+            for g, e in zip(grads, expected, strict=True):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=mode)
+    assert seen == MERGES, seen
+    assert not counters["graph_break"], dict(counters["graph_break"])
