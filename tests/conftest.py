@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -16,6 +17,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _device_memory_back():
+    """GPU tests share one process: after each, what it left cached goes back to the device, so a
+    later test that starts a whole training run in a subprocess finds the memory free."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture
