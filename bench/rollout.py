@@ -25,8 +25,8 @@ bench/results/rollout_tail.json: the long-tailed response lengths of reasoning R
 capped at 8192: a few samples reach the cap) and ignore_eos. Reported: the phase's wall time and
 output tok/s; utilization, its tok/s over that of a full batch of the same engine (256 samples of
 the tail's mean length, so the batch stays full to the end); the decode-step time against the
-HBM roofline, (weight bytes + KV bytes read per step) / the device's peak (4.8 TB/s on an H200), at batch 256
-with 2k context and at batch 8 with 8k context; and the phase's HBM floors (`tail_floors`). Long
+HBM roofline, (weight bytes + KV bytes read per step) / the device's peak (4.8 TB/s on an H200), at
+batch 256 with 2k context and at batch 8 with 8k context; and the phase's HBM floors (`tail_floors`). Long
 samples read more KV per token than the same tokens in equal lengths, so even a batch kept full
 to the end cannot reach the full batch's tok/s: the floors' ratio is the ceiling of utilization.
 `--cpu-smoke` runs it on a tiny shape on CPU.
@@ -62,6 +62,8 @@ ACHIEVABLE_HBM = 0.9
 def peak_hbm_bytes_per_s() -> float:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     return next((v for k, v in PEAK_HBM_BYTES_PER_S.items() if k in name), PEAK_HBM_BYTES_PER_S["H200"])
+
+
 CASES = {
     # name: (prompts, samples per prompt, prompt tokens, output tokens)
     "b256": (256, 1, 128, 256),
@@ -153,7 +155,8 @@ def tail_floors(engine: NativeEngine, prompt_len: int, lengths: list[int], seats
 
 def roofline_fraction(engine: NativeEngine, batch: int, prompt_len: int, output_len: int, step_s: float) -> float:
     """Ideal decode-step time (weights + mean KV read at HBM bandwidth) over the measured one."""
-    return ideal_decode_step_s(engine, batch, prompt_len + output_len / 2, ACHIEVABLE_HBM * peak_hbm_bytes_per_s()) / step_s
+    bandwidth = ACHIEVABLE_HBM * peak_hbm_bytes_per_s()
+    return ideal_decode_step_s(engine, batch, prompt_len + output_len / 2, bandwidth) / step_s
 
 
 def _sync(device: torch.device) -> None:

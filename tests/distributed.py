@@ -1,5 +1,6 @@
-"""Run a test function on N ranks (gloo on CPU, NCCL on GPUs) in spawned processes, which meet through a file
-store: no TCP port, which another process could take between being found free and being bound."""
+"""Run a test function on N ranks (gloo on CPU, NCCL on GPUs) in spawned processes, which meet
+through a file store: no TCP port, which another process could take between being found free and
+being bound."""
 
 from __future__ import annotations
 

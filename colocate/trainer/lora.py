@@ -9,12 +9,12 @@ The adapters live in their block's FSDP unit, so a block's all-gather brings its
 Forward: y = x M^T + b with M = W + (alpha / rank) B A, the merged weight, built for each call by
 `merged_weight` (the function that makes the engine's copy, so the trainer multiplies the weights
 the engine samples with; in the true on-policy mode the products are then the engine's bit for bit).
-Backward: dx through M, and A's and B's gradients through their low-rank products, never the full
-(out, in) weight gradient. Merging costs the weight's size in memory traffic per call where the
-low-rank path beside the base GEMM (x W^T + (x A^T) B^T) costs the activations' size (tokens x
-(in + out)) in every forward and backward, several times more for micro-batches of thousands of
-tokens. With dropout (`model.lora_dropout` > 0) the training forward takes that low-rank path, since
-the adapter sees dropout(x) where the base sees x. The joint q/k/v GEMM of the attention takes part
+Backward: dx = dy W + (alpha / rank) (dy B) A, and A's and B's gradients from their low-rank
+products; never the (out, in) weight gradient, and M is neither kept nor merged again. Merging
+costs the weight's size in memory traffic per call, where the low-rank path beside the base GEMM
+(x W^T + (x A^T) B^T) costs the activations' size (tokens x (in + out)) in every forward. With
+dropout (`model.lora_dropout` > 0) the training forward takes that low-rank path, since the
+adapter sees dropout(x) where the base sees x. The joint q/k/v GEMM of the attention takes part
 through the `joint_forward` hook of colocate.models.transformer.joint_linear.
 A starts as peft initialises it (Kaiming-uniform) and B at zero, so step 0 is exactly the base
 model. `adapters_disabled` switches every adapter off: the base, which is the reference policy of
