@@ -189,13 +189,18 @@ def test_eval_only_run(tmp_path):
 def test_two_node_rendezvous_on_one_machine(tmp_path):
     config = toy_config(tmp_path, train={"num_rollout": 2}, eval={"interval": None},
                         checkpoint={"save_interval": None})
-    out = tmp_path / "two_nodes"
-    port = free_port()
-    procs = [torchrun(config, out, nproc=1, wait=False,
-                      extra=("--nnodes=2", f"--node-rank={r}", "--rdzv-backend=c10d",
-                             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=colocate-test"))
-             for r in range(2)]
-    outputs = [p.communicate(timeout=600)[0].decode() for p in procs]
+    # The endpoint's port, found free, can be taken before node 0's agent binds it: the agents then
+    # fail to meet (node 0 falls back to connecting, and times out), before any code of ours runs.
+    for attempt in range(3):
+        out = tmp_path / f"two_nodes_{attempt}"
+        port = free_port()
+        procs = [torchrun(config, out, nproc=1, wait=False,
+                          extra=("--nnodes=2", f"--node-rank={r}", "--rdzv-backend=c10d",
+                                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=colocate-test"))
+                 for r in range(2)]
+        outputs = [p.communicate(timeout=600)[0].decode() for p in procs]
+        if not any("RendezvousConnectionError" in o or "address already in use" in o.lower() for o in outputs):
+            break
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1] and rows[0]["rollout/num_samples"] == 32
