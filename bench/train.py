@@ -147,7 +147,7 @@ def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None,
 
     def step(batch):
         if plan.offload:
-            trainer.memory.onload(*PARAMS, *STATE, stream_state=True)
+            trainer.memory.onload(*PARAMS, *STATE, overlap=True)
         metrics.update(trainer.train(batch, 1))
 
     def offload():

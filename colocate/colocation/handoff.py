@@ -2,8 +2,9 @@
 
     to_train     release the engine: flush its cache, then release its KV cache, weights and
                  CUDA graphs (with LoRA, its weights stay) -> bring the trainer's parameters (and
-                 the critic) back; the optimizer states come home during the step's last backward
-                 ("pinned"), or now ("tms")
+                 the critic) back, one FSDP unit at a time under the first forward ("pinned"); the
+                 optimizer states come home during the step's last backward ("pinned"), or now
+                 ("tms")
     to_rollout   offload what the weight sync does not read (optimizer states, gradients, the
                  critic) -> resume the engine's weights -> push the weights, one FSDP unit at a
                  time -> offload the trainer's parameters -> resume the engine's CUDA graphs and
@@ -121,7 +122,7 @@ class Colocation:
             if not self.engine_keeps_weights:
                 self.engine_holds_last_push = False
         if self.offload_train:
-            self._trainer(out, "trainer_onload", self.memory.onload(*PARAMS, *STATE, stream_state=True))
+            self._trainer(out, "trainer_onload", self.memory.onload(*PARAMS, *STATE, overlap=True))
             out.pending_bytes = self.memory.pending_bytes()
         return out
 

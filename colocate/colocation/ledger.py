@@ -34,9 +34,10 @@ class MemoryRow:
 
 
 def read_memory(device: torch.device) -> tuple[int, int, int]:
-    """(allocated, reserved, device_used) bytes right now."""
+    """(allocated, reserved, device_used) bytes right now, after the current stream's queued work
+    (side-stream copies still in flight hold memory allocated already)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
         free, total = torch.cuda.mem_get_info(device)
         return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), total - free
     rss = _rss_bytes()

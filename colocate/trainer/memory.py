@@ -13,16 +13,23 @@ One object, `TrainerMemory`, with two entry points, `offload` and `onload`, over
 (colocate/colocation/handoff.py) decides when each moves; this module only moves them (through
 `StateOffloader`, colocate/trainer/offload.py).
 
-The optimizer state's return can overlap training: `onload(..., stream_state=True)` leaves it on
-the host through the forward passes, and during a step's last backward each parameter's state is
-queued home as soon as FSDP has reduced that parameter's gradient, into memory the backward has
-just freed; the optimizer waits for it right before its update (`StateArrival`). The state never
-sits beside the forward's activations. Under "tms" the state is resumed at once instead, and
-waited for at the same place.
+The return can overlap training (`onload(..., overlap=True)`, "pinned"):
+- parameters are queued home one FSDP unit at a time in forward order, the root's (embeddings,
+  final norm, heads) first and waited for at once; each block's forward first waits, on the host,
+  for its own and the next block's (FSDP gathers the next block while this one computes), so the
+  copies run under the first forward (`ParamArrival`);
+- optimizer state stays on the host through the forward passes, and during a step's last backward
+  each parameter's state is queued home as soon as FSDP has reduced that parameter's gradient,
+  into memory the backward has just freed; the optimizer waits for it right before its update
+  (`StateArrival`). The state never sits beside the forward's activations.
+Under "tms" parameters come back at once and the state is resumed at once, and waited for at the
+same place.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Iterator
 
 import torch
@@ -78,6 +85,48 @@ class StateArrival:
         self.offloader.wait([self.tag])
 
 
+class ParamArrival:
+    """One model's parameters on their way home from the host, one FSDP unit at a time in forward
+    order (see the module docstring). `queue` starts the copies; a block's forward pre-hook,
+    ahead of FSDP's own, waits for what that block gathers; `wait` orders the current stream after
+    all of them, for whatever reads the parameters without a forward (the optimizer, the weight sync)."""
+
+    def __init__(self, offloader: StateOffloader, tag: str, model: nn.Module):
+        self.offloader, self.tag = offloader, tag
+        self.blocks = list(model.model.layers)
+        in_blocks = {id(p) for block in self.blocks for p in block.parameters()}
+        self.root = [p for p in model.parameters() if id(p) not in in_blocks]
+        self.pending: dict[int, torch.cuda.Event] = {}  # block position -> its gather's arrival
+        for i, block in enumerate(self.blocks):
+            block.register_forward_pre_hook(functools.partial(self._block_forward, i), prepend=True)
+
+    def queue(self) -> OffloadStats:
+        """Queue the whole model home and wait for the root's part; the blocks' parts arrive while
+        the device computes. Returns the bytes queued and the seconds this took."""
+        start = time.perf_counter()
+        parts = [self.root, *(list(block.parameters()) for block in self.blocks)]
+        events, num_bytes = self.offloader.onload_parts(self.tag, parts)
+        if events:
+            if events[0] is not None:
+                events[0].synchronize()
+            latest, through = None, []  # through[j]: the arrival of blocks 0..j (one stream, in order)
+            for event in events[1:]:
+                latest = event or latest
+                through.append(latest)
+            last = len(self.blocks) - 1
+            self.pending = {i: through[min(i + 1, last)] for i in range(len(self.blocks))}
+        return OffloadStats(num_bytes, time.perf_counter() - start)
+
+    def _block_forward(self, i: int, module: nn.Module, args) -> None:
+        event = self.pending.pop(i, None)
+        if event is not None:
+            event.synchronize()
+
+    def wait(self) -> None:
+        self.pending.clear()
+        self.offloader.wait([self.tag])
+
+
 class TrainerMemory:
     """The trainer's groups of device tensors and the two moves between device and host.
 
@@ -88,6 +137,7 @@ class TrainerMemory:
     def __init__(self, method: str, device: torch.device):
         self.offloader = StateOffloader(method, device)
         self.arrivals: dict[str, StateArrival] = {}
+        self.param_arrivals: dict[str, ParamArrival] = {}
 
     def region(self, tag: str):
         """Allocate a group's tensors inside this context (needed by "tms", a no-op otherwise)."""
@@ -97,6 +147,7 @@ class TrainerMemory:
         """A model's parameters; those that train nothing (the frozen base under LoRA adapters, as
         the weight sync also assumes) are copied to the host once, then only freed."""
         self.offloader.register(tag, model.parameters, constant=lambda p: not p.requires_grad)
+        self.param_arrivals[tag] = ParamArrival(self.offloader, tag, model)
 
     def add_optimizer(self, tag: str, opt: OptimizerStep, model: nn.Module) -> StateArrival:
         self.offloader.register(tag, lambda: _optimizer_tensors(opt, model))
@@ -114,15 +165,19 @@ class TrainerMemory:
             torch.cuda.empty_cache()
         return stats
 
-    def onload(self, *tags: str, stream_state: bool = False) -> OffloadStats:
-        """Bring these groups back. With `stream_state`, optimizer states stay on the host to come
-        home during the next step's last backward (see the module docstring); the statistics then
-        count what came back now, and `pending_bytes` what is still to come."""
+    def onload(self, *tags: str, overlap: bool = False) -> OffloadStats:
+        """Bring these groups back. With `overlap`, parameters arrive during the next forward and
+        optimizer states stay on the host to come home during the next step's last backward (see
+        the module docstring); the statistics then count the bytes that came back or were queued
+        now, and `pending_bytes` the state still to come."""
         tags = self._existing(tags)
-        if not stream_state:
+        if not overlap:
             return self.offloader.onload(tags)
         states = [tag for tag in tags if tag in self.arrivals]
-        stats = self.offloader.onload([tag for tag in tags if tag not in self.arrivals])
+        models = [tag for tag in tags if tag in self.param_arrivals and self.offloader.method == "pinned"]
+        stats = self.offloader.onload([tag for tag in tags if tag not in self.arrivals and tag not in models])
+        for tag in models:
+            stats += self.param_arrivals[tag].queue()
         if self.offloader.method != "pinned":
             self.offloader.onload(states, wait=False)
             return stats
@@ -136,8 +191,9 @@ class TrainerMemory:
 
     def settle(self) -> None:
         """Bring home any optimizer state a step did not use (e.g. the actor's during critic-only
-        warm-up steps), so that no group is left half on the host."""
-        for arrival in self.arrivals.values():
+        warm-up steps), so that no group is left half on the host, and order the current stream
+        after every parameter copy (a model whose forward did not run still has some in flight)."""
+        for arrival in [*self.arrivals.values(), *self.param_arrivals.values()]:
             arrival.wait()
 
     def is_offloaded(self, tag: str) -> bool:

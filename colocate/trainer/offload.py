@@ -257,6 +257,21 @@ class StateOffloader:
         with torch.cuda.stream(stream or torch.cuda.current_stream()):
             return self.groups[tag].onload(self._stream, tensors)
 
+    def onload_parts(self, tag: str, parts: Iterable[Iterable[torch.Tensor]]
+                     ) -> tuple[list[torch.cuda.Event | None], int]:
+        """Queue an offloaded group home part by part, in this order, then whatever no part named
+        ("pinned" only): each part's storages not queued with an earlier part, its event marking
+        their arrival (None for a part with nothing left). Returns the events and the bytes queued;
+        no events where nothing moves this way (CPU, "tms", a group on the device)."""
+        if self._stream is None or not self.groups[tag].offloaded:
+            return [], 0
+        group, events, num_bytes = self.groups[tag], [], 0
+        for tensors in parts:
+            moved = group.onload(self._stream, tensors)
+            events.append(group.arrived if moved else None)
+            num_bytes += moved
+        return events, num_bytes + group.onload(self._stream)
+
     def wait(self, tags: Iterable[str]) -> None:
         """Order the current stream after the pending onloads of these groups (no host wait)."""
         for tag in tags:

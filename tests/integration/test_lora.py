@@ -443,7 +443,7 @@ def _cuda_rank(rank, world_size, path):
         trained = is_adapter(name) or name.startswith("value_head.")
         assert p.dtype == (torch.float32 if trained else torch.bfloat16), name
     for rollout_id in range(2):
-        trainer.memory.onload(*PARAMS, *STATE, stream_state=True)
+        trainer.memory.onload(*PARAMS, *STATE, overlap=True)
         assert torch.isfinite(torch.tensor(trainer.train(_samples(vocab=101), rollout_id)["train/grad_norm"]))
         moved = trainer.memory.offload(ACTOR_OPTIM).num_bytes
         adapter_bytes = sum(p.to_local().nbytes for n, p in trainer.actor_module.named_parameters() if is_adapter(n))

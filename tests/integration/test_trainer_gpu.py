@@ -8,7 +8,7 @@ import torch
 
 from colocate.config import Config
 from colocate.rollout.sample import Sample
-from colocate.trainer.memory import ACTOR_OPTIM, PARAMS, STATE
+from colocate.trainer.memory import ACTOR_OPTIM, ACTOR_PARAMS, PARAMS, STATE
 from tests.helpers import bf16_copy, capture_grads, exact_fp32_matmuls, hf_logprobs, write_hf_model
 from tests.tolerances import assert_grads_within_noise, assert_mean_within_noise, error_stats
 
@@ -175,16 +175,18 @@ def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info, determinist
         trainer.train(samples, rollout_id=0)
         memory = trainer.memory
         memory.offload(*STATE, *PARAMS)
-        stats = memory.onload(*STATE, *PARAMS, stream_state=overlap)
+        stats = memory.onload(*STATE, *PARAMS, overlap=overlap)
         away = memory.pending_bytes()
         assert (away > 0) == overlap == memory.is_offloaded(ACTOR_OPTIM)
+        streamed = memory.param_arrivals[ACTOR_PARAMS].pending  # each block's wait in the next forward
+        assert len(streamed) == (len(trainer.actor_module.model.layers) if overlap else 0)
         storages = {p.to_local().untyped_storage().data_ptr(): p.to_local().untyped_storage().nbytes()
                     for p in trainer.actor_module.parameters()}
         assert stats.num_bytes == sum(storages.values()) if overlap else stats.num_bytes > sum(storages.values())
         parts, onload_part = [], memory.offloader.onload_part
         memory.offloader.onload_part = lambda *args: parts.append(onload_part(*args)) or parts[-1]
         trainer.train(samples, rollout_id=1)
-        assert not memory.is_offloaded(ACTOR_OPTIM) and memory.pending_bytes() == 0
+        assert not memory.is_offloaded(ACTOR_OPTIM) and memory.pending_bytes() == 0 and not streamed
         assert memory.offloader.groups[ACTOR_OPTIM].arrived is None
         if overlap:  # all of it came home in the backward, one parameter's state at a time
             assert sum(parts) == away and sum(p > 0 for p in parts) == len(list(trainer.actor_module.parameters()))

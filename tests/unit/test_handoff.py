@@ -26,8 +26,8 @@ class FakeMemory:
         self.events.add("trainer.offload", tags)
         return OffloadStats(1 << 30, 0.5)
 
-    def onload(self, *tags, stream_state=False):
-        self.events.add("trainer.onload", tags, stream_state)
+    def onload(self, *tags, overlap=False):
+        self.events.add("trainer.onload", tags, overlap)
         return OffloadStats(1 << 30, 0.5)
 
     def pending_bytes(self):
