@@ -221,9 +221,14 @@ def adapters_disabled(model: nn.Module):
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """W + scale * B A as a new tensor in `dtype`: A and B in W's dtype, product and sum in fp32,
-    rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank)."""
-    a, b = lora_a.to(weight.dtype).float(), lora_b.to(weight.dtype).float()
-    merged = linear(b, a.T)  # b @ a (out, in) fp32, by the mode's product in the mode
+    rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank). On CUDA with
+    a 16-bit W the product runs on tensor cores with fp32 sums (a product of two 16-bit values is
+    exact in fp32), not as an fp32 GEMM; the true on-policy mode keeps its own product."""
+    a, b = lora_a.to(weight.dtype), lora_b.to(weight.dtype)
+    if weight.is_cuda and weight.element_size() == 2 and not batch_invariant.enabled():
+        merged = torch.mm(b, a, out_dtype=torch.float32)
+    else:
+        merged = linear(b.float(), a.float().T)  # b @ a (out, in) fp32, by the mode's product in the mode
     merged.mul_(scale).add_(weight)
     return merged.to(dtype)
 
