@@ -41,6 +41,8 @@ def test_offloaded_loop_ledger_shows_both_releases(tmp_path):
                         checkpoint={"save_interval": None})
     model = _half_billion_model(tmp_path, tmp_path / "toy" / "model")
     out = tmp_path / "run"
+    torch.cuda.empty_cache()  # the model written above
+    free_gib = torch.cuda.mem_get_info()[0] / 2**30  # what this process leaves to the run
     torchrun(config, out, "--model.path", str(model), nproc=1)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -52,9 +54,10 @@ def test_offloaded_loop_ledger_shows_both_releases(tmp_path):
               f"GiB -> engine released {engine_gib:.1f} GiB, trainer back {trainer_gib:.1f} GiB; "
               f"phases " + " ".join(f"{k[5:-5]}={v:.3f}s" for k, v in r.items() if k.startswith("perf/")
                                     and k.endswith("_time")))
-        # 30% of the free memory went to the KV cache: tens of GiB come back at release (read
-        # from the device, not from the engine's counters).
-        assert engine_gib > 20 and gen - to_train > 15
+        # 30% of the memory free at the engine's start went to its KV cache (the trainer's 0.5B
+        # shape already held some of what is free now): it comes back at release, read from the
+        # device, not from the engine's counters.
+        assert engine_gib > 0.2 * free_gib and gen - to_train > 0.15 * free_gib, free_gib
         # fp32 params + grads + Adam state of 0.5B params (~7.4 GiB) return for training only: they
         # were off the device during rollout and release.
         assert trainer_gib > 5 and train > to_train
