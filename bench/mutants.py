@@ -153,7 +153,7 @@ MUTANTS = [
            "if self.dropout and self.training and torch.is_grad_enabled() and not batch_invariant.enabled():",
            "if True:", ON_POLICY_LORA),
     Mutant("lora_input_gradient_skips_the_adapters", "colocate/trainer/lora.py",
-           "grad_x = torch.addmm(flat_grad @ _joined(weights), torch.cat(lows, dim=1), torch.cat(downs))",
+           "grad_x = torch.addmm(flat_grad @ _joined(weights), grad_low, downs)",
            "grad_x = flat_grad @ _joined(weights)", LORA_GRADIENTS),
     Mutant("lora_dropout_path_drops_the_scale", "colocate/trainer/lora.py",
            "return F.linear(F.linear(x, self.lora_A.weight) * self.scale, self.lora_B.weight)",

@@ -135,7 +135,9 @@ def _merged(live: tuple[bool, ...], tensors: tuple[torch.Tensor, ...], scale: fl
 class _MergedLinear(torch.autograd.Function):
     """y = x M^T + bias (`_merged`), and the gradients of x and of the adapters, the base being
     frozen. The backward never needs M (as large as the weight, so neither kept nor merged again):
-    dx = dy W + scale (dy B) A per part, the low-rank terms added into one GEMM's output."""
+    dx = dy W + scale (dy B) A per part, the low-rank terms added into one GEMM's output. The live
+    parts' A are stacked (R = rank x live parts rows), so x is read once for their low-rank input
+    x A^T and once for their A gradients, not once per part."""
 
     @staticmethod
     def forward(ctx, x, bias, scale, live, *tensors):
@@ -147,22 +149,24 @@ class _MergedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, *tensors = ctx.saved_tensors
         flat_x, flat_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        weights, grads, lows, downs, i, start = [], [], [], [], 0, 0
+        weights, parts, i, start = [], [], 0, 0
         for on in ctx.live:
             weights.append(tensors[i])
-            rows = flat_grad[:, start:start + tensors[i].shape[0]]  # this part's output gradient
+            if on:  # this part's output-gradient columns, its A and its B
+                parts.append((slice(start, start + tensors[i].shape[0]), tensors[i + 1], tensors[i + 2]))
             start += tensors[i].shape[0]
-            grads.append(None)  # the frozen base weight
-            if on:
-                a, b = tensors[i + 1].to(x.dtype), tensors[i + 2].to(x.dtype)
-                low = flat_x @ a.T  # (tokens, rank)
-                grad_low = (rows @ b) * ctx.scale
-                grads += [(grad_low.T @ flat_x).to(tensors[i + 1].dtype),
-                          ((rows.T @ low) * ctx.scale).to(tensors[i + 2].dtype)]
-                lows.append(grad_low)
-                downs.append(a)
             i += 3 if on else 1
-        grad_x = torch.addmm(flat_grad @ _joined(weights), torch.cat(lows, dim=1), torch.cat(downs))
+        downs = torch.cat([a.to(x.dtype) for _, a, _ in parts])  # (R, in)
+        low = flat_x @ downs.T  # (tokens, R)
+        grad_low = torch.cat([flat_grad[:, cols] @ b.to(x.dtype) for cols, _, b in parts], dim=1) * ctx.scale
+        rank = parts[0][1].shape[0]
+        adapter_grads = iter([(grad_a.to(a.dtype), ((flat_grad[:, cols].T @ part_low) * ctx.scale).to(b.dtype))
+                              for (cols, a, b), grad_a, part_low in zip(parts, (grad_low.T @ flat_x).split(rank),
+                                                                        low.split(rank, dim=1))])
+        grads = []  # None for each frozen base weight, then the part's A and B gradients when live
+        for on in ctx.live:
+            grads += [None, *next(adapter_grads)] if on else [None]
+        grad_x = torch.addmm(flat_grad @ _joined(weights), grad_low, downs)
         return grad_x.view(x.shape), None, None, None, *grads
 
 
