@@ -115,7 +115,15 @@ def fast_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
             q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
         out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0))
         return out[..., :head_dim] if pad else out
-    # CPU: one causal SDPA per sequence (a packed block-diagonal mask would be quadratic in N).
+    return _per_sequence_sdpa(q, k, v, cu_seqlens, scale)
+
+
+@torch.compiler.disable
+def _per_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One causal SDPA per sequence (a packed block-diagonal mask would be quadratic in N): CPU, and
+    fp32 on CUDA. Left out of compiled blocks: traced with dynamic shapes, the sequences' bounds
+    became sizes that inductor (torch 2.13, CPU) failed to simplify."""
     return per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: F.scaled_dot_product_attention(
         qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, scale=scale,
         enable_gqa=True).transpose(0, 1))

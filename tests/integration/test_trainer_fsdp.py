@@ -224,8 +224,8 @@ def _resume(path, info, directory) -> tuple[dict, dict]:
 def _compiled(path, info, directory) -> dict:
     """Gradients with eager and with compiled blocks, for Qwen2 and Qwen3 blocks, over
     micro-batches of changing length. Compiled here means dynamo + AOTAutograd without code
-    generation (backend aot_eager), the CPU stand-in for inductor: it checks the traced graphs
-    and their backward, cheaply. No block is recomputed: CPU attention loops over the sequences
+    generation (backend aot_eager): it checks the traced graphs and their backward, cheaply; then
+    Qwen2 once with inductor. No block is recomputed: CPU attention loops over the sequences
     (a graph break), and a graph break inside a checkpointed block makes it run eager."""
     import functools
 
@@ -247,9 +247,13 @@ def _compiled(path, info, directory) -> dict:
                 trainer.train(_samples(vocab=101), rollout_id=0)
                 out[family, compiled] = grads
                 out[family, compiled, "graphs"] = counters["stats"]["unique_graphs"] - graphs
-        return out
     finally:
         torch.compile = compile_fn
+    trainer = Trainer(_config(path, **{"model.compile": True, "train.max_tokens_per_gpu": 24}), info)
+    grads = capture_grads(trainer)
+    trainer.train(_samples(vocab=101), rollout_id=0)  # inductor's C++ code, one family (compiling costs seconds)
+    out["qwen2", "inductor"] = grads
+    return out
 
 
 def _one_rank(rank, world_size, path, out_file):
@@ -348,6 +352,8 @@ def test_compiled_blocks_give_the_eager_gradients(one_rank):
         compiled = one_rank["compiled"]
         assert compiled[family, False, "graphs"] == 0 and compiled[family, True, "graphs"] >= 2  # two block kinds
         _assert_close(compiled[family, True], compiled[family, False], 1e-6)
+    # Inductor itself on CPU (fused fp32 kernels: not the eager roundings).
+    _assert_close(one_rank["compiled"]["qwen2", "inductor"], one_rank["compiled"]["qwen2", False], 1e-5)
 
 
 def test_first_step_log_probs_match_the_behaviour_policy(one_rank):
