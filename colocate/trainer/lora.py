@@ -160,9 +160,10 @@ class _MergedLinear(torch.autograd.Function):
         low = flat_x @ downs.T  # (tokens, R)
         grad_low = torch.cat([flat_grad[:, cols] @ b.to(x.dtype) for cols, _, b in parts], dim=1) * ctx.scale
         rank = parts[0][1].shape[0]
+        grad_downs = (grad_low.T @ flat_x).split(rank)  # each part's A gradient (rank, in)
+        lows = low.split(rank, dim=1)
         adapter_grads = iter([(grad_a.to(a.dtype), ((flat_grad[:, cols].T @ part_low) * ctx.scale).to(b.dtype))
-                              for (cols, a, b), grad_a, part_low in zip(parts, (grad_low.T @ flat_x).split(rank),
-                                                                        low.split(rank, dim=1))])
+                              for (cols, a, b), grad_a, part_low in zip(parts, grad_downs, lows)])
         grads = []  # None for each frozen base weight, then the part's A and B gradients when live
         for on in ctx.live:
             grads += [None, *next(adapter_grads)] if on else [None]

@@ -158,6 +158,7 @@ def test_gpu_merge_on_tensor_cores_equals_the_fp32_merge():
     rounded = merged_weight(w.cuda(), a.cuda(), b.cuda(), 0.5, torch.bfloat16).cpu()
     assert (rounded != expected.bfloat16()).float().mean() < 1e-3  # a sum-order difference rarely flips a bf16
 
+
 @pytest.mark.parametrize("flags, message", [
     (["--model.lora-target-modules", "q_proj", "qkv"], "model.lora_target_modules has unknown names ['qkv']"),
     (["--model.lora-rank", "8", "--model.lora-target-modules"],
