@@ -167,6 +167,8 @@ class _MergedLinear(torch.autograd.Function):
         grads = []  # None for each frozen base weight, then the part's A and B gradients when live
         for on in ctx.live:
             grads += [None, *next(adapter_grads)] if on else [None]
+        if not ctx.needs_input_grad[0]:  # the first block's input under a frozen embedding
+            return None, None, None, None, *grads
         grad_x = torch.addmm(flat_grad @ _joined(weights), grad_low, downs)
         return grad_x.view(x.shape), None, None, None, *grads
 
