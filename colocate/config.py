@@ -167,8 +167,9 @@ class RolloutConfig:
     cuda_graph_max_bs: int = _ranged(256, ">= 1")
     """Largest decode batch size captured as a CUDA graph."""
     compile_decode: bool = True
-    """torch.compile the native engine's decode forward on GPU (fuses its elementwise kernels;
-    costs seconds of start-up, which a tiny model does not earn back)."""
+    """torch.compile the native engine's decode forward on GPU, and its prefills of at least 4,096
+    tokens (fuses their elementwise kernels; costs seconds of start-up, which a tiny model does not
+    earn back)."""
     sglang_log_level: str = "error"
     """Log level of SGLang's engine and scheduler."""
     weight_sync_bucket_mb: int = _ranged(512, ">= 1")

@@ -149,7 +149,7 @@ def test_cuda_graph_decode_equals_eager_decode():
 
 
 def test_compiled_decode_compiles_one_layer_for_all_layers():
-    """More layers than dynamo's recompile limit (8): were the shared layer graph recompiled for
+    """More layers than dynamo's recompile limit (8): were a shared layer graph recompiled for
     each layer (a guard on something that differs between layers), fullgraph would fail here. The
     first warm-up is the largest bucket, a batch of max_num_seqs (256) that fills the decode
     buffers and equals the hidden size: no bucket may compile again. Its numbers are the log-prob
@@ -165,6 +165,12 @@ def test_compiled_decode_compiles_one_layer_for_all_layers():
     assert engine.runner.compiled_decode and engine.runner.graphs.captured
     assert counters["stats"]["unique_graphs"] == 3  # embedding, the layer every layer shares, head
     assert [len(c.output_ids) for c in out] == [32] * 16
+    # Large prefills run compiled: one more graph, the layer every layer shares, whatever the
+    # token count.
+    n = engine.runner.compiled_prefill_min_tokens
+    for count in (n // 64, n // 32 + 3):
+        engine.generate(prompts(count, 64, cfg.vocab_size), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    assert counters["stats"]["unique_graphs"] == 4
 
 
 def test_production_sampler_paths():
@@ -193,11 +199,14 @@ def test_production_sampler_paths():
     assert (lp - full).abs().max().item() <= 1e-4  # untruncated log-prob, the protocol's definition
 
 
-@pytest.mark.parametrize("case", ["plain", "uncompiled", "shared_prefix", "chunked_prefill", "preemption"])
+@pytest.mark.parametrize("case", ["plain", "uncompiled", "shared_prefix", "chunked_prefill", "preemption",
+                                  "compiled_prefill", "compiled_chunked_prefill"])
 def test_bf16_logprobs_are_within_transformers_bf16_error(medium, case):
     """Every paging path gives log-probs as close to transformers' fp32 forward as transformers'
     own bf16 forward is, on the same 3200 sampled tokens; a paging bug (wrong block, wrong causal
-    alignment) costs nats on the tokens it touches and fails the p99 bound if not the mean."""
+    alignment) costs nats on the tokens it touches and fails the p99 bound if not the mean. The
+    compiled cases run every prefill through the compiled layer, which only large ones take by
+    default."""
     path, hf32, hf16 = medium
     kwargs = dict(max_kv_tokens=1 << 15)
     n = 1
@@ -205,11 +214,13 @@ def test_bf16_logprobs_are_within_transformers_bf16_error(medium, case):
         kwargs["compile_decode"] = False
     elif case == "shared_prefix":
         n = 4
-    elif case == "chunked_prefill":
+    elif case.endswith("chunked_prefill"):
         kwargs["max_num_batched_tokens"] = 7
     elif case == "preemption":
         kwargs.update(max_kv_tokens=16 * 24, max_num_seqs=64)
     engine = NativeEngine(str(path), dtype="bfloat16", **kwargs)
+    if case.startswith("compiled"):
+        engine.runner.compiled_prefill_min_tokens = 1
     batch = prompts(80 // n, 37, HF_MEDIUM["vocab_size"])
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3)
     outs = engine.generate(batch, sp)

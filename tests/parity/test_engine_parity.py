@@ -320,23 +320,29 @@ def test_generate_cli_writes_completions_in_input_order(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compiled_decode_equals_eager_decode(models):
-    """torch.compile of the decode forward (the CUDA default) fuses around the attention op; here on
-    CPU it must sample exactly what the eager forward samples. The first batch fills the engine and
-    equals the hidden size, as a GPU's largest graph bucket of 256 would a model's hidden size or
-    block-table width: neither the whole buffers nor an equal size may fix the batch in the graphs."""
+    """torch.compile of the decode and prefill forwards (the CUDA default) fuses around the
+    attention ops; here on CPU it must sample exactly what the eager forwards sample. The first
+    batch fills the engine and equals the hidden size, as a GPU's largest graph bucket of 256 would a
+    model's hidden size or block-table width: neither the whole buffers nor an equal size may fix the
+    batch in the graphs. Prefills of 8 tokens chunk the 11-token prompt, so that some prefills
+    continue a cached prefix (the prefill layer's second graph)."""
     from torch._dynamo.utils import counters
 
     path, hf = models["qwen3"]
     rows = hf.config.hidden_size
     assert rows % len(PROMPTS) == 0
     sp = SamplingParams(n=rows // len(PROMPTS), temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=1)
-    eager = NativeEngine(str(path), compile_decode=False, **SMALL).generate(PROMPTS, sp)
+    small = dict(SMALL, max_num_batched_tokens=8)
+    eager = NativeEngine(str(path), compile_decode=False, **small).generate(PROMPTS, sp)
     torch._dynamo.reset()  # graphs an earlier test compiled would be reused, not counted
     counters.clear()
-    engine = NativeEngine(str(path), compile_decode=True, max_num_seqs=rows, **SMALL)
+    engine = NativeEngine(str(path), compile_decode=True, max_num_seqs=rows, **small)
+    engine.runner.compiled_prefill_min_tokens = 1  # these prompts' prefills are compiled too
     compiled = engine.generate(PROMPTS, sp)  # as many rows as the engine holds
-    engine.generate(PROMPTS[:2], sp)  # half as many: the same three graphs serve them
+    engine.generate(PROMPTS[:2], sp)  # half as many: the same graphs serve them
     assert engine.model.config.num_hidden_layers >= 2
-    assert counters["stats"]["unique_graphs"] == 3  # embedding, the layer every layer shares, head
+    # Decode: embedding, the layer every layer shares, head. Prefill: the layer every layer
+    # shares, with and without a cached prefix.
+    assert counters["stats"]["unique_graphs"] == 5
     assert [c.output_ids for c in compiled] == [c.output_ids for c in eager]
     assert max(abs(x - y) for a, b in zip(compiled, eager) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5

@@ -13,7 +13,9 @@ cache and attends over it, so the model never knows about paging:
   replay; several decode steps run back to back on the device, each step feeding its sampled ids
   to the next, and the host reads all of them at once. Compiled, the decode forward is three
   graphs (embedding, one decoder layer that every layer runs, head), so the compile costs about
-  one layer's, whatever the depth.
+  one layer's, whatever the depth. Prefills of at least `COMPILED_PREFILL_MIN_TOKENS` tokens run
+  compiled too: one graph of a decoder layer that every layer runs, around the prefill attention
+  op (`prefill_attention`), the token count its varying size.
 
 Logits are computed for the sampled positions only, in fp32 (the trainer's log-prob definition).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import array
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +42,11 @@ from colocate.rollout.native.cuda_graphs import DecodeGraphs
 from colocate.rollout.native.memory import DeviceMemory
 from colocate.rollout.native.sampler import SamplingBatch
 from colocate.rollout.native.scheduler import PrefillChunk, Sequence
+
+COMPILED_PREFILL_MIN_TOKENS = 4096
+"""Prefills of at least this many tokens run compiled (when the decode is). Eager, a prefill's
+norm, rotary and residual work between the GEMMs took about half of a 4B model's prefill time;
+below this size the saving is small, and a run whose prefills are all small never pays the compile."""
 
 
 @torch.library.custom_op("colocate_native::decode_attention", mutates_args=("kv",))
@@ -61,6 +69,33 @@ def _(q, k, v, kv, slot_mapping, block_tables, context_lens, scale):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("colocate_native::prefill_attention", mutates_args=("kv",))
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                      slot_mapping: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor,
+                      max_lens: torch.Tensor, gather_slots: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Store one layer's new K/V of a packed prefill into its paged cache `kv` (2, num_blocks,
+    block_size, Hk, D), then attend: each sequence's queries, its last tokens, over its keys
+    (causal, the last query aligned with the last key). `gather_slots` holds the cache slots of every
+    key when some sequence continues a cached prefix (else the keys are the new ones); `max_lens`,
+    on the host, the longest query and key runs. An opaque op to torch.compile."""
+    k_cache, v_cache = kv[0], kv[1]
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    if gather_slots is not None:
+        k = k_cache.flatten(0, 1)[gather_slots]  # (M, Hk, D): cached prefix + new keys
+        v = v_cache.flatten(0, 1)[gather_slots]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        max_q, max_k = max_lens.tolist()
+        return varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+    return _attention_per_sequence(q, k, v, cu_seq_q.diff().tolist(), cu_seq_k.diff().tolist(), scale)
+
+
+@prefill_attention.register_fake
+def _(q, k, v, kv, slot_mapping, cu_seq_q, cu_seq_k, max_lens, gather_slots, scale):
+    return torch.empty_like(q)
+
+
 def _decode_layer(layer: nn.Module, x: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +113,17 @@ def _decode_layer(layer: nn.Module, x: torch.Tensor, delta: torch.Tensor, cos: t
     return x, layer.mlp(normed)
 
 
+def _prefill_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                   slot_mapping: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor,
+                   max_lens: torch.Tensor, gather_slots: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One decoder layer of a prefill of N packed tokens (x (N, H)); compiled, one graph serves
+    every layer, as in `_decode_layer`."""
+    def attn(_module, q, k, v):
+        return prefill_attention(q, k, v, kv, slot_mapping, cu_seq_q, cu_seq_k, max_lens, gather_slots, scale)
+
+    return layer(x, cos, sin, None, None, attn)
+
+
 @dataclass
 class _PrefillContext:
     slot_mapping: torch.Tensor  # (N,) int64
@@ -85,6 +131,7 @@ class _PrefillContext:
     k_lens: list[int]  # keys per sequence: cached prefix + new tokens
     cu_seq_q: torch.Tensor  # (S+1,) int32
     cu_seq_k: torch.Tensor  # (S+1,) int32
+    max_lens: torch.Tensor  # (2,) int64 on the host: max(q_lens), max(k_lens)
     gather_slots: torch.Tensor | None = None  # (M,) int64 slots of all keys, when some prefix is cached
     block_tables: torch.Tensor | None = None  # (S, max_blocks) int32, for the batch-invariant CUDA kernel
 
@@ -124,6 +171,8 @@ class ModelRunner:
 
         self._embed, self._layer, self._head = (compiled(self._decode_embed), compiled(_decode_layer),
                                                 compiled(self._decode_head))
+        self._prefill_layer = compiled(_prefill_layer)
+        self.compiled_prefill_min_tokens = COMPILED_PREFILL_MIN_TOKENS
         self.graphs = None
         if cuda_graph_max_bs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self, min(cuda_graph_max_bs, max_num_seqs))
@@ -178,7 +227,8 @@ class ModelRunner:
             counters += [end - 1] * len(chunk.samplers)
         to = dict(device=self.device)
         ctx = _PrefillContext(slot_mapping=torch.tensor(slots, dtype=torch.int64, **to), q_lens=q_lens,
-                              k_lens=k_lens, cu_seq_q=_cumsum(q_lens, **to), cu_seq_k=_cumsum(k_lens, **to))
+                              k_lens=k_lens, cu_seq_q=_cumsum(q_lens, **to), cu_seq_k=_cumsum(k_lens, **to),
+                              max_lens=torch.tensor([max(q_lens), max(k_lens)]))
         if batch_invariant.enabled() and self.device.type == "cuda":
             width = max(len(c.seq.block_table) for c in chunks)
             ctx.block_tables = torch.tensor([c.seq.block_table + [-1] * (width - len(c.seq.block_table))
@@ -186,35 +236,42 @@ class ModelRunner:
         elif k_lens != q_lens:
             gather = [s for c in chunks for s in _slots(c.seq.block_table, 0, c.end, bs)]
             ctx.gather_slots = torch.tensor(gather, dtype=torch.int64, **to)
-        self._prefill = ctx
-        try:
-            hidden = self.model.hidden_states(
-                torch.tensor(ids, dtype=torch.int64, **to), positions=torch.tensor(positions, **to),
-                attn=self._prefill_attention)  # (N, H)
-        finally:
-            self._prefill = None
+        input_ids, positions = torch.tensor(ids, dtype=torch.int64, **to), torch.tensor(positions, **to)
+        if self.compiled_decode and len(ids) >= self.compiled_prefill_min_tokens:
+            hidden = self._compiled_prefill(input_ids, positions, ctx)  # (N, H)
+        else:
+            self._prefill = ctx
+            try:
+                hidden = self.model.hidden_states(input_ids, positions=positions, attn=self._prefill_attention)
+            finally:
+                self._prefill = None
         if sampling is None:
             return torch.empty(0, dtype=torch.int64, **to), torch.empty(0, **to)
         logits = self._logits(hidden[torch.tensor(last_rows, **to)])  # (R, V)
         return sampling.sample(logits, torch.tensor(counters, dtype=torch.int64, **to))
 
+    def _compiled_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _PrefillContext
+                          ) -> torch.Tensor:
+        """`CausalLM.hidden_states` of a prefill, its layers through the compiled `_prefill_layer`."""
+        inner = self.model.model
+        x = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary(positions, x.dtype)
+        slots = () if ctx.gather_slots is None else (ctx.gather_slots,)
+        self._batch_dim(x, cos, sin, ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k, *slots)
+        for i, layer in enumerate(inner.layers):
+            x = self._prefill_layer(layer, x, cos, sin, self.kv[:, i], ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k,
+                                    ctx.max_lens, ctx.gather_slots, self.scale)
+        return inner.norm(x)
+
     def _prefill_attention(self, module: nn.Module, q, k, v):
         ctx = self._prefill
-        k_cache, v_cache = self.kv[0, module.layer_idx], self.kv[1, module.layer_idx]
-        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        kv = self.kv[:, module.layer_idx]
         if ctx.block_tables is not None:  # every key read from the cache, the new ones included
-            return invariant_attention.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.q_lens,
+            store_kv(k, v, kv[0], kv[1], ctx.slot_mapping)
+            return invariant_attention.paged_prefill_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_lens,
                                                                ctx.k_lens, self.scale)
-        if ctx.gather_slots is not None:
-            k = k_cache.flatten(0, 1)[ctx.gather_slots]  # (M, Hk, D): cached prefix + new keys
-            v = v_cache.flatten(0, 1)[ctx.gather_slots]
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            from torch.nn.attention.varlen import varlen_attn
-
-            # Causal with fewer queries than keys aligns the last query with the last key.
-            return varlen_attn(q, k, v, ctx.cu_seq_q, ctx.cu_seq_k, max(ctx.q_lens), max(ctx.k_lens),
-                               scale=self.scale, window_size=(-1, 0))
-        return _attention_per_sequence(q, k, v, ctx.q_lens, ctx.k_lens, self.scale)
+        return prefill_attention(q, k, v, kv, ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k, ctx.max_lens,
+                                 ctx.gather_slots, self.scale)
 
     # ---------------------------------------------------------------- decode
 
@@ -242,10 +299,11 @@ class ModelRunner:
         return self._head(x, delta)
 
     def _batch_dim(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Mark dim 0, the batch, as the compiled decode's one varying size; every other size is
-        traced as a constant. Were all sizes symbolic, a batch equal to another size (a hidden size
-        or a block-table width of 256, say) would share its symbol, the first trace would fix both,
-        and every other batch would compile again."""
+        """Mark dim 0 as varying: the batch, a compiled decode's one varying size, or a compiled
+        prefill's token, sequence and key counts; every other size is traced as a constant. Were all
+        sizes symbolic, a batch equal to another size (a hidden size or a block-table width of 256,
+        say) would share its symbol, the first trace would fix both, and every other batch would
+        compile again."""
         if self.compiled_decode:
             for t in tensors:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
