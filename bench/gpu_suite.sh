@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
-#   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout colocation train train_small
-#                                          kernels units
+#   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout prefill colocation train
+#                                          train_small kernels units
 #                                          (and, asked for by name: tail e2e_tail_off e2e_tail_on startup
 #                                          on_policy_bits on_policy invariant_sweep; multigpu, on a machine of
 #                                          2 or more GPUs)
@@ -10,7 +10,7 @@
 set -u
 out=${1:?usage: bench/gpu_suite.sh OUT_DIR [STEP...]}
 shift
-steps=${*:-loop default engine e2e rollout colocation train train_small kernels units}
+steps=${*:-loop default engine e2e rollout prefill colocation train train_small kernels units}
 mkdir -p "$out"
 marker=$(mktemp)
 export PYTHONUNBUFFERED=1
@@ -38,6 +38,7 @@ for step in $steps; do
     e2e_tail_on) run e2e_tail_on 590 python bench/e2e.py --tail --partial on --steps 3 --warmup 3 \
                    --out "$out/e2e_tail_on.json" ;;
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
+    prefill) run prefill 300 python bench/prefill.py ;;
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
     startup) run startup 560 python bench/startup.py ;;

@@ -1,8 +1,8 @@
 """The benchmark scripts that have a CPU mode run end to end on CPU, so they cannot rot between
 GPU runs: the GRPO-step bench writes per-phase timings for every variant it was asked for, the
-rollout bench's long-tail case its lengths, utilization and decode roofline probes, the trainer
-bench's peers every configuration, the tuned ones with the default's loss, and the true on-policy
-bench the mode's cost with bitwise-equal log-probs."""
+rollout bench's long-tail case its lengths, utilization and decode roofline probes, the prefill
+bench its compiled and eager rates, the trainer bench's peers every configuration, the tuned ones
+with the default's loss, and the true on-policy bench the mode's cost with bitwise-equal log-probs."""
 
 from __future__ import annotations
 
@@ -75,6 +75,24 @@ def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(t
         assert probe["ms_per_decode_step"] > 0 and probe["roofline_fraction"] == pytest.approx(
             probe["roofline_ms"] / probe["ms_per_decode_step"])
     assert done.stdout.startswith("rollout tail (tiny shape, 16 samples, lengths median 14 mean 18, 1 at 64)")
+
+
+@pytest.mark.slow
+def test_prefill_bench_cpu_smoke_times_compiled_and_eager_prefills(tmp_path):
+    out = tmp_path / "prefill.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill.py"), "--cpu-smoke", "--repeats", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    r = json.loads(out.read_text())
+    assert r["compiled_graphs"] == 1  # the prefill layer every layer shares; one token each, so no decode
+    prompts, carried = r["cases"]["prompts"], r["cases"]["carried"]
+    assert (prompts["prompts"], prompts["tokens"]) == (512, 512 * 16)
+    assert carried["prompts"] == 96 and 96 * 19 <= carried["tokens"] <= 96 * 437
+    for case in (prompts, carried):
+        assert all(len(case["seconds"][v]) == 2 and min(case["seconds"][v]) > 0 for v in ("compiled", "eager"))
+        rate = case["tokens_per_s"]
+        assert case["compiled_over_eager"] == pytest.approx(rate["compiled"] / rate["eager"])
+    assert done.stdout.startswith("prompts: 8192 tokens, compiled ")
 
 
 @pytest.mark.slow
