@@ -250,6 +250,10 @@ MUTANTS = [
     Mutant("decode_batch_not_marked_dynamic", "colocate/rollout/native/model_runner.py",
            "                torch._dynamo.maybe_mark_dynamic(t, 0)\n", "                pass\n",
            ("tests/parity/test_engine_parity.py::test_compiled_decode_equals_eager_decode",)),
+    Mutant("compiled_prefill_drops_the_cached_prefix", "colocate/rollout/native/model_runner.py",
+           "                                    ctx.max_lens, ctx.gather_slots, self.scale)",
+           "                                    ctx.max_lens, None, self.scale)",
+           ("tests/parity/test_engine_parity.py::test_compiled_decode_equals_eager_decode",)),
 ]
 
 
