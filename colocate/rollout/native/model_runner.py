@@ -8,14 +8,16 @@ cache and attends over it, so the model never knows about paging:
   (a chunked long prompt), its cached K/V is gathered from the cache and its queries attend
   bottom-right aligned over prefix + new keys. On CUDA (half precision) one varlen flash-attention
   call covers the batch; elsewhere one SDPA call per sequence (never a quadratic packed mask).
+  Both sit in the op `prefill_attention`. Prefills of at least `COMPILED_PREFILL_MIN_TOKENS` tokens
+  run compiled when the decode does: one graph of a decoder layer that every layer runs, around
+  that op, the token, sequence and key counts its varying sizes (and one more graph for prefills
+  that continue a cached prefix).
 - decode: one token per sequence through `paged_decode_attention` (wrapped as a custom op, so that
   torch.compile can fuse the rest of the forward around it), from static buffers that CUDA graphs
   replay; several decode steps run back to back on the device, each step feeding its sampled ids
   to the next, and the host reads all of them at once. Compiled, the decode forward is three
   graphs (embedding, one decoder layer that every layer runs, head), so the compile costs about
-  one layer's, whatever the depth. Prefills of at least `COMPILED_PREFILL_MIN_TOKENS` tokens run
-  compiled too: one graph of a decoder layer that every layer runs, around the prefill attention
-  op (`prefill_attention`), the token count its varying size.
+  one layer's, whatever the depth.
 
 Logits are computed for the sampled positions only, in fp32 (the trainer's log-prob definition).
 
