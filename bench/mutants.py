@@ -254,6 +254,9 @@ MUTANTS = [
            "                                    ctx.max_lens, ctx.gather_slots, self.scale)",
            "                                    ctx.max_lens, None, self.scale)",
            ("tests/parity/test_engine_parity.py::test_compiled_decode_equals_eager_decode",)),
+    Mutant("prefill_of_the_threshold_stays_eager", "colocate/rollout/native/model_runner.py",
+           "len(ids) >= self.compiled_prefill_min_tokens", "len(ids) > self.compiled_prefill_min_tokens",
+           ("tests/parity/test_engine_parity.py::test_only_prefills_of_the_threshold_run_compiled",)),
 ]
 
 

@@ -318,6 +318,26 @@ def test_generate_cli_writes_completions_in_input_order(tmp_path, capsys):
     assert out.read_bytes() == before  # neither failure touched the earlier output
 
 
+def test_only_prefills_of_the_threshold_run_compiled(models):
+    """With the decode compiled, a prefill below `compiled_prefill_min_tokens` tokens runs eager (no
+    graph is compiled for it); one of that many tokens compiles the prefill layer. One new token per
+    prompt, so no decode runs."""
+    from torch._dynamo.utils import counters
+
+    path, _ = models["qwen3"]
+    torch._dynamo.reset()
+    counters.clear()
+    engine = NativeEngine(str(path), compile_decode=True, **SMALL)
+    tokens = sum(len(p) for p in PROMPTS)
+    sp = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.runner.compiled_prefill_min_tokens = tokens + 1
+    engine.generate(PROMPTS, sp)
+    assert counters["stats"]["unique_graphs"] == 0
+    engine.runner.compiled_prefill_min_tokens = tokens
+    engine.generate(PROMPTS, sp)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.slow
 def test_compiled_decode_equals_eager_decode(models):
     """torch.compile of the decode and prefill forwards (the CUDA default) fuses around the
