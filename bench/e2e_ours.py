@@ -41,20 +41,20 @@ def _profile_last_step(loop, num_steps: int, trace: Path):
     return prof
 
 
-ENGINE_KEYS = ("perf/generate_time", "perf/engine_prefill_time", "rollout/prefill_tokens", "rollout/preemptions",
-               "rollout/decode_utilization")
-"""A step's rollout figures kept for every step, warm-up included: how a partial rollout's
-steps change as their carried samples pile up."""
+STEP_KEYS = ("perf/generate_time", "perf/engine_prefill_time", "rollout/prefill_tokens", "rollout/preemptions",
+             "rollout/decode_utilization", "perf/train_time", "train/loss_free_samples")
+"""A step's figures kept for every step, warm-up included: how a partial rollout's steps change
+as their carried samples pile up, and how many of the trained samples had no token in the loss."""
 
 
 def _report_steps(loop, num_steps: int, name: str) -> None:
     """Print a progress line as each of the loop's metric records (one per step) is logged, with
-    the step's generation time, tokens prefilled and preemptions."""
+    the step's figures of STEP_KEYS."""
     log, start = loop.log.log, time.perf_counter()
 
     def log_and_report(step, metrics, *args, **kwargs):
         log(step, metrics, *args, **kwargs)
-        engine = ", ".join(f"{key.split('/')[1]} {metrics[key]:.4g}" for key in ENGINE_KEYS if key in metrics)
+        engine = ", ".join(f"{key.split('/')[1]} {metrics[key]:.4g}" for key in STEP_KEYS if key in metrics)
         print(f"{PROGRESS} {name} step {step + 1}/{num_steps} logged at {time.perf_counter() - start:.1f} s"
               f"{f' ({engine})' if engine else ''}", flush=True)
 
@@ -132,7 +132,7 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         "decode_utilization": med("rollout/decode_utilization"),
         "groups": groups,
         "partial_per_step": partial or None,
-        "rollout_every_step": [{key.split("/")[1]: r.get(key) for key in ENGINE_KEYS} for r in rows[:end]],
+        "every_step": [{key.split("/")[1]: r.get(key) for key in STEP_KEYS} for r in rows[:end]],
         "rollout_tokens_per_s": med("perf/rollout_tokens_per_s"),
         "grad_norm": med("train/grad_norm"),
         "peak_allocated_gib": peak("allocated"),

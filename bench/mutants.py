@@ -54,6 +54,9 @@ ADVANTAGES = ("tests/unit/test_advantages.py",)
 LORA_MERGE = ("tests/integration/test_lora.py::"
               "test_pushed_weights_are_peft_merges_and_later_pushes_send_adapted_modules_only",)
 STALE_MASK = ("tests/unit/test_partial_rollout.py::test_stale_tokens_leave_the_mask_only_when_asked",)
+LOSS_FREE = ("tests/unit/test_packing.py::test_steps_leave_out_samples_with_no_token_in_the_loss",
+             "tests/integration/test_partial_stale_mask.py::"
+             "test_samples_with_every_token_stale_are_not_run_and_the_update_is_unchanged")
 PARTIAL_RESUME = ("tests/unit/test_partial_rollout.py::test_group_state_round_trips_through_json",
                   "tests/integration/test_partial_loop.py::"
                   "test_resume_continues_carried_samples_and_every_group_trains_once")
@@ -192,6 +195,11 @@ MUTANTS = [
            "merged.add_(weight)", LORA_MERGE),
     Mutant("stale_mask_keeps_one_version_more", "colocate/trainer/batch.py", ">= stale_before",
            ">= stale_before - 1", STALE_MASK),
+    Mutant("skipped_samples_leave_the_sequence_count", "colocate/trainer/passes.py",
+           "len(sl), len(sl) - len(trained)]", "len(trained), len(sl) - len(trained)]", LOSS_FREE),
+    Mutant("samples_with_a_stale_first_token_are_skipped", "colocate/trainer/passes.py",
+           "if batch.mask_sums[i] > 0]", "if batch.mask_sums[i] > 0 and batch.mask[batch.response_offsets[i]] > 0]",
+           LOSS_FREE),
     Mutant("partial_checkpoint_drops_token_versions", "colocate/rollout/partial.py",
            '"rollout_logprobs", "token_versions", "finish_reason",', '"rollout_logprobs", "finish_reason",',
            PARTIAL_RESUME),

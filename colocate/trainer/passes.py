@@ -8,6 +8,12 @@ those fixed denominators (colocate.algo.aggregate). FSDP averages gradients over
 share is multiplied by the world size before backward: the sum over micro-batches and ranks is
 then the gradient of the global-batch loss, whatever the token budget or the number of ranks.
 
+A sample with no token in the loss (every token masked: tool output, or partial rollout's tokens
+of older weights) adds exactly zero to every term and metric of a step, so the gradient steps
+leave it out of their micro-batches; it still counts in the step's sample denominator, and its
+reward still shapes its group's advantages. With long tails under partial rollout most trained
+samples finished under older weights, and this is most of the train phase's work.
+
 The micro-batch loop reads nothing back from the device (a read makes the host wait, and the
 device then idles while the host catches up): metric shares stay on the device and are read once,
 after the optimizer step. The phases are labelled (torch.profiler.record_function) so that a profile
@@ -39,6 +45,8 @@ class StepPlan:
     """Masked response tokens of this step over all ranks (token_mean's denominator)."""
     num_seqs: float
     """Samples of this step over all ranks (the sequence means' denominator)."""
+    num_skipped: float = 0.0
+    """Samples of this step over all ranks with no token in the loss, left out of `parts`."""
 
 
 def agreed_micro_batches(lengths: list[int], indices: list[int], max_tokens: int) -> list[list[int]]:
@@ -50,17 +58,24 @@ def agreed_micro_batches(lengths: list[int], indices: list[int], max_tokens: int
     return [[indices[j] for j in p] for p in parts]
 
 
+def in_loss(batch: RolloutBatch, indices: range) -> list[int]:
+    """The samples of `indices` with at least one token in the loss."""
+    return [i for i in indices if batch.mask_sums[i] > 0]
+
+
 def plan_steps(batch: RolloutBatch, max_tokens: int, samples_per_step: int | None) -> list[StepPlan]:
     """Consecutive slices of the batch, one per optimizer step (same count on every rank), each
-    cut into agreed micro-batches, with the step's global normalizers."""
+    cut into agreed micro-batches of the samples in the loss, with the step's global normalizers."""
     local = step_slices(batch.num_samples, samples_per_step)
     slices = step_slices(batch.num_samples, samples_per_step, dist.all_reduce_max(len(local)))
     lengths = batch.lengths
     plans = []
     for sl in slices:
-        counts = dist.all_reduce_sum([sum(batch.mask_sums[i] for i in sl), len(sl)], batch.mask.device)
-        parts = agreed_micro_batches(lengths, list(sl), max_tokens)
-        plans.append(StepPlan(parts, float(counts[0]), float(counts[1])))
+        trained = in_loss(batch, sl)
+        counts = dist.all_reduce_sum([sum(batch.mask_sums[i] for i in sl), len(sl), len(sl) - len(trained)],
+                                     batch.mask.device)
+        parts = agreed_micro_batches(lengths, trained, max_tokens)
+        plans.append(StepPlan(parts, float(counts[0]), float(counts[1]), float(counts[2])))
     return plans
 
 

@@ -171,7 +171,8 @@ class Trainer:
         version of the weights being trained (rollout.partial_mask_stale_tokens masks older tokens).
 
         Returns metrics over the global batch, the same on every rank, except the perf/*_time
-        phase durations, which are this rank's.
+        phase durations, which are this rank's. train/loss_free_samples counts the samples with
+        every token masked, which the gradient steps did not run (colocate/trainer/passes.py).
         """
         cfg, a = self.cfg, self.cfg.algorithm
         t = cfg.train
@@ -184,6 +185,7 @@ class Trainer:
             per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
             plans = plan_steps(batch, t.max_tokens_per_gpu, per_rank)
             pass_parts = agreed_micro_batches(batch.lengths, list(range(batch.num_samples)), t.max_tokens_per_gpu)
+        metrics["train/loss_free_samples"] = sum(p.num_skipped for p in plans)
         actor_trains = not (a.use_critic and rollout_id < a.num_critic_only_steps)
         if a.kl_in_reward or (actor_trains and len(plans) > 1):
             with timed(metrics, "perf/old_logprob_time", self.device):

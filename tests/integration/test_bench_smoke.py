@@ -128,11 +128,13 @@ def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(
         assert 0 < run["decode_utilization"] <= 1 and run["step_median_s"] > 0, name
         assert (run["partial_per_step"] is None) == name.endswith("_off"), name
         assert {"inputs", "trainer", "engine", "first_sync"} <= set(run["startup_s"]), name
-        every = run["rollout_every_step"]
+        every = run["every_step"]
         assert len(every) == results["warmup_steps"] + results["timed_steps"], name
         prompts = results["batch"]["prompts"] * results["batch"]["prompt_tokens"]  # a step's at least
         assert all(r["prefill_tokens"] >= prompts and r["preemptions"] >= 0 and r["generate_time"] > 0
-                   for r in every), (name, every)
+                   and r["train_time"] > 0 for r in every), (name, every)
+        loss_free = [r["loss_free_samples"] for r in every]
+        assert loss_free == [0] * len(every) if name.endswith("_off") else max(loss_free) > 0, (name, every)
     # Two steps of 4 groups each; with partial rollout 12 are drawn first (3x in flight), 4 more
     # for the second step, and 8 stay in flight.
     off, on = ours["offload_on_partial_off"]["groups"], ours["offload_on_partial_on"]["groups"]

@@ -1,12 +1,14 @@
 """The trainer and partial rollout's stale tokens (CPU, one gloo rank): with
 rollout.partial_mask_stale_tokens, a step on samples whose first tokens came from an older weight
 version updates the weights exactly as a step on the same samples with those tokens' loss mask
-set to 0; without it, the stale tokens train (the update differs)."""
+set to 0; without it, the stale tokens train (the update differs). Samples whose every token is
+stale are left out of the micro-batches, and the update equals running them."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from tests.distributed import run_ranks
@@ -17,11 +19,12 @@ VERSION = 3
 """The version of the weights being trained; tokens sampled by version 2 are stale."""
 
 
-def _with_versions(samples):
-    """Each sample's first half sampled by version 2 (carried from the last step), the rest by 3."""
+def _with_versions(samples, all_stale_groups=()):
+    """Each sample's first half sampled by version 2 (carried from the last step), the rest by 3;
+    every token by version 2 in `all_stale_groups` (samples that finished in the last step)."""
     out = []
     for s in samples:
-        old = s.response_len // 2
+        old = s.response_len if s.group_index in all_stale_groups else s.response_len // 2
         out.append(dataclasses.replace(s, token_versions=[VERSION - 1] * old + [VERSION] * (s.response_len - old),
                                        weight_version=VERSION))
     return out
@@ -56,3 +59,36 @@ def test_stale_tokens_are_masked_out_of_the_loss_only_when_asked(tmp_path):
         assert torch.equal(w_masked[name], w_zeroed[name]), name
     assert kept["train/grad_norm"] != masked["train/grad_norm"]
     assert any((w_kept[n] - w_masked[n]).abs().max() > 1e-6 for n in w_masked)
+
+
+def _skipping(rank, world_size, path, out_file):
+    """Rank 0 holds the all-stale group, so it runs only a dummy micro-batch; once more with every
+    sample run (the skip undone), for reference."""
+    from colocate import dist
+    from colocate.trainer import Trainer, passes
+
+    torch.set_num_threads(1)
+    samples = _with_versions(_samples(vocab=101), all_stale_groups=(0,))
+    local = [s for s in samples if s.group_index == rank]
+    overrides = {"rollout.partial_rollout": True, "rollout.over_sampling_batch_size": 4,
+                 "algorithm.loss_agg_mode": "seq_mean_token_mean"}
+    out = {}
+    for name, in_loss in (("skipped", passes.in_loss), ("run", lambda batch, indices: list(indices))):
+        passes.in_loss = in_loss
+        trainer = Trainer(_config(path, **overrides), dist.get_info())
+        out[name] = trainer.train(local, rollout_id=0, weight_version=VERSION), _weights(trainer)
+    if rank == 0:
+        torch.save(out, out_file)
+
+
+def test_samples_with_every_token_stale_are_not_run_and_the_update_is_unchanged(tmp_path):
+    path, _ = write_hf_model(tmp_path, "qwen2")
+    run_ranks(_skipping, 2, path, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt")
+    (skipped, w_skipped), (run, w_run) = out["skipped"], out["run"]
+    assert skipped["train/loss_free_samples"] == 4 and run["train/loss_free_samples"] == 0
+    for metric in ("train/pg_loss", "train/grad_norm", "train/entropy_loss", "train/ppo_kl"):
+        assert skipped[metric] == pytest.approx(run[metric], rel=1e-5, abs=1e-7), metric
+    assert skipped["train/grad_norm"] > 0
+    for name in w_skipped:
+        torch.testing.assert_close(w_skipped[name], w_run[name], rtol=1e-6, atol=1e-7, msg=name)

@@ -106,3 +106,24 @@ def test_token_ids_outside_the_vocabulary_are_named_on_the_host():
     samples[0].prompt_ids[0] = -3
     with pytest.raises(ValueError, match="sample 0 .* token id -3"):
         RolloutBatch.from_samples(samples, torch.device("cpu"), vocab_size=11)
+
+
+def test_steps_leave_out_samples_with_no_token_in_the_loss():
+    """Sample 1 is all masked: no micro-batch runs it, yet it counts in the step's samples; a
+    sample with one token in the loss (3) still runs."""
+    import torch
+
+    from colocate.rollout.sample import Sample
+    from colocate.trainer.batch import RolloutBatch
+    from colocate.trainer.passes import plan_steps
+
+    samples = [Sample([5, 6], [7, 8, 9], [0.0] * 3, mask, 0, j)
+               for j, mask in enumerate(([1, 1, 1], [0, 0, 0], [1, 0, 1], [0, 0, 1]))]
+    (plan,) = plan_steps(RolloutBatch.from_samples(samples, torch.device("cpu")), max_tokens=10,
+                         samples_per_step=None)
+    assert sorted(i for p in plan.parts for i in p) == [0, 2, 3]
+    assert (plan.num_tokens, plan.num_seqs, plan.num_skipped) == (6.0, 4.0, 1.0)
+    first, second = plan_steps(RolloutBatch.from_samples(samples[1:2] * 2 + samples[:1], torch.device("cpu")),
+                               max_tokens=10, samples_per_step=2)
+    assert first.parts == [[]] and (first.num_seqs, first.num_skipped) == (2.0, 2.0)  # a dummy micro-batch
+    assert second.parts == [[2]] and (second.num_seqs, second.num_skipped) == (1.0, 0.0)
