@@ -31,6 +31,14 @@ and the same for the mode's attention (the trainer's packed path and the engine'
 tiles hold a kv head's query heads), with tiles of other sizes, beside the default kernels.
 Writes bench/results/invariant_matmul_sweep.json.
 
+`--decode-mixed` times the decode kernel on a decode batch of long-tailed contexts (the 4B shape
+of `bench/rollout.py --cases tail`: 192 rows, the mean decode batch of the partial-rollout tail run,
+each a sample drawn by its length, as seats hold long samples longer, at a uniform point of its
+response), its rows longest context first (as the scheduler hands them) and in drawn order, beside
+the same tokens spread evenly over the rows, over 12 layers' caches in one CUDA graph; against
+the roofline of the K/V read at the device's peak HBM bandwidth (bench/rollout.py's). Writes
+bench/results/decode_mixed.json.
+
 `--sample-sweep` times every launch shape of the Gumbel-max sampler (programs per SM, block,
 warps) on (B, 151936) fp32 logits, beside the plain-torch reference, and writes
 bench/results/sampling_sweep.json.
@@ -57,6 +65,7 @@ from colocate.models.transformer import joint_linear
 RESULTS = pathlib.Path(__file__).parent / "results" / "kernels.json"
 SWEEP_RESULTS = RESULTS.parent / "paged_decode_sweep.json"
 SAMPLE_SWEEP_RESULTS = RESULTS.parent / "sampling_sweep.json"
+MIXED_RESULTS = RESULTS.parent / "decode_mixed.json"
 SWEEP_SHAPES = [(256, 256), (256, 384), (256, 1024), (64, 384), (64, 2048), (16, 3072)]
 """(batch, context) pairs: the rollout benchmark's b256, b64 and long cases at mid-generation."""
 HBM_BYTES_PER_S = 4.3e12
@@ -198,6 +207,78 @@ def decode_sweep() -> None:
               flush=True)
     SWEEP_RESULTS.parent.mkdir(parents=True, exist_ok=True)
     SWEEP_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def tail_contexts(batch: int, seed: int = 0) -> list[int]:
+    """Contexts of a decode batch mid-step in the tail run: samples drawn with weight = response
+    length (a seat holds a long sample longer), each at a uniform point of its response."""
+    import random
+
+    from rollout import TAIL_RUNS, tail_length
+
+    run, rng = TAIL_RUNS["4b"], random.Random(seed)
+    lengths = [tail_length(key, run["median_tokens"], run["sigma"], run["max_tokens"]) for key in range(8192)]
+    drawn = rng.choices(lengths, weights=lengths, k=batch)
+    return [run["prompt_tokens"] + rng.randrange(n) + 1 for n in drawn]
+
+
+def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, num_kv_heads: int = 8,
+                 head_dim: int = 128, block_size: int = 16) -> None:
+    from triton.testing import do_bench_cudagraph
+
+    contexts = tail_contexts(batch)
+    even = [sum(contexts) // batch] * batch
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    num_blocks = sum(-(-c // block_size) for c in contexts) + batch
+    kv = torch.randn((2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), device="cuda",
+                     generator=gen).bfloat16()
+    width = -(-max(contexts) // block_size)
+    q = torch.randn(batch, num_q_heads, head_dim, device="cuda", generator=gen).bfloat16()
+    scale = head_dim**-0.5
+
+    def rows(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables over a random permutation of the cache's blocks, and the context lengths."""
+        tables = torch.full((batch, width), -1, dtype=torch.int32)
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).int()
+        used = 0
+        for i, c in enumerate(lens):
+            n = -(-c // block_size)
+            tables[i, :n] = perm[used:used + n]
+            used += n
+        return tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+    def time_us(lens: list[int]) -> float:
+        tables, lens_t = rows(lens)
+        config = paged_attention.decode_config(batch, num_kv_heads, head_dim, width * block_size, q.device)
+        got = paged_attention._paged_decode_triton(q, kv[0, 0], kv[1, 0], tables, lens_t, scale, config)
+        some = slice(0, 16)  # the dense reference of every row would take tens of GiB
+        want = paged_attention.reference_paged_decode_attention(q[some], kv[0, 0], kv[1, 0], tables[some],
+                                                                lens_t[some], scale)
+        torch.testing.assert_close(got[some].float(), want.float(), atol=2e-2, rtol=2e-2)
+
+        def step():
+            for layer in range(num_layers):
+                paged_attention._paged_decode_triton(q, kv[0, layer], kv[1, layer], tables, lens_t, scale, config)
+
+        return do_bench_cudagraph(step, rep=50, return_mode="median") * 1e3 / num_layers
+
+    from rollout import peak_hbm_bytes_per_s
+
+    peak = peak_hbm_bytes_per_s()
+    roofline_us = 2 * sum(contexts) * num_kv_heads * head_dim * 2 / peak * 1e6
+    cases = {"longest_first": sorted(contexts, reverse=True), "drawn_order": contexts, "even": even}
+    result = {"device": torch.cuda.get_device_name(),
+              "shape": dict(batch=batch, q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim,
+                            block_size=block_size, layers=num_layers),
+              "contexts": dict(mean=sum(contexts) / batch, max=max(contexts), min=min(contexts)),
+              "roofline_us": roofline_us, "hbm_bytes_per_s": peak}
+    for name, lens in cases.items():
+        us = time_us(lens)
+        result[name] = dict(us=us, roofline_share=roofline_us / us)
+    MIXED_RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(" | ".join(f"{name} {result[name]['us']:.1f} us ({result[name]['roofline_share']:.0%} of the roofline)"
+                     for name in cases) + f" | contexts mean {result['contexts']['mean']:.0f}, max "
+          f"{result['contexts']['max']} -> {MIXED_RESULTS}")
 
 
 def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
@@ -453,6 +534,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
     parser.add_argument("--sample-sweep", action="store_true", help="time every sampler launch shape")
+    parser.add_argument("--decode-mixed", action="store_true",
+                        help="time the decode kernel on long-tailed contexts, longest first and in drawn order")
     parser.add_argument("--invariant-sweep", action="store_true",
                         help="time the true-on-policy matmul's candidate tile configs by (N, K)")
     args = parser.parse_args()
@@ -464,6 +547,8 @@ def main() -> None:
         return decode_sweep()
     if args.sample_sweep:
         return sample_sweep()
+    if args.decode_mixed:
+        return decode_mixed()
     from triton.testing import do_bench
 
     results = {

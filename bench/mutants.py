@@ -57,6 +57,7 @@ STALE_MASK = ("tests/unit/test_partial_rollout.py::test_stale_tokens_leave_the_m
 LOSS_FREE = ("tests/unit/test_packing.py::test_steps_leave_out_samples_with_no_token_in_the_loss",
              "tests/integration/test_partial_stale_mask.py::"
              "test_samples_with_every_token_stale_are_not_run_and_the_update_is_unchanged")
+DECODE_ORDER = ("tests/unit/test_scheduler.py::test_decode_rows_go_longest_context_first",)
 PARTIAL_RESUME = ("tests/unit/test_partial_rollout.py::test_group_state_round_trips_through_json",
                   "tests/integration/test_partial_loop.py::"
                   "test_resume_continues_carried_samples_and_every_group_trains_once")
@@ -200,6 +201,9 @@ MUTANTS = [
     Mutant("samples_with_a_stale_first_token_are_skipped", "colocate/trainer/passes.py",
            "if batch.mask_sums[i] > 0]", "if batch.mask_sums[i] > 0 and batch.mask[batch.response_offsets[i]] > 0]",
            LOSS_FREE),
+    Mutant("decode_rows_in_admission_order", "colocate/rollout/native/scheduler.py",
+           "batch.seqs.sort(key=lambda s: s.num_tokens, reverse=True)", "batch.seqs.sort(key=lambda s: 0)",
+           DECODE_ORDER),
     Mutant("partial_checkpoint_drops_token_versions", "colocate/rollout/partial.py",
            '"rollout_logprobs", "token_versions", "finish_reason",', '"rollout_logprobs", "finish_reason",',
            PARTIAL_RESUME),

@@ -7,8 +7,11 @@ head h // (Hq // Hk). Rows of block_tables may be padded with -1 past the used b
 context length of 0 (a padded CUDA-graph row) gives a zero output. The CUDA kernel takes block
 sizes that are powers of two >= 16; the plain-torch path takes any.
 
-The Triton kernel runs one program per (sequence, kv head, context split) that serves all query
-heads of the group, so each K/V tile is read once per group, with an online softmax in fp32. A
+The Triton kernel runs one program per (kv head, sequence, context split) that serves all query
+heads of the group, so each K/V tile is read once per group, with an online softmax in fp32. The
+grid starts a sequence's programs together, sequence after sequence: a batch ordered longest
+context first (the engine's scheduler hands it so) starts its longest programs first, and a step of
+long-tailed contexts does not end on a few long programs started last. A
 tile of at most one cache block needs one block-table lookup; a larger tile looks up one block id
 per token. The context of a sequence is split across programs (flash-decoding) and a second
 kernel merges the partial softmaxes: a decode step is bound by memory latency, and more, shorter
@@ -239,7 +242,7 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         f32 = dict(dtype=torch.float32, device=q.device)
         part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), **f32)  # (B, Hq, S, D)
         part_stats = torch.empty((2, batch, num_q_heads, num_splits), **f32)  # max, sum-exp
-    decode_kernel[(batch, num_kv_heads, num_splits)](
+    decode_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_stats, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), block_tables.shape[1],
@@ -272,8 +275,8 @@ def _triton_kernels():
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
         split = tl.program_id(2)
         context = tl.load(lens_ptr + seq)
         num_tiles = tl.cdiv(context, BLOCK_N)
@@ -325,7 +328,7 @@ def _triton_kernels():
         else:
             tl.store(out_ptr + out_offs, acc, mask=out_mask)
             num_rows = tl.num_programs(0) * tl.num_programs(1) * GROUP * NUM_SPLITS
-            stat_offs = ((seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split).to(tl.int64)
+            stat_offs = ((seq * tl.num_programs(0) * GROUP + heads) * NUM_SPLITS + split).to(tl.int64)
             tl.store(stats_ptr + stat_offs, m_i, mask=head_ok)
             tl.store(stats_ptr + num_rows + stat_offs, l_i, mask=head_ok)
 

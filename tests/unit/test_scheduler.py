@@ -60,6 +60,26 @@ def test_group_prefills_once_and_shares_prompt_blocks():
     assert bm.num_free_blocks == 32
 
 
+def test_decode_rows_go_longest_context_first():
+    """Three prompts of 3, 9 and 5 tokens (admitted in that order) decode as 9, 5, 3, and stay in
+    that order as they grow; a later, longer prompt takes the first row."""
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_decode_steps=2)
+    groups = [make_group(range(2, 2 + n), prompt_index=i, first_id=i, max_new_tokens=8)
+              for i, n in enumerate((3, 9, 5))]
+    for group in groups:
+        sched.add(group)
+    prefill = sched.schedule()
+    sched.postprocess(prefill, [[20]] * 3, [[0.0]] * 3)
+    for _ in range(2):
+        decode = sched.schedule()
+        assert [s.prompt_index for s in decode.seqs] == [1, 2, 0]
+        sched.postprocess(decode, [[21] * decode.num_steps] * 3, [[0.0] * decode.num_steps] * 3)
+    sched.add(make_group(range(2, 16), prompt_index=3, first_id=3, max_new_tokens=8))
+    sched.postprocess(sched.schedule(), [[20]], [[0.0]])
+    assert [s.prompt_index for s in sched.schedule().seqs] == [3, 1, 2, 0]
+
+
 def test_token_budget_chunks_a_long_prompt():
     bm = BlockManager(num_blocks=32, block_size=4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10, max_decode_steps=1)

@@ -79,7 +79,8 @@ class Batch:
     chunks: list[PrefillChunk] = field(default_factory=list)
     """Prefill work; empty for a decode step."""
     seqs: list[Sequence] = field(default_factory=list)
-    """Decode work: each sequence feeds its last token and samples `num_steps` tokens."""
+    """Decode work: each sequence feeds its last token and samples `num_steps` tokens. Longest
+    context first: the decode kernel starts its programs in row order (colocate/kernels/paged_attention.py)."""
     num_steps: int = 1
     copies: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) block copies to perform before the forward (copy on write)."""
@@ -122,7 +123,9 @@ class Scheduler:
         batch = self._schedule_prefill()
         if batch.chunks:
             return batch
-        return self._schedule_decode()
+        batch = self._schedule_decode()
+        batch.seqs.sort(key=lambda s: s.num_tokens, reverse=True)
+        return batch
 
     def _num_seats_taken(self) -> int:
         return len(self.running) + sum(len(g) for g in self.prefilling)
