@@ -9,9 +9,11 @@ share is multiplied by the world size before backward: the sum over micro-batche
 then the gradient of the global-batch loss, whatever the token budget or the number of ranks.
 
 A sample with no token in the loss (every token masked: tool output, or partial rollout's tokens
-of older weights) adds exactly zero to every term and metric of a step, so the gradient steps
-leave it out of their micro-batches; it still counts in the step's sample denominator, and its
-reward still shapes its group's advantages. With long tails under partial rollout most trained
+of older weights) adds exactly zero to every term and metric of a step, so no pass runs it: the
+gradient steps leave it out of their micro-batches, and the no-grad passes (old and reference
+log-probs, values) leave its tokens at 0, which only masked terms read (the KL penalty in the
+reward, GAE and whitening mask them too). It still counts in the step's sample denominator, and
+its reward still shapes its group's advantages. With long tails under partial rollout most trained
 samples finished under older weights, and this is most of the train phase's work.
 
 The micro-batch loop reads nothing back from the device (a read makes the host wait, and the

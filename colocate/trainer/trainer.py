@@ -35,7 +35,7 @@ from colocate.trainer.memory import (
 )
 from colocate.trainer.optim import LRSchedule, OptimizerStep, init_optimizer_state
 from colocate.trainer.parallelize import ActivationCheckpointing, build_sharded, device_mesh
-from colocate.trainer.passes import agreed_micro_batches, plan_steps
+from colocate.trainer.passes import agreed_micro_batches, in_loss, plan_steps
 from colocate.trainer.reference import Reference
 from colocate.timing import timed
 
@@ -172,7 +172,8 @@ class Trainer:
 
         Returns metrics over the global batch, the same on every rank, except the perf/*_time
         phase durations, which are this rank's. train/loss_free_samples counts the samples with
-        every token masked, which the gradient steps did not run (colocate/trainer/passes.py).
+        every token masked, which no pass ran (colocate/trainer/passes.py): their old and reference
+        log-probs and values stay 0, read by nothing but masked terms.
         """
         cfg, a = self.cfg, self.cfg.algorithm
         t = cfg.train
@@ -184,7 +185,8 @@ class Trainer:
                                               stale_before=stale_before)
             per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
             plans = plan_steps(batch, t.max_tokens_per_gpu, per_rank)
-            pass_parts = agreed_micro_batches(batch.lengths, list(range(batch.num_samples)), t.max_tokens_per_gpu)
+            pass_parts = agreed_micro_batches(batch.lengths, in_loss(batch, range(batch.num_samples)),
+                                              t.max_tokens_per_gpu)
         metrics["train/loss_free_samples"] = sum(p.num_skipped for p in plans)
         actor_trains = not (a.use_critic and rollout_id < a.num_critic_only_steps)
         if a.kl_in_reward or (actor_trains and len(plans) > 1):

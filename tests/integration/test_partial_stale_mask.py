@@ -62,8 +62,9 @@ def test_stale_tokens_are_masked_out_of_the_loss_only_when_asked(tmp_path):
 
 
 def _skipping(rank, world_size, path, out_file):
-    """Rank 0 holds the all-stale group, so it runs only a dummy micro-batch; once more with every
-    sample run (the skip undone), for reference."""
+    """Rank 0 holds the all-stale group, so it runs only dummy micro-batches; two optimizer steps
+    (an old log-prob pass) and a KL loss (a reference pass); once more with every sample run (the
+    skip undone), for reference."""
     from colocate import dist
     from colocate.trainer import Trainer, passes
 
@@ -71,7 +72,8 @@ def _skipping(rank, world_size, path, out_file):
     samples = _with_versions(_samples(vocab=101), all_stale_groups=(0,))
     local = [s for s in samples if s.group_index == rank]
     overrides = {"rollout.partial_rollout": True, "rollout.over_sampling_batch_size": 4,
-                 "algorithm.loss_agg_mode": "seq_mean_token_mean"}
+                 "algorithm.loss_agg_mode": "seq_mean_token_mean", "algorithm.use_kl_loss": True,
+                 "algorithm.kl_loss_coef": 0.5, "train.global_batch_size": 4}
     out = {}
     for name, in_loss in (("skipped", passes.in_loss), ("run", lambda batch, indices: list(indices))):
         passes.in_loss = in_loss
@@ -87,8 +89,9 @@ def test_samples_with_every_token_stale_are_not_run_and_the_update_is_unchanged(
     out = torch.load(tmp_path / "out.pt")
     (skipped, w_skipped), (run, w_run) = out["skipped"], out["run"]
     assert skipped["train/loss_free_samples"] == 4 and run["train/loss_free_samples"] == 0
-    for metric in ("train/pg_loss", "train/grad_norm", "train/entropy_loss", "train/ppo_kl"):
+    assert "perf/old_logprob_time" in skipped and "perf/ref_logprob_time" in skipped
+    for metric in ("train/pg_loss", "train/grad_norm", "train/entropy_loss", "train/ppo_kl", "train/kl_loss"):
         assert skipped[metric] == pytest.approx(run[metric], rel=1e-5, abs=1e-7), metric
-    assert skipped["train/grad_norm"] > 0
+    assert skipped["train/grad_norm"] > 0 and skipped["train/kl_loss"] > 0
     for name in w_skipped:
         torch.testing.assert_close(w_skipped[name], w_run[name], rtol=1e-6, atol=1e-7, msg=name)
