@@ -50,6 +50,7 @@ import argparse
 import itertools
 import json
 import pathlib
+import random
 
 import torch
 import torch.nn.functional as F
@@ -212,8 +213,6 @@ def decode_sweep() -> None:
 def tail_contexts(batch: int, seed: int = 0) -> list[int]:
     """Contexts of a decode batch mid-step in the tail run: samples drawn with weight = response
     length (a seat holds a long sample longer), each at a uniform point of its response."""
-    import random
-
     from rollout import TAIL_RUNS, tail_length
 
     run, rng = TAIL_RUNS["4b"], random.Random(seed)
@@ -224,6 +223,7 @@ def tail_contexts(batch: int, seed: int = 0) -> list[int]:
 
 def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, num_kv_heads: int = 8,
                  head_dim: int = 128, block_size: int = 16) -> None:
+    from rollout import peak_hbm_bytes_per_s
     from triton.testing import do_bench_cudagraph
 
     contexts = tail_contexts(batch)
@@ -261,8 +261,6 @@ def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, 
                 paged_attention._paged_decode_triton(q, kv[0, layer], kv[1, layer], tables, lens_t, scale, config)
 
         return do_bench_cudagraph(step, rep=50, return_mode="median") * 1e3 / num_layers
-
-    from rollout import peak_hbm_bytes_per_s
 
     peak = peak_hbm_bytes_per_s()
     roofline_us = 2 * sum(contexts) * num_kv_heads * head_dim * 2 / peak * 1e6

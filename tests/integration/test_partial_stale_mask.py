@@ -1,8 +1,9 @@
-"""The trainer and partial rollout's stale tokens (CPU, one gloo rank): with
+"""The trainer and partial rollout's stale tokens (CPU, gloo ranks): with
 rollout.partial_mask_stale_tokens, a step on samples whose first tokens came from an older weight
 version updates the weights exactly as a step on the same samples with those tokens' loss mask
 set to 0; without it, the stale tokens train (the update differs). Samples whose every token is
-stale are left out of the micro-batches, and the update equals running them."""
+stale are left out of every pass (two ranks, one of them left with none to run), and the update
+equals running them."""
 
 from __future__ import annotations
 

@@ -80,7 +80,8 @@ class Batch:
     """Prefill work; empty for a decode step."""
     seqs: list[Sequence] = field(default_factory=list)
     """Decode work: each sequence feeds its last token and samples `num_steps` tokens. Longest
-    context first: the decode kernel starts its programs in row order (colocate/kernels/paged_attention.py)."""
+    context first: the decode kernel starts its programs in row order
+    (colocate/kernels/paged_attention.py)."""
     num_steps: int = 1
     copies: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) block copies to perform before the forward (copy on write)."""
