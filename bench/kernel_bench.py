@@ -35,7 +35,8 @@ Writes bench/results/invariant_matmul_sweep.json.
 of `bench/rollout.py --cases tail`: 192 rows, the mean decode batch of the partial-rollout tail run,
 each a sample drawn by its length, as seats hold long samples longer, at a uniform point of its
 response), its rows longest context first (as the scheduler hands them) and in drawn order, beside
-the same tokens spread evenly over the rows, over 12 layers' caches in one CUDA graph; against
+the same tokens spread evenly over the rows, and longest first with every row's context cut into
+splits of 1,024 or 2,048 tokens, over 12 layers' caches in one CUDA graph; against
 the roofline of the K/V read at the device's peak HBM bandwidth (bench/rollout.py's). Writes
 bench/results/decode_mixed.json.
 
@@ -47,6 +48,7 @@ bench/results/sampling_sweep.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import pathlib
@@ -247,9 +249,10 @@ def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, 
             used += n
         return tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
 
-    def time_us(lens: list[int]) -> float:
+    picked = paged_attention.decode_config(batch, num_kv_heads, head_dim, width * block_size, q.device)
+
+    def time_us(lens: list[int], config: paged_attention.DecodeConfig) -> float:
         tables, lens_t = rows(lens)
-        config = paged_attention.decode_config(batch, num_kv_heads, head_dim, width * block_size, q.device)
         got = paged_attention._paged_decode_triton(q, kv[0, 0], kv[1, 0], tables, lens_t, scale, config)
         some = slice(0, 16)  # the dense reference of every row would take tens of GiB
         want = paged_attention.reference_paged_decode_attention(q[some], kv[0, 0], kv[1, 0], tables[some],
@@ -264,15 +267,20 @@ def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, 
 
     peak = peak_hbm_bytes_per_s()
     roofline_us = 2 * sum(contexts) * num_kv_heads * head_dim * 2 / peak * 1e6
-    cases = {"longest_first": sorted(contexts, reverse=True), "drawn_order": contexts, "even": even}
+    longest_first = sorted(contexts, reverse=True)
+    cases = {"longest_first": (longest_first, picked), "drawn_order": (contexts, picked), "even": (even, picked)}
+    for tokens in (1024, 2048):  # launch shapes decode_config does not pick yet: long rows cut into pieces
+        config = dataclasses.replace(picked, num_splits=1 << (-(-width * block_size // tokens) - 1).bit_length(),
+                                     split_tokens=tokens)
+        cases[f"longest_first_split_{tokens}"] = (longest_first, config)
     result = {"device": torch.cuda.get_device_name(),
               "shape": dict(batch=batch, q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim,
                             block_size=block_size, layers=num_layers),
               "contexts": dict(mean=sum(contexts) / batch, max=max(contexts), min=min(contexts)),
               "roofline_us": roofline_us, "hbm_bytes_per_s": peak}
-    for name, lens in cases.items():
-        us = time_us(lens)
-        result[name] = dict(us=us, roofline_share=roofline_us / us)
+    for name, (lens, config) in cases.items():
+        us = time_us(lens, config)
+        result[name] = dict(us=us, roofline_share=roofline_us / us, config=vars(config))
     MIXED_RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(" | ".join(f"{name} {result[name]['us']:.1f} us ({result[name]['roofline_share']:.0%} of the roofline)"
                      for name in cases) + f" | contexts mean {result['contexts']['mean']:.0f}, max "
