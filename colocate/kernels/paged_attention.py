@@ -9,15 +9,16 @@ sizes that are powers of two >= 16; the plain-torch path takes any.
 
 The Triton kernel runs one program per (kv head, sequence, context split) that serves all query
 heads of the group, so each K/V tile is read once per group, with an online softmax in fp32. The
-grid starts a sequence's programs together, sequence after sequence: a batch ordered longest
-context first (the engine's scheduler hands it so) starts its longest programs first, and a step of
+grid starts a sequence's programs together, sequence after sequence: a batch ordered longest context
+first (the engine's scheduler hands it so) starts its longest programs first, and a step of
 long-tailed contexts does not end on a few long programs started last. A tile of at most one cache
-block needs one block-table lookup; a larger tile looks up one block id per token. The context of a sequence is split across programs (flash-decoding) and a second
-kernel merges the partial softmaxes: a decode step is bound by memory latency, and more, shorter
-programs keep more loads in flight. Tile size, splits, warps and pipeline stages come from
-`DecodeConfig` (`decode_config` picks them from the shapes; bench/kernel_bench.py --decode-sweep
-measures the alternatives). Everything is shaped by (B, max_blocks_per_seq) alone and the launch
-never reads device values back, so both kernels can be captured in a CUDA graph.
+block needs one block-table lookup; a larger tile looks up one block id per token. The context of a
+sequence is split across programs (flash-decoding) and a second kernel merges the partial softmaxes:
+a decode step is bound by memory latency, and more, shorter programs keep more loads in flight. Tile
+size, splits, warps and pipeline stages come from `DecodeConfig` (`decode_config` picks them from
+the shapes; bench/kernel_bench.py --decode-sweep measures the alternatives). Everything is shaped by
+(B, max_blocks_per_seq) alone and the launch never reads device values back, so both kernels can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
