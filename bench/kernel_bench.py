@@ -180,7 +180,7 @@ def sweep_paged_decode(batch, context, num_layers=24, num_q_heads=14, num_kv_hea
     auto = paged_attention.decode_config(batch, num_kv_heads, head_dim, tables.shape[1] * block_size, q.device)
     rows = []
     for block_n, splits, warps, stages in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (2, 4, 8), (1, 3)):
-        config = paged_attention.DecodeConfig(block_n, splits, warps, stages)
+        config = paged_attention.DecodeConfig(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
         try:
             rows.append(dict(vars(config), us=time_us(config)))
         except Exception as exc:  # a shape Triton cannot build (registers, shared memory) is skipped

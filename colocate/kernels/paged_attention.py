@@ -44,12 +44,12 @@ class DecodeConfig:
     """Context tokens per loop iteration (a power of two >= 16)."""
     num_splits: int = 1
     """Programs per (sequence, kv head), each over an equal share of the context (a power of two)."""
+    num_warps: int = 4
+    num_stages: int = 3
     split_tokens: int = 0
     """With num_splits > 1, a multiple of block_n: each split covers this many context tokens, the last
     one the rest, so a short sequence runs one program and its other splits exit at once, while a
     long one is cut into pieces of this size (a decode batch of long-tailed contexts)."""
-    num_warps: int = 4
-    num_stages: int = 3
 
 
 def reference_paged_decode_attention(
