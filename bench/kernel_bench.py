@@ -17,8 +17,9 @@
 Prints one summary line and writes bench/results/kernels.json. Run: python bench/kernel_bench.py
 
 `--decode-sweep` instead times every decode-kernel launch shape (tile, splits, warps, stages) on
-engine-like decode batches: the kernel runs over 24 layers' caches in one CUDA graph, as in a
-decode step, so no layer's K/V is still in L2. Writes bench/results/paged_decode_sweep.json.
+engine-like decode batches (it and `--decode-mixed` run bench/decode_sweeps.py): the kernel runs
+over 24 layers' caches in one CUDA graph, as in a decode step, so no layer's K/V is still in L2.
+Writes bench/results/paged_decode_sweep.json.
 
 `--invariant-sweep` times the batch-invariant matmul of `algorithm.true_on_policy`
 (colocate/kernels/batch_invariant_cuda.py) on every projection of the 0.5B and 1.5B shapes at a
@@ -48,11 +49,9 @@ bench/results/sampling_sweep.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import pathlib
-import random
 
 import torch
 import torch.nn.functional as F
@@ -66,11 +65,7 @@ from colocate.kernels import paged_attention
 from colocate.models.transformer import joint_linear
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "kernels.json"
-SWEEP_RESULTS = RESULTS.parent / "paged_decode_sweep.json"
 SAMPLE_SWEEP_RESULTS = RESULTS.parent / "sampling_sweep.json"
-MIXED_RESULTS = RESULTS.parent / "decode_mixed.json"
-SWEEP_SHAPES = [(256, 256), (256, 384), (256, 1024), (64, 384), (64, 2048), (16, 3072)]
-"""(batch, context) pairs: the rollout benchmark's b256, b64 and long cases at mid-generation."""
 HBM_BYTES_PER_S = 4.3e12
 
 
@@ -149,142 +144,6 @@ def bench_paged_decode(do_bench, batch=256, context=384, num_q_heads=14, num_kv_
     }
     result["speedup_vs_gather_sdpa"] = result["gather_sdpa_ms"] / result["paged_ms"]
     return result
-
-
-def sweep_paged_decode(batch, context, num_layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64,
-                       block_size=16, max_model_len=32768) -> dict:
-    """Microseconds per layer of every launch shape, for one decode batch of Qwen2.5-0.5B shape."""
-    from triton.testing import do_bench_cudagraph
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
-    kv = torch.randn((2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), device="cuda",
-                     generator=gen).bfloat16()
-    tables = torch.full((batch, max_model_len // block_size), -1, dtype=torch.int32, device="cuda")
-    tables[:, :blocks_per_seq] = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(batch, -1)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, num_q_heads, head_dim, device="cuda", generator=gen).bfloat16()
-    scale = head_dim**-0.5
-    want = paged_attention.reference_paged_decode_attention(q, kv[0, 0], kv[1, 0], tables, lens, scale).float()
-
-    def time_us(config) -> float:
-        def step():
-            for layer in range(num_layers):
-                paged_attention._paged_decode_triton(q, kv[0, layer], kv[1, layer], tables, lens, scale, config)
-
-        got = paged_attention._paged_decode_triton(q, kv[0, 0], kv[1, 0], tables, lens, scale, config)
-        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-        return do_bench_cudagraph(step, rep=20, return_mode="median") * 1e3 / num_layers
-
-    auto = paged_attention.decode_config(batch, num_kv_heads, head_dim, tables.shape[1] * block_size, q.device)
-    rows = []
-    for block_n, splits, warps, stages in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (2, 4, 8), (1, 3)):
-        config = paged_attention.DecodeConfig(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
-        try:
-            rows.append(dict(vars(config), us=time_us(config)))
-        except Exception as exc:  # a shape Triton cannot build (registers, shared memory) is skipped
-            rows.append(dict(vars(config), error=f"{type(exc).__name__}: {str(exc)[:200]}"))
-    timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * 2
-    auto_us = time_us(auto)
-    return {
-        "shape": dict(batch=batch, context=context, q_heads=num_q_heads, kv_heads=num_kv_heads,
-                      head_dim=head_dim, block_size=block_size),
-        "roofline_us": kv_bytes / HBM_BYTES_PER_S * 1e6,
-        "auto": dict(vars(auto), us=auto_us),
-        "best": timed[:5],
-        "all": rows,
-    }
-
-
-def decode_sweep() -> None:
-    results = {"device": torch.cuda.get_device_name(), "shapes": []}
-    for batch, context in SWEEP_SHAPES:
-        r = sweep_paged_decode(batch, context)
-        results["shapes"].append(r)
-        best = r["best"][0]
-        print(f"B={batch} ctx={context}: roofline {r['roofline_us']:.1f} us | auto {r['auto']['us']:.1f} us "
-              f"{ {k: r['auto'][k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} } | best "
-              f"{best['us']:.1f} us { {k: best[k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} }",
-              flush=True)
-    SWEEP_RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    SWEEP_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-
-
-def tail_contexts(batch: int, seed: int = 0) -> list[int]:
-    """Contexts of a decode batch mid-step in the tail run: samples drawn with weight = response
-    length (a seat holds a long sample longer), each at a uniform point of its response."""
-    from rollout import TAIL_RUNS, tail_length
-
-    run, rng = TAIL_RUNS["4b"], random.Random(seed)
-    lengths = [tail_length(key, run["median_tokens"], run["sigma"], run["max_tokens"]) for key in range(8192)]
-    drawn = rng.choices(lengths, weights=lengths, k=batch)
-    return [run["prompt_tokens"] + rng.randrange(n) + 1 for n in drawn]
-
-
-def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, num_kv_heads: int = 8,
-                 head_dim: int = 128, block_size: int = 16) -> None:
-    from rollout import peak_hbm_bytes_per_s
-    from triton.testing import do_bench_cudagraph
-
-    contexts = tail_contexts(batch)
-    even = [sum(contexts) // batch] * batch
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    num_blocks = sum(-(-c // block_size) for c in contexts) + batch
-    kv = torch.randn((2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), device="cuda",
-                     generator=gen).bfloat16()
-    width = -(-max(contexts) // block_size)
-    q = torch.randn(batch, num_q_heads, head_dim, device="cuda", generator=gen).bfloat16()
-    scale = head_dim**-0.5
-
-    def rows(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables over a random permutation of the cache's blocks, and the context lengths."""
-        tables = torch.full((batch, width), -1, dtype=torch.int32)
-        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).int()
-        used = 0
-        for i, c in enumerate(lens):
-            n = -(-c // block_size)
-            tables[i, :n] = perm[used:used + n]
-            used += n
-        return tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
-
-    picked = paged_attention.decode_config(batch, num_kv_heads, head_dim, width * block_size, q.device)
-
-    def time_us(lens: list[int], config: paged_attention.DecodeConfig) -> float:
-        tables, lens_t = rows(lens)
-        got = paged_attention._paged_decode_triton(q, kv[0, 0], kv[1, 0], tables, lens_t, scale, config)
-        some = slice(0, 16)  # the dense reference of every row would take tens of GiB
-        want = paged_attention.reference_paged_decode_attention(q[some], kv[0, 0], kv[1, 0], tables[some],
-                                                                lens_t[some], scale)
-        torch.testing.assert_close(got[some].float(), want.float(), atol=2e-2, rtol=2e-2)
-
-        def step():
-            for layer in range(num_layers):
-                paged_attention._paged_decode_triton(q, kv[0, layer], kv[1, layer], tables, lens_t, scale, config)
-
-        return do_bench_cudagraph(step, rep=50, return_mode="median") * 1e3 / num_layers
-
-    peak = peak_hbm_bytes_per_s()
-    roofline_us = 2 * sum(contexts) * num_kv_heads * head_dim * 2 / peak * 1e6
-    longest_first = sorted(contexts, reverse=True)
-    cases = {"longest_first": (longest_first, picked), "drawn_order": (contexts, picked), "even": (even, picked)}
-    for tokens in (1024, 2048):  # launch shapes decode_config does not pick yet: long rows cut into pieces
-        config = dataclasses.replace(picked, num_splits=1 << (-(-width * block_size // tokens) - 1).bit_length(),
-                                     split_tokens=tokens)
-        cases[f"longest_first_split_{tokens}"] = (longest_first, config)
-    result = {"device": torch.cuda.get_device_name(),
-              "shape": dict(batch=batch, q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim,
-                            block_size=block_size, layers=num_layers),
-              "contexts": dict(mean=sum(contexts) / batch, max=max(contexts), min=min(contexts)),
-              "roofline_us": roofline_us, "hbm_bytes_per_s": peak}
-    for name, (lens, config) in cases.items():
-        us = time_us(lens, config)
-        result[name] = dict(us=us, roofline_share=roofline_us / us, config=vars(config))
-    MIXED_RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(" | ".join(f"{name} {result[name]['us']:.1f} us ({result[name]['roofline_share']:.0%} of the roofline)"
-                     for name in cases) + f" | contexts mean {result['contexts']['mean']:.0f}, max "
-          f"{result['contexts']['max']} -> {MIXED_RESULTS}")
 
 
 def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
@@ -550,10 +409,14 @@ def main() -> None:
     if args.invariant_sweep:
         return invariant_sweep()
     if args.decode_sweep:
+        from decode_sweeps import decode_sweep
+
         return decode_sweep()
     if args.sample_sweep:
         return sample_sweep()
     if args.decode_mixed:
+        from decode_sweeps import decode_mixed
+
         return decode_mixed()
     from triton.testing import do_bench
 
