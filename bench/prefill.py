@@ -11,8 +11,9 @@ on fresh prompts every time (no cached prefix), after one warm-up each (the comp
 - carried: 96 contexts of 300-7,000 tokens (lognormal around 2,000), like the contexts that
   partial rollout prefills again after an offload
 
-Reported: median tokens/s of each, their ratio, the warm-ups' seconds and the graphs compiled. Writes JSON (default
-bench/results/prefill.json). `--cpu-smoke` runs a tiny shape in fp32 on CPU (compiled there too).
+Reported: median tokens/s of each, their ratio, the warm-ups' seconds and the graphs compiled.
+Writes JSON (default bench/results/prefill.json). `--cpu-smoke` runs a tiny shape in fp32 on CPU
+(compiled there too).
 Run: python bench/prefill.py [--repeats 3] [--out PATH] [--cpu-smoke]
 """
 

@@ -65,6 +65,11 @@ def in_loss(batch: RolloutBatch, indices: range) -> list[int]:
     return [i for i in indices if batch.mask_sums[i] > 0]
 
 
+def pass_parts(batch: RolloutBatch, max_tokens: int) -> list[list[int]]:
+    """Agreed micro-batches of a no-grad pass over the batch's samples in the loss."""
+    return agreed_micro_batches(batch.lengths, in_loss(batch, range(batch.num_samples)), max_tokens)
+
+
 def plan_steps(batch: RolloutBatch, max_tokens: int, samples_per_step: int | None) -> list[StepPlan]:
     """Consecutive slices of the batch, one per optimizer step (same count on every rank), each
     cut into agreed micro-batches of the samples in the loss, with the step's global normalizers."""

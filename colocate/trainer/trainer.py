@@ -35,7 +35,7 @@ from colocate.trainer.memory import (
 )
 from colocate.trainer.optim import LRSchedule, OptimizerStep, init_optimizer_state
 from colocate.trainer.parallelize import ActivationCheckpointing, build_sharded, device_mesh
-from colocate.trainer.passes import agreed_micro_batches, in_loss, plan_steps
+from colocate.trainer.passes import pass_parts, plan_steps
 from colocate.trainer.reference import Reference
 from colocate.timing import timed
 
@@ -185,21 +185,20 @@ class Trainer:
                                               stale_before=stale_before)
             per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
             plans = plan_steps(batch, t.max_tokens_per_gpu, per_rank)
-            pass_parts = agreed_micro_batches(batch.lengths, in_loss(batch, range(batch.num_samples)),
-                                              t.max_tokens_per_gpu)
+            parts = pass_parts(batch, t.max_tokens_per_gpu)
         metrics["train/loss_free_samples"] = sum(p.num_skipped for p in plans)
         actor_trains = not (a.use_critic and rollout_id < a.num_critic_only_steps)
         if a.kl_in_reward or (actor_trains and len(plans) > 1):
             with timed(metrics, "perf/old_logprob_time", self.device):
-                batch["old_logprobs"] = self.actor.logprobs(batch, pass_parts)
+                batch["old_logprobs"] = self.actor.logprobs(batch, parts)
         if self.reference is not None:
             with timed(metrics, "perf/ref_logprob_time", self.device):
-                batch["ref_logprobs"] = self.reference.logprobs(batch, pass_parts)
+                batch["ref_logprobs"] = self.reference.logprobs(batch, parts)
             if self.reference.last_onload.num_bytes:
                 metrics["perf/ref_onload_gb_per_s"] = self.reference.last_onload.gb_per_s
         if self.critic is not None:
             with timed(metrics, "perf/values_time", self.device):
-                batch["values"] = self.critic.values(batch, pass_parts)
+                batch["values"] = self.critic.values(batch, parts)
         compute_advantages(batch, a, cfg.rollout.n_samples_per_prompt)
         metrics["train/advantage_mean"] = global_masked_mean(batch["advantages"], batch.mask)
         if self.critic is not None:

@@ -66,7 +66,6 @@ def _skipping(rank, world_size, path, out_file):
     """Rank 0 holds the all-stale group, so it runs only dummy micro-batches; two optimizer steps
     (an old log-prob pass) and a KL loss (a reference pass); once more with every sample run (the
     skip undone), for reference."""
-    import colocate.trainer.trainer as trainer_module
     from colocate import dist
     from colocate.trainer import Trainer, passes
 
@@ -78,7 +77,7 @@ def _skipping(rank, world_size, path, out_file):
                  "algorithm.kl_loss_coef": 0.5, "train.global_batch_size": 4}
     out = {}
     for name, in_loss in (("skipped", passes.in_loss), ("run", lambda batch, indices: list(indices))):
-        passes.in_loss = trainer_module.in_loss = in_loss
+        passes.in_loss = in_loss
         trainer = Trainer(_config(path, **overrides), dist.get_info())
         out[name] = trainer.train(local, rollout_id=0, weight_version=VERSION), _weights(trainer)
     if rank == 0:
