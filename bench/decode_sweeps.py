@@ -4,7 +4,6 @@ every shape on batches of equal contexts, and the picked shape on long-tailed co
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import random
@@ -138,10 +137,6 @@ def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, 
     roofline_us = 2 * sum(contexts) * num_kv_heads * head_dim * 2 / peak * 1e6
     longest_first = sorted(contexts, reverse=True)
     cases = {"longest_first": (longest_first, picked), "drawn_order": (contexts, picked), "even": (even, picked)}
-    for tokens in (1024, 2048):  # launch shapes decode_config does not pick yet: long rows cut into pieces
-        config = dataclasses.replace(picked, num_splits=1 << (-(-width * block_size // tokens) - 1).bit_length(),
-                                     split_tokens=tokens)
-        cases[f"longest_first_split_{tokens}"] = (longest_first, config)
     result = {"device": torch.cuda.get_device_name(),
               "shape": dict(batch=batch, q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim,
                             block_size=block_size, layers=num_layers),

@@ -36,9 +36,8 @@ Writes bench/results/invariant_matmul_sweep.json.
 of `bench/rollout.py --cases tail`: 192 rows, the mean decode batch of the partial-rollout tail run,
 each a sample drawn by its length, as seats hold long samples longer, at a uniform point of its
 response), its rows longest context first (as the scheduler hands them) and in drawn order, beside
-the same tokens spread evenly over the rows, and longest first with every row's context cut into
-splits of 1,024 or 2,048 tokens, over 12 layers' caches in one CUDA graph; against
-the roofline of the K/V read at the device's peak HBM bandwidth (bench/rollout.py's). Writes
+the same tokens spread evenly over the rows, over 12 layers' caches in one CUDA graph; against the
+roofline of the K/V read at the device's peak HBM bandwidth (bench/rollout.py's). Writes
 bench/results/decode_mixed.json.
 
 `--sample-sweep` times every launch shape of the Gumbel-max sampler (programs per SM, block,

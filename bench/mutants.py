@@ -209,8 +209,6 @@ MUTANTS = [
            PARTIAL_RESUME),
     Mutant("split_kv_merge_unweighted", "colocate/kernels/paged_attention.py",
            "out = tl.sum(part * weight[:, None], axis=0)", "out = tl.sum(part, axis=0)", SPLIT_KV),
-    Mutant("split_by_tokens_drops_the_rest", "colocate/kernels/paged_attention.py",
-           "last = tl.maximum(last, num_tiles * (split == NUM_SPLITS - 1).to(tl.int32))", "last = last", SPLIT_KV),
     Mutant("invariant_matmul_drops_the_last_chunk", "colocate/kernels/batch_invariant_cuda.py",
            "for _ in range(1, chunks):", "for _ in range(2, chunks):", K_CHUNKS),
     Mutant("invariant_attention_denominator_not_rescaled", "colocate/kernels/invariant_attention.py",

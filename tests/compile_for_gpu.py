@@ -121,10 +121,9 @@ def launch_every_kernel() -> None:
         invariant_attention.paged_prefill_attention(q[:41], k_cache, v_cache, tables[:2], [40, 1], [40, 1],
                                                     dim ** -0.5)
         rotary._launch(q, k, randn(n, dim), randn(n, dim), False)
-        block_n = 128 if dim <= 64 else 64
-        for splits, split_tokens in ((1, 0), (4, 0), (4, 2 * block_n)):
-            config = paged_attention.DecodeConfig(block_n=block_n, num_splits=splits, split_tokens=split_tokens,
-                                                  num_warps=4, num_stages=3)
+        for splits in (1, 4):
+            config = paged_attention.DecodeConfig(block_n=128 if dim <= 64 else 64, num_splits=splits, num_warps=4,
+                                                  num_stages=3)
             paged_attention._paged_decode_triton(cache_q, k_cache, v_cache, tables, context, dim ** -0.5, config)
     logits = randn(8, 151936, dtype=torch.float32)
     temperature, seed, counter = torch.ones(8), torch.arange(8), torch.arange(8)

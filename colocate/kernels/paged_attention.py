@@ -46,10 +46,6 @@ class DecodeConfig:
     """Programs per (sequence, kv head), each over an equal share of the context (a power of two)."""
     num_warps: int = 4
     num_stages: int = 3
-    split_tokens: int = 0
-    """With num_splits > 1, a multiple of block_n: each split covers this many context tokens, the last
-    one the rest, so a short sequence runs one program and its other splits exit at once, while a
-    long one is cut into pieces of this size (a decode batch of long-tailed contexts)."""
 
 
 def reference_paged_decode_attention(
@@ -240,7 +236,6 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
     assert _kernel_block_size_ok(block_size)
     assert config.block_n >= 16 and config.block_n & (config.block_n - 1) == 0
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
-    assert config.split_tokens % config.block_n == 0
     if num_splits == 1:
         part_out, part_stats = out, out  # the stats pointers are unused without splits
     else:
@@ -254,7 +249,6 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
         GROUP=group, GROUP_PAD=_tile(group), HEAD_DIM=head_dim, D_PAD=_tile(head_dim),
         BLOCK_N=config.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        SPLIT_TILES=config.split_tokens // config.block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -280,19 +274,15 @@ def _triton_kernels():
                stride_ob, stride_oh, stride_os,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr):
+               NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
         split = tl.program_id(2)
         context = tl.load(lens_ptr + seq)
         num_tiles = tl.cdiv(context, BLOCK_N)
-        if SPLIT_TILES > 0:
-            tiles_per_split = SPLIT_TILES
-        else:
-            tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
         first = split * tiles_per_split
         last = tl.minimum(first + tiles_per_split, num_tiles)
-        last = tl.maximum(last, num_tiles * (split == NUM_SPLITS - 1).to(tl.int32))  # the last takes the rest
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D_PAD)
         t = tl.arange(0, BLOCK_N)
