@@ -6,6 +6,8 @@
   checkpoint and resumed continues the carried samples exactly (every logged number of the steps
   that follow, the weights and the groups still in flight equal those of the uninterrupted run),
   and every drawn prompt's group trains exactly once.
+- On under LoRA: carried samples resume, every push after the first sends the adapted modules only,
+  the engine ends with the adapters' merges, and every drawn prompt's group trains exactly once.
 """
 
 from __future__ import annotations
@@ -155,3 +157,48 @@ def test_resume_continues_carried_samples_and_every_group_trains_once(tmp_path):
         assert max(record["trained"].values()) == 1 and sum(record["trained"].values()) == 2 * NUM_ROLLOUT
         assert record["trained"] + in_flight == record["drawn"]
     assert sum(full[s]["rollout/partial/carried_groups"] for s in full) == 4 * NUM_ROLLOUT
+
+
+def _lora_partial_run(rank, world_size, toy, out):
+    """A LoRA run that carries samples: the groups it drew and trained, the engine's weights at the
+    end and the weights the trainer's adapters merge into (the engine's dtype)."""
+    from colocate.trainer.lora import adapted_modules, merged_weight
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    torch.set_num_threads(1)
+    cfg = _resume_config(toy, out)
+    cfg.model.lora_rank, cfg.train.lr, cfg.checkpoint.save_interval = 8, 4e-3, None
+    record = {}
+    with run_loop(cfg, False, lambda loop: _record(loop, record)) as loop:
+        engine = {n: p.detach().clone() for n, p in loop.engine.model.named_parameters()}
+        merged = {f"{name}.weight": merged_weight(full(m.weight), full(m.lora_A.weight), full(m.lora_B.weight),
+                                                  m.scale, engine[f"{name}.weight"].dtype)
+                  for name, m in adapted_modules(loop.trainer.actor_module)}
+        base = {f"{name}.weight": full(m.weight).to(engine[f"{name}.weight"].dtype)
+                for name, m in adapted_modules(loop.trainer.actor_module)}
+        in_flight = Counter(g.prompt.index for g in loop.rollout.in_flight)
+    torch.save(dict(record=record, in_flight=in_flight, engine=engine, merged=merged, base=base), out / "result.pt")
+
+
+@pytest.mark.slow
+def test_lora_carries_samples_into_pushed_merges_and_trains_every_group_once(tmp_path):
+    """LoRA with partial rollout: carried samples continue under the adapters' merges, which only
+    the adapted modules bring to the engine after the first push."""
+    from colocate.toy import ensure_toy
+
+    toy = ensure_toy(tmp_path / "toy")
+    run_ranks(_lora_partial_run, 1, toy, tmp_path / "lora")
+    result = torch.load(tmp_path / "lora" / "result.pt", weights_only=False)
+    rows = read_metrics(tmp_path / "lora")
+    assert sum(r["rollout/partial/resumed_samples"] for r in rows) > 0
+    assert any(r["rollout/partial/staleness_1"] > 0 for r in rows)
+    assert all(r["perf/sync_tensors"] == len(result["merged"]) for r in rows)  # adapted modules only
+    record = result["record"]
+    assert max(record["trained"].values()) == 1 and sum(record["trained"].values()) == 4 * NUM_ROLLOUT
+    assert record["trained"] + result["in_flight"] == record["drawn"]
+    assert result["merged"] and set(result["merged"]) < set(result["engine"])
+    for name, expected in result["merged"].items():
+        assert torch.equal(result["engine"][name], expected), name
+    assert any(not torch.equal(result["merged"][name], base) for name, base in result["base"].items())
