@@ -11,7 +11,8 @@ import random
 import torch
 
 from colocate.kernels import paged_attention
-from kernel_bench import HBM_BYTES_PER_S, RESULTS
+from kernel_bench import RESULTS
+from rollout import peak_hbm_bytes_per_s
 
 SWEEP_RESULTS = RESULTS.parent / "paged_decode_sweep.json"
 MIXED_RESULTS = RESULTS.parent / "decode_mixed.json"
@@ -59,7 +60,7 @@ def sweep_paged_decode(batch, context, num_layers=24, num_q_heads=14, num_kv_hea
     return {
         "shape": dict(batch=batch, context=context, q_heads=num_q_heads, kv_heads=num_kv_heads,
                       head_dim=head_dim, block_size=block_size),
-        "roofline_us": kv_bytes / HBM_BYTES_PER_S * 1e6,
+        "roofline_us": kv_bytes / peak_hbm_bytes_per_s() * 1e6,
         "auto": dict(vars(auto), us=auto_us),
         "best": timed[:5],
         "all": rows,
@@ -93,7 +94,6 @@ def tail_contexts(batch: int, seed: int = 0) -> list[int]:
 
 def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, num_kv_heads: int = 8,
                  head_dim: int = 128, block_size: int = 16) -> None:
-    from rollout import peak_hbm_bytes_per_s
     from triton.testing import do_bench_cudagraph
 
     contexts = tail_contexts(batch)

@@ -54,9 +54,9 @@ def _report_steps(loop, num_steps: int, name: str) -> None:
 
     def log_and_report(step, metrics, *args, **kwargs):
         log(step, metrics, *args, **kwargs)
-        engine = ", ".join(f"{key.split('/')[1]} {metrics[key]:.4g}" for key in STEP_KEYS if key in metrics)
+        figures = ", ".join(f"{key.split('/')[1]} {metrics[key]:.4g}" for key in STEP_KEYS if key in metrics)
         print(f"{PROGRESS} {name} step {step + 1}/{num_steps} logged at {time.perf_counter() - start:.1f} s"
-              f"{f' ({engine})' if engine else ''}", flush=True)
+              f"{f' ({figures})' if figures else ''}", flush=True)
 
     loop.log.log = log_and_report
 

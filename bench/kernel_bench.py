@@ -65,7 +65,6 @@ from colocate.models.transformer import joint_linear
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "kernels.json"
 SAMPLE_SWEEP_RESULTS = RESULTS.parent / "sampling_sweep.json"
-HBM_BYTES_PER_S = 4.3e12
 
 
 def _peak_extra_bytes(fn) -> int:
@@ -147,6 +146,7 @@ def bench_paged_decode(do_bench, batch=256, context=384, num_q_heads=14, num_kv_
 
 def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
     """Microseconds per call of every sampler launch shape, and of the plain-torch reference."""
+    from rollout import peak_hbm_bytes_per_s
     from triton.testing import do_bench
 
     from colocate.kernels import sampling
@@ -176,7 +176,7 @@ def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
     auto = sampling.sample_config(batch, vocab_size, logits.device)
     return {
         "shape": dict(batch=batch, vocab=vocab_size),
-        "roofline_us": batch * vocab_size * 4 / HBM_BYTES_PER_S * 1e6,
+        "roofline_us": batch * vocab_size * 4 / peak_hbm_bytes_per_s() * 1e6,
         "reference_us": median_us(lambda: sampling.reference_gumbel_sample(*args)),
         "auto": dict(vars(auto), us=median_us(lambda: sampling._gumbel_sample_triton(*args, auto))),
         "best": timed[:5],

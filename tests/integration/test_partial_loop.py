@@ -173,11 +173,10 @@ def _lora_partial_run(rank, world_size, toy, out):
     record = {}
     with run_loop(cfg, False, lambda loop: _record(loop, record)) as loop:
         engine = {n: p.detach().clone() for n, p in loop.engine.model.named_parameters()}
-        merged = {f"{name}.weight": merged_weight(full(m.weight), full(m.lora_A.weight), full(m.lora_B.weight),
-                                                  m.scale, engine[f"{name}.weight"].dtype)
-                  for name, m in adapted_modules(loop.trainer.actor_module)}
-        base = {f"{name}.weight": full(m.weight).to(engine[f"{name}.weight"].dtype)
-                for name, m in adapted_modules(loop.trainer.actor_module)}
+        modules = {f"{name}.weight": m for name, m in adapted_modules(loop.trainer.actor_module)}
+        merged = {k: merged_weight(full(m.weight), full(m.lora_A.weight), full(m.lora_B.weight), m.scale,
+                                   engine[k].dtype) for k, m in modules.items()}
+        base = {k: full(m.weight).to(engine[k].dtype) for k, m in modules.items()}
         in_flight = Counter(g.prompt.index for g in loop.rollout.in_flight)
     torch.save(dict(record=record, in_flight=in_flight, engine=engine, merged=merged, base=base), out / "result.pt")
 
