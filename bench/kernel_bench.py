@@ -13,6 +13,9 @@
   cuBLAS runs as a GEMM with beta=1; against the plain GEMM and against the GEMM then the add, on
   T=32768 tokens of the 1.5B shape (o_proj 1536 -> 1536, down_proj 8960 -> 1536), with each
   variant's kernel names.
+- the LoRA merge W + scale * B A (colocate/kernels/lora_merge.py) of every adapted projection of the
+  1.5B shape at rank 64, as a forward or a weight push runs them, against the same merge in torch
+  ops, and the roofline of its 4 bytes a weight (bf16 read and written).
 
 Prints one summary line and writes bench/results/kernels.json. Run: python bench/kernel_bench.py
 
@@ -394,6 +397,36 @@ def bench_residual_addmm(do_bench, num_tokens=32768, hidden_size=1536, intermedi
     return result
 
 
+def bench_lora_merge(do_bench, rank=64, layers=28, hidden_size=1536, kv_size=256, intermediate_size=8960) -> dict:
+    """Every adapted projection of the 1.5B shape merged once (a forward's or a weight push's merges):
+    the one-pass kernel of merged_weight against the same merge in torch ops (tensor-core product into
+    fp32, scale, add, rounding), and the bytes the kernel must move at the device's peak bandwidth."""
+    from colocate.kernels.lora_merge import lora_merge
+    from rollout import peak_hbm_bytes_per_s
+
+    shapes = [(hidden_size, hidden_size), (kv_size, hidden_size), (kv_size, hidden_size), (hidden_size, hidden_size),
+              (intermediate_size, hidden_size), (intermediate_size, hidden_size), (hidden_size, intermediate_size)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    parts = [(0.02 * torch.randn(o, i, device="cuda", generator=g)).bfloat16() for o, i in shapes]
+    adapters = [(torch.randn(rank, i, device="cuda", generator=g) / 40,
+                 torch.randn(o, rank, device="cuda", generator=g) / 100) for o, i in shapes]
+
+    def torch_ops(w, a, b):
+        merged = torch.mm(b.to(w.dtype), a.to(w.dtype), out_dtype=torch.float32)
+        return merged.mul_(0.5).add_(w).to(w.dtype)
+
+    def model(merge):
+        for _ in range(layers):
+            for w, (a, b) in zip(parts, adapters):
+                merge(w, a, b)
+
+    weights = layers * sum(o * i for o, i in shapes)
+    return {"rank": rank, "layers": layers, "weights": weights,
+            "kernel_ms": do_bench(lambda: model(lambda w, a, b: lora_merge(w, a, b, 0.5, w.dtype))),
+            "torch_ops_ms": do_bench(lambda: model(torch_ops)),
+            "roofline_ms": 4 * weights / peak_hbm_bytes_per_s() * 1e3}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
@@ -425,10 +458,12 @@ def main() -> None:
         "paged_decode": bench_paged_decode(do_bench),
         "joint_linear": bench_joint_linear(do_bench),
         "residual_addmm": bench_residual_addmm(do_bench),
+        "lora_merge": bench_lora_merge(do_bench),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    lp, pd, jl, ra = (results[k] for k in ("token_logprobs", "paged_decode", "joint_linear", "residual_addmm"))
+    lp, pd, jl, ra, lm = (results[k] for k in ("token_logprobs", "paged_decode", "joint_linear", "residual_addmm",
+                                                "lora_merge"))
     print(
         f"token_logprobs fwd+bwd {lp['fused_ms']:.1f} ms ({lp['fused_peak_extra_gib']:.2f} GiB) vs naive "
         f"{lp['naive_fp32_ms']:.1f} ms ({lp['naive_fp32_peak_extra_gib']:.1f} GiB) | paged decode "
@@ -437,7 +472,8 @@ def main() -> None:
         f"separate {jl['qkv']['separate_ms']:.2f} ms, joint gate/up {jl['gate_up']['joint_ms']:.2f} ms vs "
         f"separate {jl['gate_up']['separate_ms']:.2f} ms | residual addmm o_proj {ra['o_proj']['addmm_ms']:.2f} ms vs "
         f"mm+add {ra['o_proj']['mm_then_add_ms']:.2f}, down_proj {ra['down_proj']['addmm_ms']:.2f} vs "
-        f"{ra['down_proj']['mm_then_add_ms']:.2f} -> {RESULTS}"
+        f"{ra['down_proj']['mm_then_add_ms']:.2f} | LoRA merges of a 1.5B pass {lm['kernel_ms']:.2f} ms vs torch ops "
+        f"{lm['torch_ops_ms']:.2f} ms (roofline {lm['roofline_ms']:.2f}) -> {RESULTS}"
     )
 
 

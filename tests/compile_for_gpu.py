@@ -84,7 +84,9 @@ def compile_all(arch: int) -> list[dict]:
 
 
 def launch_every_kernel() -> None:
-    from colocate.kernels import batch_invariant_cuda, invariant_attention, logprob, paged_attention, rotary, sampling
+    from colocate.kernels import (
+        batch_invariant_cuda, invariant_attention, logprob, lora_merge, paged_attention, rotary, sampling,
+    )
     from tests.unit.test_kernel_paged_attention import _paged_inputs
 
     def randn(*shape, dtype=BF16):
@@ -130,6 +132,9 @@ def launch_every_kernel() -> None:
     for config in (sampling.SampleConfig(1), sampling.SampleConfig(4)):
         sampling._gumbel_sample_triton(logits, temperature, seed, counter, None, None, config)
     sampling.invariant_gumbel_sample(logits, temperature, seed, counter)  # the mode's: no division
+    for rank in (8, 64, 128):  # a rank padded up to tl.dot's 16, one chunk, two chunks
+        lora_merge._launch(randn(8960, 1536), randn(rank, 1536, dtype=torch.float32),
+                           randn(8960, rank, dtype=torch.float32), 0.5, BF16)
     rows = 16
     chunk, targets = randn(rows, 8192, dtype=torch.float32), torch.randint(0, 151936, (rows,))
     state = [torch.zeros(rows) for _ in range(4)]

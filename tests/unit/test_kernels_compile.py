@@ -14,7 +14,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = {"matmul_kernel", "chunk_sum_kernel", "rms_kernel", "silu_mul_kernel", "attend", "rotary",
-           "decode", "merge", "partial", "stats", "grad"}
+           "decode", "merge", "partial", "stats", "grad", "lora_merge_kernel"}
 """Every kernel of colocate/kernels (the KV-cache store aside, reached only from CUDA tensors)."""
 TENSOR_CORES = {90: "wgmma", 100: "tcgen05.mma"}
 SHARED_PER_SM = 228 * 1024
@@ -68,3 +68,10 @@ def test_every_attention_path_uses_the_same_tensor_core_instruction(compiled):
     assert {(row["constexprs"]["PAGED"], row["constexprs"]["HEADS_AS_ROWS"]) for row in paths} == {
         (False, False), (True, False), (True, True)}
     assert all(row["mma"] == TENSOR_CORES[arch] for row in paths), paths
+
+
+def test_the_lora_merge_multiplies_on_the_tensor_cores(compiled):
+    """B A of the merge (ranks 8, 64 and 128) on the warpgroup MMA, not a scalar fp32 product."""
+    arch, rows = compiled
+    merges = [row for row in rows if row["kernel"] == "lora_merge_kernel"]
+    assert len(merges) == 3 and all(row["mma"] == TENSOR_CORES[arch] for row in merges), merges

@@ -8,7 +8,9 @@ the tile, so bitwise equality is left to the GPU tests: here the paths agree wit
 import pytest
 import torch
 
-from colocate.kernels import batch_invariant_cuda, invariant_attention, logprob, paged_attention, rotary, sampling
+from colocate.kernels import (
+    batch_invariant_cuda, invariant_attention, logprob, lora_merge, paged_attention, rotary, sampling,
+)
 from colocate.kernels.invariant_ops import reference_rms_norm
 from colocate.kernels.paged_attention import DecodeConfig, reference_paged_decode_attention
 from colocate.kernels.sampling import SampleConfig, reference_gumbel_sample
@@ -311,3 +313,21 @@ def test_logprob_chunk_kernels_match_their_torch_versions(with_entropy):
     args = (targets, v0, 0.8, lse, grad_lp, entropy, grad_ent, torch.float32)
     torch.testing.assert_close(logprob._chunk_grad_triton(logits.clone(), *args),
                                logprob._chunk_grad_torch(logits.clone(), *args), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank", [8, 64, 96], ids=["padded", "one-chunk", "two-chunks"])
+def test_lora_merge_kernel_matches_the_torch_merge(rank):
+    """W + scale * B A: a rank below tl.dot's 16 (masked up), one chunk, and two chunks, the last
+    partial; row and column tiles partial too; fp32 and bf16 results. (The interpreter truncates
+    where the GPU rounds to nearest, so A and B are rounded to W's dtype before the kernel here.)"""
+    rows, cols = 200, 150
+    weight = _randn(rows, cols, scale=0.02).bfloat16()
+    a, b = _randn(rank, cols, seed=1, scale=0.1), _randn(rows, rank, seed=2, scale=0.1)
+    exact = (b.bfloat16().float() @ a.bfloat16().float()) * 0.5 + weight.float()
+    got = lora_merge._launch(weight, a, b, 0.5, torch.float32)
+    torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6)
+    rounded = lora_merge._launch(weight, a, b, 0.5, torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16  # within one bf16 step: the interpreter truncates, the GPU rounds
+    assert ((rounded.float() - exact).abs() <= exact.abs() * 2 ** -7).all()
+    with pytest.raises(AssertionError):
+        lora_merge._launch(weight, a[:, :-1], b, 0.5, torch.bfloat16)
