@@ -3,8 +3,9 @@
 One object, `TrainerMemory`, with two entry points, `offload` and `onload`, over named groups:
 
     actor_params    the actor's parameters: the weight sync reads them, so they leave last
-                    (with LoRA: the frozen base and the adapters, which the sync merges)
-    actor_optim     the actor's optimizer state and gradients (with LoRA: the adapters' only)
+                    (with LoRA: the frozen base, and the adapters unless offload.keep_adapters)
+    actor_optim     the actor's optimizer state and gradients (with LoRA: the adapters', which
+                    stay on the device with offload.keep_adapters)
     critic_params   the critic's parameters            (PPO/GAE only)
     critic_optim    the critic's optimizer state and gradients
     reference       the frozen reference policy: on the host except during its log-prob pass
@@ -143,14 +144,19 @@ class TrainerMemory:
         """Allocate a group's tensors inside this context (needed by "tms", a no-op otherwise)."""
         return self.offloader.region(tag)
 
-    def add_model(self, tag: str, model: nn.Module) -> None:
+    def add_model(self, tag: str, model: nn.Module, keep_trained: bool = False) -> None:
         """A model's parameters; those that train nothing (the frozen base under LoRA adapters, as
-        the weight sync also assumes) are copied to the host once, then only freed."""
-        self.offloader.register(tag, model.parameters, constant=lambda p: not p.requires_grad)
+        the weight sync also assumes) are copied to the host once, then only freed. With
+        `keep_trained` the trained ones (LoRA's adapters) never leave the device."""
+        frozen = lambda: (p for p in model.parameters() if not p.requires_grad)  # noqa: E731
+        self.offloader.register(tag, frozen if keep_trained else model.parameters,
+                                constant=lambda p: not p.requires_grad)
         self.param_arrivals[tag] = ParamArrival(self.offloader, tag, model)
 
-    def add_optimizer(self, tag: str, opt: OptimizerStep, model: nn.Module) -> StateArrival:
-        self.offloader.register(tag, lambda: _optimizer_tensors(opt, model))
+    def add_optimizer(self, tag: str, opt: OptimizerStep, model: nn.Module, keep: bool = False) -> StateArrival:
+        """An optimizer's state and its model's gradients; with `keep` they never leave the device
+        (a group with no tensors)."""
+        self.offloader.register(tag, (lambda: ()) if keep else (lambda: _optimizer_tensors(opt, model)))
         self.arrivals[tag] = StateArrival(self.offloader, tag, opt)
         return self.arrivals[tag]
 

@@ -147,8 +147,14 @@ class Trainer:
             zero_value_head_(model)
         if lora is not None:
             init_adapters_(model, self.cfg.train.seed)
-        self.memory.add_model(tag, model)
+        self.memory.add_model(tag, model, keep_trained=self._keeps_adapters(lora))
         return model
+
+    def _keeps_adapters(self, lora: LoRASpec | None) -> bool:
+        """LoRA's trained tensors stay on the device through generation (offload.keep_adapters;
+        "tms" pauses a model's region whole)."""
+        o = self.cfg.offload
+        return lora is not None and o.keep_adapters and o.method == "pinned"
 
     def _optimizer(self, model: nn.Module, lr: float, tag: str, total_steps: int
                    ) -> tuple[OptimizerStep, StateArrival]:
@@ -159,7 +165,7 @@ class Trainer:
                             max_skipped_steps=t.max_skipped_steps)
         with self.memory.region(tag):
             init_optimizer_state(opt.optimizer)
-        return opt, self.memory.add_optimizer(tag, opt, model)
+        return opt, self.memory.add_optimizer(tag, opt, model, keep=self._keeps_adapters(self.lora))
 
     @property
     def actor_module(self) -> nn.Module:

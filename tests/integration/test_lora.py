@@ -72,6 +72,7 @@ def _start_and_push(path, info) -> dict:
     from colocate.colocation.weight_sync import sync_weights
     from colocate.rollout.native import NativeEngine
     from colocate.trainer import Trainer
+    from colocate.trainer.memory import ACTOR_OPTIM, ACTOR_PARAMS
 
     samples = _samples(vocab=101)
     ids = torch.tensor(samples[0].tokens)
@@ -79,6 +80,10 @@ def _start_and_push(path, info) -> dict:
     out = dict(init=(_logits(trainer, ids), _logits(full, ids)), num_trained=len(trainer.actor.opt.params),
                optim_state=[sorted(s) for s in trainer.actor.opt.optimizer.state.values()])
     trainer.train(samples, rollout_id=0)
+    groups = trainer.memory.offloader.groups  # what an offload would move (offload.keep_adapters)
+    frozen = {id(p) for p in trainer.actor_module.parameters() if not p.requires_grad}
+    out["offload_sources"] = ({id(t) for t in groups[ACTOR_PARAMS].source()} == frozen,
+                              len(list(groups[ACTOR_OPTIM].source())))
     engines = {dtype: NativeEngine(str(path), dtype=dtype, max_kv_tokens=256) for dtype in (torch.float32, torch.bfloat16)}
     for dtype, engine in engines.items():
         out[dtype, "stats"] = sync_weights(trainer.actor_module, engine, version=1, dtype=dtype)
@@ -244,6 +249,7 @@ def test_step_zero_is_the_base_model_and_only_adapters_train(one_rank):
     assert torch.equal(lora, full)
     assert start["num_trained"] == 2 * 7 * 2  # A and B of 7 projections in 2 blocks
     assert start["optim_state"] == [["exp_avg", "exp_avg_sq", "step"]] * 28
+    assert start["offload_sources"] == (True, 0)  # the adapters and their state never leave the device
 
 
 def test_adapter_gradients_match_a_plain_torch_reference(model_path, one_rank):
@@ -419,10 +425,11 @@ def test_two_ranks_equal_one_process(model_path, one_rank, tmp_path):
         assert (grad - critic_two[name]).abs().max() <= 1e-4 * grad.abs().max(), name
 
 
-def _cuda_rank(rank, world_size, path):
+def _cuda_rank(rank, world_size, path, keep_adapters):
     """bf16 compute, pinned offload and the log-prob kernel on one GPU, with a LoRA critic; a push
     into a bf16 engine. The frozen base goes to the host at the first offload only, and comes back
-    unchanged from every later one."""
+    unchanged from every later one; the adapters and their state stay on the device with
+    offload.keep_adapters, and go to the host and back with the base otherwise."""
     from colocate import dist
     from colocate.colocation.weight_sync import sync_weights
     from colocate.rollout.native import NativeEngine
@@ -432,7 +439,7 @@ def _cuda_rank(rank, world_size, path):
 
     info = dist.get_info()
     overrides = {"model.dtype": "auto", "offload.offload_train": True, "model.gradient_checkpointing": True}
-    trainer = Trainer(_lora(path, **overrides, **GAE), info)
+    trainer = Trainer(_lora(path, **overrides, **GAE, **{"offload.keep_adapters": keep_adapters}), info)
     full = Trainer(_config(path, **overrides), info)
     assert trainer.compute_dtype == torch.bfloat16
     ids = torch.tensor(_samples(vocab=101)[0].tokens, device=info.device)
@@ -447,11 +454,21 @@ def _cuda_rank(rank, world_size, path):
         assert torch.isfinite(torch.tensor(trainer.train(_samples(vocab=101), rollout_id)["train/grad_norm"]))
         moved = trainer.memory.offload(ACTOR_OPTIM).num_bytes
         adapter_bytes = sum(p.to_local().nbytes for n, p in trainer.actor_module.named_parameters() if is_adapter(n))
-        assert 2 * adapter_bytes <= moved < 2 * adapter_bytes + (64 << 10)  # two fp32 moments and step counts
+        if keep_adapters:
+            assert moved == 0
+        else:
+            assert 2 * adapter_bytes <= moved < 2 * adapter_bytes + (64 << 10)  # two fp32 moments and step counts
         storage_bytes = {n: p.to_local().untyped_storage().nbytes() for n, p in trainer.actor_module.named_parameters()}
         trained_bytes = sum(b for n, b in storage_bytes.items() if is_adapter(n))
         moved = trainer.memory.offload(*PARAMS).num_bytes
-        assert moved == (sum(storage_bytes.values()) if rollout_id == 0 else trained_bytes), rollout_id
+        first = sum(storage_bytes.values()) - (trained_bytes if keep_adapters else 0)
+        assert moved == (first if rollout_id == 0 else 0 if keep_adapters else trained_bytes), rollout_id
+        left = {n: p.to_local().untyped_storage().nbytes() for n, p in trainer.actor_module.named_parameters()}
+        assert all(b == (storage_bytes[n] if keep_adapters and is_adapter(n) else 0) for n, b in left.items())
+        moments = [v for state in trainer.actor.opt.optimizer.state.values() for v in state.values()
+                   if torch.is_tensor(v) and v.is_cuda]
+        local = [v.to_local() if hasattr(v, "to_local") else v for v in moments]
+        assert local and all(bool(v.untyped_storage().nbytes()) == keep_adapters for v in local)
     trainer.memory.onload(*PARAMS)
     with adapters_disabled(trainer.actor_module):  # the base, after two offloads without a copy
         assert torch.equal(_logits(trainer, ids), _logits(full, ids))
@@ -465,5 +482,6 @@ def _cuda_rank(rank, world_size, path):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_lora_steps_offload_and_push(model_path):
-    run_ranks(_cuda_rank, 1, model_path)
+@pytest.mark.parametrize("keep_adapters", [True, False], ids=["adapters_stay", "adapters_move"])
+def test_gpu_bf16_lora_steps_offload_and_push(model_path, keep_adapters):
+    run_ranks(_cuda_rank, 1, model_path, keep_adapters)
