@@ -39,6 +39,10 @@ _ALIGN = 512
 _PIECE = 1 << 30
 """The smallest size of a full pinned piece (bytes); a larger storage raises it to the power of two
 that holds it."""
+_SMALL = 1 << 20
+"""torch's caching allocator serves requests up to this size (bytes) from its small pool's 2 MiB
+segments, larger ones from the large pool, rounded up to _BLOCK bytes."""
+_BLOCK = 512
 
 TensorSource = Callable[[], Iterable[torch.Tensor]]
 ConstantTest = Callable[[torch.Tensor], bool]
@@ -189,6 +193,17 @@ class _PinnedGroup:
             torch.cuda.current_stream().wait_event(self.arrived)
             self.arrived = None
 
+    def reserve_device(self) -> None:
+        """Before the storages on the host come back: one device allocation the size of their large
+        ones, freed at once. The caching allocator keeps it as one segment and carves them from it,
+        so their return costs one cudaMalloc, and their release by torch.cuda.empty_cache one
+        cudaFree, instead of one each (a 1.5B model's 340 parameter storages took 70 ms of host
+        time a step in cudaMalloc and 40 ms in cudaFree, with the device idle)."""
+        large = [self.sizes[i] for i in self.away if self.sizes[i] > _SMALL]
+        if large and self.storages[0].device.type == "cuda":
+            torch.empty(sum(-(-n // _BLOCK) * _BLOCK for n in large), dtype=torch.uint8,
+                        device=self.storages[0].device)
+
 
 class StateOffloader:
     """Named groups of device tensors that go to the host and come back together.
@@ -266,6 +281,7 @@ class StateOffloader:
         if self._stream is None or not self.groups[tag].offloaded:
             return [], 0
         group, events, num_bytes = self.groups[tag], [], 0
+        group.reserve_device()
         for tensors in parts:
             moved = group.onload(self._stream, tensors)
             events.append(group.arrived if moved else None)
@@ -290,6 +306,8 @@ class StateOffloader:
         for tag in tags:
             if self._tms is None:
                 group = self.groups[tag]
+                if not to_host:
+                    group.reserve_device()
                 num_bytes += group.offload(self._stream) if to_host else group.onload(self._stream)
             elif to_host != (tag in self.paused):
                 num_bytes += sum(s.nbytes() for s in _storages(self.groups[tag].source()))

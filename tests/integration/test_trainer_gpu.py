@@ -252,6 +252,35 @@ def test_constant_tensors_are_copied_out_once():
     assert offloader.offload(["g"]).num_bytes == (256 * 64 + 1000 + 10) * 4
 
 
+@pytest.mark.parametrize("parts", [False, True], ids=["whole", "by_parts"])
+def test_storages_come_back_in_one_device_allocation_and_leave_in_one_release(parts):
+    """40 storages of 3-8 MiB come home, whole or part by part, in one cudaMalloc of the caching
+    allocator, with their bytes; once offloaded again, empty_cache hands the memory back in one
+    cudaFree and none of it stays reserved."""
+    from colocate.trainer.offload import StateOffloader
+
+    tensors = [torch.randn((3 << 18) + (i << 15), device="cuda") for i in range(40)]
+    saved = [t.clone() for t in tensors]
+    offloader = StateOffloader("pinned", torch.device("cuda"))
+    offloader.register("g", lambda: tensors)
+    offloader.offload(["g"])
+    torch.cuda.empty_cache()
+    reserved, stats = torch.cuda.memory_reserved(), torch.cuda.memory_stats()
+    if parts:
+        _, num_bytes = offloader.onload_parts("g", [tensors[:10], tensors[10:25]])
+        offloader.wait(["g"])
+    else:
+        num_bytes = offloader.onload(["g"]).num_bytes
+    after = torch.cuda.memory_stats()
+    assert num_bytes == sum(t.nbytes for t in tensors)
+    assert after["num_device_alloc"] - stats["num_device_alloc"] == 1
+    assert all(torch.equal(t, s) for t, s in zip(tensors, saved))
+    offloader.offload(["g"])
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_stats()["num_device_free"] - after["num_device_free"] == 1
+    assert torch.cuda.memory_reserved() == reserved
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_compiled_blocks_train_like_eager_ones(tmp_path, info, family):
     """model.compile (inductor, dynamic shapes) with half the blocks recomputed and the rest
