@@ -53,6 +53,8 @@ MISMATCH = ("tests/unit/test_mismatch.py",)
 ADVANTAGES = ("tests/unit/test_advantages.py",)
 LORA_MERGE = ("tests/integration/test_lora.py::"
               "test_pushed_weights_are_peft_merges_and_later_pushes_send_adapted_modules_only",)
+LORA_MERGE_KERNEL = ("tests/unit/test_kernels_interpreted.py::test_lora_merge_kernel_matches_the_torch_merge",)
+LORA_KEPT = ("tests/integration/test_lora.py::test_step_zero_is_the_base_model_and_only_adapters_train",)
 STALE_MASK = ("tests/unit/test_partial_rollout.py::test_stale_tokens_leave_the_mask_only_when_asked",)
 LOSS_FREE = ("tests/unit/test_packing.py::test_steps_leave_out_samples_with_no_token_in_the_loss",
              "tests/integration/test_partial_stale_mask.py::"
@@ -194,6 +196,11 @@ MUTANTS = [
            "excess = response_lengths.float() - max_response_len", ADVANTAGES),
     Mutant("lora_merge_drops_the_scale", "colocate/trainer/lora.py", "merged.mul_(scale).add_(weight)",
            "merged.add_(weight)", LORA_MERGE),
+    Mutant("lora_merge_kernel_drops_the_scale", "colocate/kernels/lora_merge.py",
+           "merged = acc * scale + w.to(tl.float32)", "merged = acc + w.to(tl.float32)", LORA_MERGE_KERNEL),
+    Mutant("lora_adapters_leave_with_the_base", "colocate/trainer/memory.py",
+           "self.offloader.register(tag, frozen if keep_trained else model.parameters,",
+           "self.offloader.register(tag, model.parameters,", LORA_KEPT),
     Mutant("stale_mask_keeps_one_version_more", "colocate/trainer/batch.py", ">= stale_before",
            ">= stale_before - 1", STALE_MASK),
     Mutant("skipped_samples_leave_the_sequence_count", "colocate/trainer/passes.py",
