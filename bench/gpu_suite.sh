@@ -49,7 +49,8 @@ for step in $steps; do
     train_small) run train_small 330 python bench/train.py --models 0.5b --budget-s 300 ;;
     kernels) run kernels 60 python bench/kernel_bench.py ;;
     invariant_sweep) run invariant_sweep 300 python bench/kernel_bench.py --invariant-sweep ;;
-    units) run units 400 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py tests/integration/test_checkpoint.py ;;
+    units) run units 500 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py \
+             tests/integration/test_checkpoint.py tests/integration/test_lora.py tests/integration/test_lora_loop.py ;;
     multigpu) run multigpu 560 python -m pytest -q -s -rA -m multigpu -p no:cacheprovider tests/integration/test_multigpu.py \
                 tests/integration/test_checkpoint.py ;;
     *) echo "unknown step $step" >&2 ;;
