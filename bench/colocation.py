@@ -5,6 +5,9 @@
   same number of bf16 bytes. Target: at most 2x the copy.
 - Engine release / resume: `release_memory` then `resume_memory` of weights, KV cache (about
   14 GiB) and CUDA graphs, host wall time with the device synchronised. Target: 50 ms together.
+  The resume again, by what came just before it: 300 ms of rest after the release, or a train
+  phase's worth of memory (what the release freed, in 512 MiB activations) allocated and handed
+  back to the driver right before it, as the loop's `to_rollout` does.
 
 Medians over --rounds. The process re-executes itself with torch_memory_saver's preload hook (as
 launch.sh runs the loop), so that graph memory is pausable too.
@@ -61,6 +64,18 @@ def copy_ms(num_bytes: int, rounds: int) -> float:
     return statistics.median(times[2:])
 
 
+def _train_phase_memory(num_bytes: int) -> None:
+    """Allocate about `num_bytes` in 512 MiB activations, write them, and hand them back to the
+    driver, as a train phase between the engine's release and its resume does."""
+    block = 512 << 20
+    held = [torch.empty(block, dtype=torch.uint8, device="cuda") for _ in range(max(1, int(0.9 * num_bytes) // block))]
+    for t in held:
+        t.fill_(1)
+    torch.cuda.synchronize()
+    del held
+    torch.cuda.empty_cache()
+
+
 def _mismatched(policy: torch.nn.Module, engine: NativeEngine) -> list[str]:
     """Engine parameters that differ from the trainer's masters cast to the engine dtype."""
     engine_params = dict(engine.model.named_parameters())
@@ -115,6 +130,14 @@ def main(argv: list[str] | None = None) -> None:
         release.append(_timed_ms(lambda: engine.release_memory(TAGS)))
         freed.append(torch.cuda.mem_get_info()[0] - before)
         resume.append(_timed_ms(lambda: engine.resume_memory(TAGS)))
+    rested, after_free = [], []
+    for _ in range(args.rounds):
+        engine.release_memory(TAGS)
+        time.sleep(0.3)
+        rested.append(_timed_ms(lambda: engine.resume_memory(TAGS)))
+        engine.release_memory(TAGS)
+        _train_phase_memory(statistics.median(freed))
+        after_free.append(_timed_ms(lambda: engine.resume_memory(TAGS)))
     engine.shutdown()
 
     results = {
@@ -125,7 +148,10 @@ def main(argv: list[str] | None = None) -> None:
         "engine_memory": memory,
         "release_resume": {"release_ms": statistics.median(release), "resume_ms": statistics.median(resume),
                            "total_ms": statistics.median(a + b for a, b in zip(release, resume)),
-                           "freed_gib": statistics.median(freed) / 2**30},
+                           "freed_gib": statistics.median(freed) / 2**30,
+                           "resume_rested_ms": statistics.median(rested), "rested_all_ms": rested,
+                           "resume_after_train_memory_ms": statistics.median(after_free),
+                           "after_train_memory_all_ms": after_free},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -133,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"colocation ({args.model}, {results['device']}): weight sync {w['bytes'] / 2**30:.2f} GiB in "
           f"{w['ms']:.1f} ms = {w['ratio_to_copy']:.2f}x a device copy ({w['d2d_copy_ms']:.2f} ms) | release "
           f"{r['release_ms']:.1f} ms + resume {r['resume_ms']:.1f} ms, {r['freed_gib']:.1f} GiB freed "
-          f"({memory['mode']}) -> {args.out}")
+          f"({memory['mode']}); resume rested {r['resume_rested_ms']:.1f} ms, right after a train phase's "
+          f"memory {r['resume_after_train_memory_ms']:.1f} ms -> {args.out}")
 
 
 if __name__ == "__main__":
