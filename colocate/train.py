@@ -34,15 +34,21 @@ def seed_everything(seed: int) -> None:
 
 
 class Phases:
-    """Per-phase wall seconds (perf/<phase>_time) and a ledger row at every phase's end."""
+    """Per-phase wall seconds (perf/<phase>_time) and a ledger row at every phase's end; a phase that
+    runs out of GPU memory ends the run with an error that names the settings to change."""
 
-    def __init__(self, ledger, device: torch.device):
-        self.ledger, self.device, self.times, self.step = ledger, device, {}, 0
+    def __init__(self, ledger, device: torch.device, cfg: Config):
+        self.ledger, self.device, self.cfg, self.times, self.step = ledger, device, cfg, {}, 0
 
     @contextmanager
     def __call__(self, name: str):
-        with timed(self.times, f"perf/{name}_time", self.device):
-            yield
+        from colocate.colocation.ledger import out_of_memory
+
+        try:
+            with timed(self.times, f"perf/{name}_time", self.device):
+                yield
+        except torch.OutOfMemoryError as e:
+            raise out_of_memory(self.cfg, name, self.step, self.device, e) from e
         self.ledger.record(self.step, name)
 
     def take(self) -> dict[str, float]:
@@ -74,7 +80,7 @@ class Loop:
                                  wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
                                  config=cfg.to_dict(), console=cfg.logging.console)
         self.ledger = MemoryLedger(info.device, strict=cfg.train.strict)
-        self.phase = Phases(self.ledger, info.device)
+        self.phase = Phases(self.ledger, info.device, cfg)
         self.weight_version = 0
         self.start_rollout_id = 0
         self.resumed_rollouts: list | None = None

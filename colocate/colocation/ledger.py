@@ -65,6 +65,39 @@ class MemoryGrowthError(RuntimeError):
     pass
 
 
+class DeviceMemoryError(ValueError):
+    """A phase of the loop ran out of GPU memory: the settings ask for more than the device has
+    (a user error: the message names the settings that give the phase room)."""
+
+
+def out_of_memory(cfg, phase: str, step: int, device: torch.device, error: BaseException) -> DeviceMemoryError:
+    """The error for `error`, a torch.OutOfMemoryError raised in the loop's `phase` of `step`: what
+    the device had in use, and which settings of the run's `cfg` would leave that phase more room."""
+    m, r, t, o = cfg.model, cfg.rollout, cfg.train, cfg.offload
+    kv = f"a lower rollout.gpu_memory_fraction (now {r.gpu_memory_fraction}: the KV cache's share)"
+    if phase in ("generate", "eval"):
+        advice = [f"{kv} or rollout.max_running_requests (now {r.max_running_requests})"]
+        if not o.offload_train:
+            advice.append("offload.offload_train (the trainer's state now stays on the GPU while generating)")
+    elif phase == "train":
+        advice = [f"a lower train.max_tokens_per_gpu (now {t.max_tokens_per_gpu}: one micro-batch's tokens)"]
+        full = m.recompute_fraction if m.recompute_fraction is not None else float(m.gradient_checkpointing)
+        if full < 1:
+            advice.append("model.gradient_checkpointing (each block recomputes its forward in the backward)"
+                          if full == 0 else f"a higher model.recompute_fraction (now {full})")
+        if not o.offload_rollout:
+            advice.append("offload.offload_rollout (the engine now keeps its KV cache through training)")
+    else:  # the switches between the two, and checkpoint writing
+        advice = [kv] + [f"offload.{name}" for name in ("offload_train", "offload_rollout") if not getattr(o, name)]
+    used = ""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = f" ({(total - free) / GIB:.1f} of {total / GIB:.1f} GiB in use)"
+    lines = str(error).strip().splitlines()
+    return DeviceMemoryError(f"step {step}: the {phase} phase ran out of GPU memory{used}. For more room: "
+                             f"{'; or '.join(advice)}. ({lines[0] if lines else type(error).__name__})")
+
+
 class MemoryLedger:
     """Records memory at named phases; flags growth of a phase across steps after warm-up.
 

@@ -80,3 +80,70 @@ def test_allocator_retries_are_read_on_cuda():
     torch.ones(1, device=device)  # the allocator's statistics start with its first allocation
     assert "num_alloc_retries" in torch.cuda.memory_stats(device)
     assert ledger_module.alloc_retries(device) == torch.cuda.memory_stats(device)["num_alloc_retries"]
+
+
+def _oom(phase, step=3, **fields):
+    from colocate.colocation.ledger import out_of_memory
+    from colocate.config import Config
+
+    cfg = Config()
+    for name, value in fields.items():
+        section, field = name.split(".")
+        setattr(getattr(cfg, section), field, value)
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 378.00 MiB.\nIf reserved but unallocated...")
+    return str(out_of_memory(cfg, phase, step, torch.device("cpu"), error))
+
+
+def test_out_of_memory_in_training_names_the_settings_that_give_it_room():
+    msg = _oom("train", **{"model.gradient_checkpointing": False, "offload.offload_rollout": False})
+    assert msg.startswith("step 3: the train phase ran out of GPU memory. For more room: ")
+    assert "train.max_tokens_per_gpu (now 16384" in msg and "model.gradient_checkpointing" in msg
+    assert "offload.offload_rollout" in msg and "rollout.gpu_memory_fraction" not in msg
+    assert msg.endswith("(CUDA out of memory. Tried to allocate 378.00 MiB.)")
+    settled = _oom("train", **{"model.gradient_checkpointing": True, "offload.offload_rollout": True})
+    assert "gradient_checkpointing" not in settled and "offload" not in settled  # nothing to turn on
+    assert "model.recompute_fraction (now 0.5)" in _oom("train", **{"model.recompute_fraction": 0.5})
+
+
+def test_out_of_memory_in_generation_or_a_switch_names_the_kv_cache_and_offload():
+    msg = _oom("generate", **{"rollout.gpu_memory_fraction": 0.8, "offload.offload_train": False})
+    assert "rollout.gpu_memory_fraction (now 0.8" in msg and "rollout.max_running_requests (now 256)" in msg
+    assert "offload.offload_train" in msg and "max_tokens_per_gpu" not in msg
+    switch = _oom("to_rollout", **{"offload.offload_train": True, "offload.offload_rollout": False})
+    assert "rollout.gpu_memory_fraction" in switch and "offload.offload_rollout" in switch
+    assert "offload.offload_train" not in switch
+
+
+def test_a_phase_out_of_memory_ends_as_a_user_error_and_records_no_row(monkeypatch):
+    from colocate.colocation.ledger import DeviceMemoryError
+    from colocate.config import Config
+    from colocate.train import Phases
+
+    ledger, _ = _ledger(monkeypatch, {})
+    phase = Phases(ledger, torch.device("cpu"), Config())
+    phase.step = 5
+    oom = torch.OutOfMemoryError("CUDA out of memory.")
+    with pytest.raises(DeviceMemoryError, match="step 5: the train phase") as raised:
+        with phase("train"):
+            raise oom
+    assert isinstance(raised.value, ValueError) and raised.value.__cause__ is oom
+    with pytest.raises(KeyError):  # any other error goes through as it is
+        with phase("train"):
+            raise KeyError("x")
+    assert ledger.rows == []
+
+
+def test_the_run_ends_with_one_error_line_naming_the_phase_and_settings(tmp_path, monkeypatch, capsys):
+    from colocate.train import main
+    from colocate.trainer import Trainer
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(Trainer, "train", out_of_memory)
+    assert main(["--config", "configs/default.yaml", "--output-dir", str(tmp_path), "--train.max-tokens-per-gpu",
+                 "512", "--logging.console", "False"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: step 0: the train phase ran out of GPU memory. For more room: a lower "
+                              "train.max_tokens_per_gpu (now 512")
+    assert err[-1].endswith("(CUDA out of memory. Tried to allocate 2.00 GiB.)")
