@@ -88,6 +88,12 @@ class ModelConfig:
     """Projections of each block that get adapters (default: every linear projection of attention
     and MLP)."""
 
+    @property
+    def full_recompute_fraction(self) -> float:
+        """The fraction of blocks that recompute their whole forward: recompute_fraction, or 1.0
+        with gradient_checkpointing and 0 without."""
+        return self.recompute_fraction if self.recompute_fraction is not None else float(self.gradient_checkpointing)
+
 
 @dataclass
 class RolloutConfig:

@@ -81,7 +81,7 @@ def out_of_memory(cfg, phase: str, step: int, device: torch.device, error: BaseE
             advice.append("offload.offload_train (the trainer's state now stays on the GPU while generating)")
     elif phase == "train":
         advice = [f"a lower train.max_tokens_per_gpu (now {t.max_tokens_per_gpu}: one micro-batch's tokens)"]
-        full = m.recompute_fraction if m.recompute_fraction is not None else float(m.gradient_checkpointing)
+        full = m.full_recompute_fraction
         if full < 1:
             advice.append("model.gradient_checkpointing (each block recomputes its forward in the backward)"
                           if full == 0 else f"a higher model.recompute_fraction (now {full})")

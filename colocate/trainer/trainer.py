@@ -71,8 +71,7 @@ class Trainer:
         self.memory = TrainerMemory(cfg.offload.method, self.device)
         self.random_config = model_config
         self.keep_gathered = info.world_size == 1 if t.keep_gathered is None else t.keep_gathered
-        full = m.recompute_fraction if m.recompute_fraction is not None else float(m.gradient_checkpointing)
-        self.checkpointing = checkpointing or ActivationCheckpointing(full, m.recompute_rest,
+        self.checkpointing = checkpointing or ActivationCheckpointing(m.full_recompute_fraction, m.recompute_rest,
                                                                       m.recompute_keeps_attention)
         steps_per_rollout = -(-cfg.samples_per_rollout // cfg.global_batch_size)
         actor_rollouts = t.num_rollout - (a.num_critic_only_steps if a.use_critic else 0)
