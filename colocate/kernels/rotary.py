@@ -52,7 +52,8 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if q.is_cuda:
         return _launch(q, k, cos, sin, inverse)
     sin = -sin if inverse else sin
-    return reference_rotate(q, cos, sin), reference_rotate(k, cos, sin)
+    # Contiguous, as the fake kernel and the CUDA launch give: a compiled caller checks the strides.
+    return reference_rotate(q, cos, sin).contiguous(), reference_rotate(k, cos, sin).contiguous()
 
 
 @_rotary.register_fake

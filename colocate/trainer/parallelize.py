@@ -108,12 +108,17 @@ def _keep_matmuls(recompute_width: int | None, low_rank: int, ctx, op, *args, **
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _contexts(mode: str, mlp_width: str, low_rank: str):
-    """Block mode -> its selective recomputation's context ("full" keeps nothing but the input).
+    """Block mode -> its selective recomputation's context. "full" keeps nothing but the input.
     "mlp" recomputes the matmuls of output width `mlp_width`: a block's gate and up projections
     (and any other of that width: only more recompute, never a wrong gradient); "ops" and "mlp"
     recompute the products of inner dimension `low_rank` (0: none)."""
-    policy = {"attention": _keep_attention, "ops": functools.partial(_keep_matmuls, None, int(low_rank)),
+    policy = {"full": _recompute_all, "attention": _keep_attention,
+              "ops": functools.partial(_keep_matmuls, None, int(low_rank)),
               "mlp": functools.partial(_keep_matmuls, int(mlp_width), int(low_rank))}[mode]
     return create_selective_checkpoint_contexts(policy)
 
@@ -127,9 +132,11 @@ def _checkpointed(forward, mode: str, mlp_width: int, low_rank: int = 0, random:
     # torch.compile reads context_fn as a constant and guards on a partial's arguments by value;
     # the sizes go as strings because with dynamic shapes a bound int turns symbolic (the block
     # then runs eagerly), and a closure would be guarded by its code alone (all modes would share
-    # the graph compiled first).
-    extra = {} if mode == "full" else \
-        dict(context_fn=functools.partial(_contexts, mode, str(mlp_width), str(low_rank)))
+    # the graph compiled first). "full" has a policy too, recomputing every op: compiled without
+    # one, torch 2.11 left the ops of an autograd.Function in the block (LoRA's _MergedLinear)
+    # untagged, so their outputs, and what the backward needed of them, were kept (an 8B LoRA
+    # block on 16k tokens kept about 1.2 GB instead of its 0.13 GB input).
+    extra = dict(context_fn=functools.partial(_contexts, mode, str(mlp_width), str(low_rank)))
 
     @functools.wraps(forward)
     def run(*args, **kwargs):

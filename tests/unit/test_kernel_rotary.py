@@ -55,6 +55,17 @@ def test_cpu_op_matches_the_reference_and_keeps_pair_norms():
     torch.testing.assert_close(pairs(rotate(q, k, cos, sin)[0]), pairs(q), rtol=1e-5, atol=1e-5)
 
 
+def test_cpu_op_gives_contiguous_outputs_for_permuted_inputs():
+    """As its fake kernel says, which a compiled graph checks: a gradient arriving as a dense but
+    permuted (heads-major) tensor once came back permuted and failed that check."""
+    q, k, cos, sin = _inputs(37, 3, 1, 8, torch.float32, "cpu")
+    permuted = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k)]
+    outs = rotate(*permuted, cos, sin)
+    for out, x in zip(outs, (q, k)):
+        assert out.is_contiguous()
+        torch.testing.assert_close(out, reference_rotate(x, cos, sin), rtol=0, atol=1e-6)
+
+
 def test_cpu_op_registration_and_compiled_use():
     _check_op("cpu")
 
