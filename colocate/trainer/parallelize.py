@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterable
 
@@ -145,6 +146,24 @@ def _checkpointed(forward, mode: str, mlp_width: int, low_rank: int = 0, random:
     return run
 
 
+def compiles_random_recompute() -> bool:
+    """Whether this torch compiles a recomputed block that draws random numbers (LoRA dropout):
+    2.11's and 2.12's partitioner failed on one ("Node ... was invalid, but is output"); 2.13's
+    compiles it."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
+def _compiled_blocks(modes: list[str], compile: bool, random: bool) -> list[bool]:
+    """Per block mode, whether the block is compiled: all with `compile`, but the recomputed ones
+    when they draw random numbers and this torch cannot compile that (a warning says so)."""
+    eager = compile and random and not compiles_random_recompute() and any(m != "none" for m in modes)
+    if eager:
+        warnings.warn(f"torch {torch.__version__} cannot compile a recomputed block with LoRA dropout: the "
+                      "recomputed blocks run uncompiled (slower); torch >= 2.13 compiles them, or set "
+                      "model.lora_dropout 0", stacklevel=4)
+    return [compile and not (eager and mode != "none") for mode in modes]
+
+
 def _adapter_rank(block: nn.Module) -> int:
     """The rank of a block's LoRA adapters (their `lora_A` rows), 0 without."""
     return next((m.lora_A.out_features for m in block.modules() if hasattr(m, "lora_A")), 0)
@@ -175,11 +194,12 @@ def parallelize(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
     blocks = list(model.model.layers)
-    for i, (block, mode) in enumerate(zip(blocks, checkpointing.block_modes(len(blocks)))):
+    modes = checkpointing.block_modes(len(blocks))
+    for i, (block, mode, compiled) in enumerate(zip(blocks, modes, _compiled_blocks(modes, compile, random))):
         if mode != "none":
             block.forward = _checkpointed(block.forward, mode, block.mlp.gate_proj.out_features,
                                           _adapter_rank(block), random)
-        if compile:
+        if compiled:
             block.forward = torch.compile(block.forward, dynamic=True)
         # The last block's parameters are needed again at once by the backward: keep them gathered.
         keep = not reshard_after_forward or i == len(blocks) - 1

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from colocate.models import ModelConfig
 from colocate.models.layers import Rotary
 from colocate.models.transformer import DecoderLayer
-from colocate.trainer.parallelize import ActivationCheckpointing, _attention_ops, _checkpointed
+from colocate.trainer.parallelize import ActivationCheckpointing, _attention_ops, _checkpointed, _compiled_blocks
 
 MODES = ("full", "attention", "ops", "mlp")
 
@@ -27,6 +27,20 @@ def test_activation_checkpointing_places_full_blocks_evenly():
         ActivationCheckpointing(1.5)
     with pytest.raises(ValueError, match="rest"):
         ActivationCheckpointing(0.5, "selective")
+
+
+def test_recomputed_blocks_with_dropout_run_uncompiled_where_torch_cannot_compile_them(monkeypatch):
+    """torch 2.11 and 2.12 fail compiling a recomputed block that draws random numbers: those
+    blocks run eagerly there, with a warning; the others, and every block on a newer torch, compile."""
+    modes = ["full", "none", "ops"]
+    monkeypatch.setattr("colocate.trainer.parallelize.compiles_random_recompute", lambda: True)
+    assert _compiled_blocks(modes, compile=True, random=True) == [True] * 3
+    monkeypatch.setattr("colocate.trainer.parallelize.compiles_random_recompute", lambda: False)
+    with pytest.warns(UserWarning, match="cannot compile a recomputed block with LoRA dropout"):
+        assert _compiled_blocks(modes, compile=True, random=True) == [False, True, False]
+    assert _compiled_blocks(modes, compile=True, random=False) == [True] * 3
+    assert _compiled_blocks(["none"], compile=True, random=True) == [True]
+    assert _compiled_blocks(modes, compile=False, random=True) == [False] * 3
 
 
 class _Ops(TorchDispatchMode):
