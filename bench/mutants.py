@@ -45,6 +45,9 @@ PARTIAL = ("tests/unit/test_partial_rollout.py",
            "tests/integration/test_partial_rollout.py::test_a_run_never_exceeds_the_staleness_bound_nor_restarts")
 LORA_GRADIENTS = ("tests/unit/test_lora.py::test_forward_and_gradients_match_the_merged_weights",)
 LORA_RECOMPUTE = ("tests/unit/test_checkpointing.py::test_lora_blocks_never_keep_a_merged_weight",)
+DROPOUT_COMPILE = ("tests/unit/test_checkpointing.py::"
+                   "test_recomputed_blocks_with_dropout_run_uncompiled_where_torch_cannot_compile_them",)
+ROTARY_LAYOUT = ("tests/unit/test_kernel_rotary.py::test_cpu_op_gives_contiguous_outputs_for_permuted_inputs",)
 ON_POLICY_LORA = ("tests/parity/test_true_on_policy.py::test_a_lora_run_in_the_mode_logs_no_mismatch_after_its_adapters_moved",)
 INVARIANT_OPS = ("tests/unit/test_invariant_ops.py",)
 SAMPLER = ("tests/parity/test_engine_parity.py::test_sampler_truncation_keeps_the_expected_tokens",
@@ -167,6 +170,12 @@ MUTANTS = [
     Mutant("lora_merge_kept_for_backward_by_selective_plans", "colocate/trainer/parallelize.py",
            "and shape[1] != recompute_width and shape[0] != low_rank)", "and shape[1] != recompute_width)",
            LORA_RECOMPUTE),
+    Mutant("recomputed_dropout_blocks_compiled_where_torch_cannot", "colocate/trainer/parallelize.py",
+           "return [compile and not (eager and mode != \"none\") for mode in modes]",
+           "return [compile for mode in modes]", DROPOUT_COMPILE),
+    Mutant("rotary_cpu_op_keeps_a_permuted_layout", "colocate/kernels/rotary.py",
+           "return reference_rotate(q, cos, sin).contiguous(), reference_rotate(k, cos, sin).contiguous()",
+           "return reference_rotate(q, cos, sin), reference_rotate(k, cos, sin)", ROTARY_LAYOUT),
     Mutant("invariant_rms_norm_backward_drops_the_mean_term", "colocate/kernels/invariant_ops.py",
            "return r * grad_n - xf * r.pow(3) * (grad_n * xf).mean(-1, keepdim=True), grad_w",
            "return r * grad_n, grad_w", INVARIANT_OPS),
