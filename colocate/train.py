@@ -42,12 +42,12 @@ class Phases:
 
     @contextmanager
     def __call__(self, name: str):
-        from colocate.colocation.ledger import out_of_memory
-
         try:
             with timed(self.times, f"perf/{name}_time", self.device):
                 yield
         except torch.OutOfMemoryError as e:
+            from colocate.colocation.ledger import out_of_memory
+
             raise out_of_memory(self.cfg, name, self.step, self.device, e) from e
         self.ledger.record(self.step, name)
 
