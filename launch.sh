@@ -63,7 +63,7 @@ install_project() {
 }
 
 if [[ -n "${PYTHON:-}" ]]; then
-  # The user's interpreter: a torch it has stays as it is.
+  # The user's interpreter: a torch it has stays as it is, unless older than pyproject.toml allows.
   py=$PYTHON use_uv=
   "$py" -c "import torch" 2>/dev/null || install_torch "$(wanted)"
   "$py" -m pip show -q colocate >/dev/null 2>&1 || install_project "$(wanted)"

@@ -118,7 +118,7 @@ GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
 model-specific class: the toy's, and any tokenizer saved from a bare tokenizer.json."""
 GENERIC_TOKENIZER_MODEL_TYPES = ("llama", "qwen3")
 """Model types for which AutoTokenizer keeps a generic class that tokenizer_config.json names. For
-qwen2 it substitutes Qwen2Tokenizer, whose own pre-tokenizer gives other ids (transformers 5)."""
+qwen2 it substitutes Qwen2Tokenizer, whose own pre-tokenizer gives other ids (transformers >= 5.8)."""
 
 
 def load_tokenizer(model_dir: str | Path):

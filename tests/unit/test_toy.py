@@ -4,6 +4,8 @@ import random
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from colocate.rollout.rewards import RewardInput, compute_rewards, load_reward_fn
@@ -112,7 +114,8 @@ def test_toy_tokenizer_loads_without_the_auto_registry(toy):
 def test_load_tokenizer_equals_auto_tokenizer(toy, tmp_path, arch, tokenizer_class):
     """For every supported architecture and a generic or specific declared class, load_tokenizer
     gives AutoTokenizer's class and ids (for qwen2 AutoTokenizer replaces a generic class by
-    Qwen2Tokenizer, whose ids differ, so that model type is not loaded by the generic class)."""
+    Qwen2Tokenizer from transformers 5.8 on, whose ids differ, so that model type is not loaded by
+    the generic class; 5.0-5.7 keep the generic class)."""
     import shutil
 
     from colocate.models.config import ARCHITECTURES, GENERIC_TOKENIZERS, load_tokenizer
@@ -125,5 +128,6 @@ def test_load_tokenizer_equals_auto_tokenizer(toy, tmp_path, arch, tokenizer_cla
     mine, auto = load_tokenizer(model), AutoTokenizer.from_pretrained(model)
     assert type(mine) is type(auto)
     assert mine("c a after b")["input_ids"] == auto("c a after b")["input_ids"]
-    if tokenizer_class in GENERIC_TOKENIZERS and arch == "Qwen2ForCausalLM":
+    replaced = Version(transformers.__version__) >= Version("5.8")
+    if tokenizer_class in GENERIC_TOKENIZERS and arch == "Qwen2ForCausalLM" and replaced:
         assert type(auto).__name__ == "Qwen2Tokenizer"  # the case the model-type rule exists for
