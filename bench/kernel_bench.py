@@ -15,7 +15,10 @@
   variant's kernel names.
 - the LoRA merge W + scale * B A (colocate/kernels/lora_merge.py) of every adapted projection of the
   1.5B shape at rank 64, as a forward or a weight push runs them, against the same merge in torch
-  ops, and the roofline of its 4 bytes a weight (bf16 read and written).
+  ops, and the roofline of its 4 bytes a weight (bf16 read and written); and the host time of one
+  forward's merges from compiled blocks (one compiled function of a block's 7 merges, called for
+  each of the 28 blocks), the kernel's against the torch ops' under inductor, and of the direct
+  launches a weight push makes.
 
 Prints one summary line and writes bench/results/kernels.json. Run: python bench/kernel_bench.py
 
@@ -54,6 +57,8 @@ import argparse
 import itertools
 import json
 import pathlib
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -420,11 +425,34 @@ def bench_lora_merge(do_bench, rank=64, layers=28, hidden_size=1536, kv_size=256
             for w, (a, b) in zip(parts, adapters):
                 merge(w, a, b)
 
+    def kernel(w, a, b):
+        return lora_merge(w, a, b, 0.5, w.dtype)
+
+    def compiled_blocks(merge):
+        block = torch.compile(lambda ws, abs_: [merge(w, a, b) for w, (a, b) in zip(ws, abs_)], fullgraph=True)
+        return lambda: [block(parts, adapters) for _ in range(layers)]
+
     weights = layers * sum(o * i for o, i in shapes)
     return {"rank": rank, "layers": layers, "weights": weights,
-            "kernel_ms": do_bench(lambda: model(lambda w, a, b: lora_merge(w, a, b, 0.5, w.dtype))),
+            "kernel_ms": do_bench(lambda: model(kernel)),
             "torch_ops_ms": do_bench(lambda: model(torch_ops)),
-            "roofline_ms": 4 * weights / peak_hbm_bytes_per_s() * 1e3}
+            "roofline_ms": 4 * weights / peak_hbm_bytes_per_s() * 1e3,
+            "host_ms": {"kernel_compiled": _host_ms(compiled_blocks(kernel)),
+                        "torch_ops_compiled": _host_ms(compiled_blocks(torch_ops)),
+                        "kernel_direct": _host_ms(lambda: model(kernel))}}
+
+
+def _host_ms(fn, repeats: int = 30) -> float:
+    """Median host time of one call of `fn` (the device idle at each start, so launches never wait
+    for a full queue); the first calls compile."""
+    times = []
+    for i in range(repeats + 3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times[3:]) * 1e3
 
 
 def main() -> None:
@@ -473,7 +501,8 @@ def main() -> None:
         f"separate {jl['gate_up']['separate_ms']:.2f} ms | residual addmm o_proj {ra['o_proj']['addmm_ms']:.2f} ms vs "
         f"mm+add {ra['o_proj']['mm_then_add_ms']:.2f}, down_proj {ra['down_proj']['addmm_ms']:.2f} vs "
         f"{ra['down_proj']['mm_then_add_ms']:.2f} | LoRA merges of a 1.5B pass {lm['kernel_ms']:.2f} ms vs torch ops "
-        f"{lm['torch_ops_ms']:.2f} ms (roofline {lm['roofline_ms']:.2f}) -> {RESULTS}"
+        f"{lm['torch_ops_ms']:.2f} ms (roofline {lm['roofline_ms']:.2f}), host {lm['host_ms']['kernel_compiled']:.1f} ms "
+        f"compiled vs {lm['host_ms']['torch_ops_compiled']:.1f} ms for compiled torch ops -> {RESULTS}"
     )
 
 

@@ -57,6 +57,8 @@ ADVANTAGES = ("tests/unit/test_advantages.py",)
 LORA_MERGE = ("tests/integration/test_lora.py::"
               "test_pushed_weights_are_peft_merges_and_later_pushes_send_adapted_modules_only",)
 LORA_MERGE_KERNEL = ("tests/unit/test_kernels_interpreted.py::test_lora_merge_kernel_matches_the_torch_merge",)
+LORA_MERGE_ROUNDINGS = ("tests/unit/test_kernels_compile.py::test_the_lora_merge_multiplies_on_the_tensor_cores",)
+LORA_MERGE_GRAPH = ("tests/unit/test_kernels_compile.py::test_a_compiled_graph_launches_the_lora_merge_kernel_itself",)
 LORA_KEPT = ("tests/integration/test_lora.py::test_step_zero_is_the_base_model_and_only_adapters_train",)
 STALE_MASK = ("tests/unit/test_partial_rollout.py::test_stale_tokens_leave_the_mask_only_when_asked",)
 LOSS_FREE = ("tests/unit/test_packing.py::test_steps_leave_out_samples_with_no_token_in_the_loss",
@@ -206,7 +208,11 @@ MUTANTS = [
     Mutant("lora_merge_drops_the_scale", "colocate/trainer/lora.py", "merged.mul_(scale).add_(weight)",
            "merged.add_(weight)", LORA_MERGE),
     Mutant("lora_merge_kernel_drops_the_scale", "colocate/kernels/lora_merge.py",
-           "merged = acc * scale + w.to(tl.float32)", "merged = acc + w.to(tl.float32)", LORA_MERGE_KERNEL),
+           "scaled = acc * scale\n", "scaled = acc\n", LORA_MERGE_KERNEL),
+    Mutant("lora_merge_kernel_fuses_the_scale_and_the_add", "colocate/kernels/lora_merge.py",
+           '"mul.rn.f32 $0, $1, $2;"', '"mul.f32 $0, $1, $2;"', LORA_MERGE_ROUNDINGS),
+    Mutant("lora_merge_an_opaque_op_in_compiled_graphs", "colocate/kernels/lora_merge.py",
+           "@torch.library.triton_op(", "@torch.library.custom_op(", LORA_MERGE_GRAPH),
     Mutant("lora_adapters_leave_with_the_base", "colocate/trainer/memory.py",
            "self.offloader.register(tag, frozen if keep_trained else model.parameters,",
            "self.offloader.register(tag, model.parameters,", LORA_KEPT),

@@ -1,9 +1,11 @@
 """Compile the Triton kernels for a GPU architecture on a machine without a GPU, through their real
 launch sites, and print one JSON line per compiled kernel: its name, its constexprs, the tensor-core
 instruction of its PTX (tcgen05 on Blackwell, wgmma on Hopper, mma.sync, or none) and the cubin's
-registers, stack, local memory (spills) and shared memory, as cuobjdump reports them.
+registers, stack, local memory (spills), shared memory and whether its machine code fuses an fp32
+multiply and add (FFMA), as cuobjdump reports them.
 
     python tests/compile_for_gpu.py [--arch 90|100]   (sm_90: H100/H200, the default; sm_100: B200)
+    python tests/compile_for_gpu.py --lora-merge-graph  (the graph a compiled LoRA merge gives inductor)
     (run by tests/unit/test_kernels_compile.py, with TRITON_INTERPRET unset)
 
 A stand-in driver reports such a device, and every launch becomes a warm-up: Triton specialises
@@ -59,9 +61,12 @@ def resources(cubin: bytes) -> dict:
         f.flush()
         out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True,
                              check=True).stdout
+        sass = subprocess.run([str(CUOBJDUMP), "--dump-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
     line = next(line for line in out.splitlines() if "REG:" in line)
     fields = dict(part.split(":", 1) for part in line.split() if ":" in part)
-    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"])}
+    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"]),
+            "fp32_fma": " FFMA" in sass}
 
 
 def compile_all(arch: int) -> list[dict]:
@@ -144,9 +149,41 @@ def launch_every_kernel() -> None:
         logprob._chunk_grad_triton(chunk, targets, 8192, 1.0, state[0], state[1], entropy, entropy, BF16)
 
 
+def lora_merge_graph(arch: int) -> dict:
+    """What AOTAutograd hands inductor for a compiled LoRA merge: the graph's calls, the kernel it
+    launches and the arguments it copies before the launch (those the kernel is found to write)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from colocate.kernels.lora_merge import lora_merge
+
+    graphs = []
+
+    def keep_graph(graph, example_inputs):
+        graphs.append(graph)
+        return lambda *args: [torch.empty(40, 24, dtype=BF16)]  # nothing runs here
+
+    driver.set_active(StandInDriver(arch))
+    merge = torch.compile(lambda w, a, b: lora_merge(w, a, b, 2 / 3, BF16),
+                          backend=aot_autograd(fw_compiler=keep_graph), fullgraph=True)
+    merge(torch.randn(40, 24, dtype=BF16), torch.randn(16, 24), torch.randn(40, 16))
+    calls = [node for node in graphs[0].graph.nodes if node.op == "call_function" and "getitem" not in node.name]
+    launch = calls[-1].kwargs
+    return {"calls": [str(node.target) for node in calls],
+            "kernel": kernel_side_table.get_kernel(launch["kernel_idx"]).fn.__name__,
+            "tensors_to_clone": launch["tensors_to_clone"]}
+
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, choices=(90, 100))
-    for row in compile_all(parser.parse_args().arch):
-        print(json.dumps(row), flush=True)
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--kernels", action="store_true", help="compile every kernel (the default)")
+    what.add_argument("--lora-merge-graph", action="store_true", help="trace a compiled LoRA merge instead")
+    args = parser.parse_args()
+    if args.lora_merge_graph:
+        print(json.dumps(lora_merge_graph(args.arch)))
+    else:
+        for row in compile_all(args.arch):
+            print(json.dumps(row), flush=True)

@@ -177,16 +177,17 @@ def test_attention_mode_recomputes_everything_but_attention(deterministic):
     assert plain_calls == 0 and calls == {"full": 1, "attention": 0, "ops": 0, "mlp": 0}, calls
 
 
-def _lora_block_grads(mode: str | None, compiled: bool = False) -> tuple[list[torch.Tensor], int, list, list]:
+def _lora_block_grads(mode: str | None, compiled: bool = False, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], int, list, list]:
     """Gradients of one decoder block with rank-4 adapters on every projection (B not zero), how
     many weight merges its backward ran (recomputation included), and the shapes of the tensors
     of at least one element per token that its forward saved for backward outside any
     recomputation's own store, less the parameters and the block's inputs: those of a weight's
-    shape, and all of them."""
+    shape, and all of them. Compiled by aot_eager on the CPU, by inductor on a GPU."""
     from colocate.trainer.lora import LoRALinear, LoRASpec
 
     torch.manual_seed(0)
-    block = DecoderLayer(CFG, 0)
+    block = DecoderLayer(CFG, 0).to(device=device, dtype=dtype)
     block.requires_grad_(False)
     spec = LoRASpec(4, 8.0, 0.0, ())
     for parent in (block.self_attn, block.mlp):
@@ -196,12 +197,12 @@ def _lora_block_grads(mode: str | None, compiled: bool = False) -> tuple[list[to
                 torch.nn.init.normal_(getattr(parent, name).lora_B.weight, std=0.05)
     forward = _checkpointed(block.forward, mode, CFG.intermediate_size, 4) if mode else block.forward
     if compiled:
-        forward = torch.compile(forward, backend="aot_eager", dynamic=True)
+        forward = torch.compile(forward, backend="aot_eager" if device == "cpu" else "inductor", dynamic=True)
     weights = {tuple(m.weight.shape) for m in block.modules() if isinstance(m, LoRALinear)}
     n = sum(LENGTHS)
-    x = torch.randn(n, CFG.hidden_size, requires_grad=True)
-    cos, sin = Rotary(CFG.head_dim, CFG.rope_theta, None)(torch.arange(n), torch.float32)
-    cu = torch.tensor([0, n], dtype=torch.int32)
+    x = torch.randn(n, CFG.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = Rotary(CFG.head_dim, CFG.rope_theta, None).to(device)(torch.arange(n, device=device), dtype)
+    cu = torch.tensor([0, n], device=device, dtype=torch.int32)
     known = {t.untyped_storage().data_ptr() for t in (*block.parameters(), x, cos, sin, cu)}
     saved = []
 
@@ -250,3 +251,16 @@ def test_lora_blocks_never_keep_a_merged_weight(monkeypatch):
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=mode)
     assert seen == MERGES, seen
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.gpu
+def test_gpu_lora_blocks_never_keep_a_merged_weight():
+    """The same on a GPU, in bf16, where each merge is the Triton kernel (inside inductor's graph
+    when compiled): no merged weight is kept for backward, and a "full" block keeps nothing but its
+    input."""
+    for mode in ("full", "ops", "mlp"):
+        for compiled in (False, True):
+            _, _, kept, saved = _lora_block_grads(mode, compiled, "cuda", torch.bfloat16)
+            assert not kept, (mode, compiled, kept)
+            if mode == "full":
+                assert not saved, (compiled, saved)

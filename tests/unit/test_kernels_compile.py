@@ -21,8 +21,9 @@ SHARED_PER_SM = 228 * 1024
 """An H100's shared memory an SM, of which a block may take 227 KiB."""
 
 
-@pytest.fixture(scope="module", params=sorted(TENSOR_CORES), ids=lambda arch: f"sm_{arch}")
-def compiled(request, tmp_path_factory) -> tuple[int, list[dict]]:
+@pytest.fixture(scope="module")
+def compiled_without_interpreter(tmp_path_factory):
+    """Run tests/compile_for_gpu.py with a flag and an architecture; its standard output."""
     if torch.cuda.is_available():
         pytest.skip("the GPU tests run the kernels")
     triton = pytest.importorskip("triton")
@@ -30,10 +31,21 @@ def compiled(request, tmp_path_factory) -> tuple[int, list[dict]]:
         pytest.skip("this triton has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_for_gpu.py"), "--arch", str(request.param)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return request.param, [json.loads(line) for line in done.stdout.splitlines()]
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # kernels launched without enable_fp_fusion may fuse (Triton 3.9's default)
+
+    def run(flag: str, arch: int) -> str:
+        done = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_for_gpu.py"), flag, "--arch", str(arch)],
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    return run
+
+
+@pytest.fixture(scope="module", params=sorted(TENSOR_CORES), ids=lambda arch: f"sm_{arch}")
+def compiled(request, compiled_without_interpreter) -> tuple[int, list[dict]]:
+    out = compiled_without_interpreter("--kernels", request.param)
+    return request.param, [json.loads(line) for line in out.splitlines()]
 
 
 def test_every_kernel_compiles_without_spilling(compiled):
@@ -71,7 +83,19 @@ def test_every_attention_path_uses_the_same_tensor_core_instruction(compiled):
 
 
 def test_the_lora_merge_multiplies_on_the_tensor_cores(compiled):
-    """B A of the merge (ranks 8, 64 and 128) on the warpgroup MMA, not a scalar fp32 product."""
+    """B A of the merge (ranks 8, 64 and 128) on the warpgroup MMA, not a scalar fp32 product; the
+    scale's multiply and W's add stay two roundings, as in the torch merge, under Triton's default
+    options (those a compiled graph launches it with), which fuse them into an FMA if they can."""
     arch, rows = compiled
     merges = [row for row in rows if row["kernel"] == "lora_merge_kernel"]
     assert len(merges) == 3 and all(row["mma"] == TENSOR_CORES[arch] for row in merges), merges
+    assert not any(row["fp32_fma"] for row in merges), merges
+
+
+def test_a_compiled_graph_launches_the_lora_merge_kernel_itself(compiled_without_interpreter):
+    """Traced by torch.compile (through AOTAutograd, as inductor sees it, for sm_90), the merge is its
+    Triton kernel in the graph, not an op whose dispatch costs host time at every call, and only the
+    output is written: W, A and B are not copied first."""
+    graph = json.loads(compiled_without_interpreter("--lora-merge-graph", 90))
+    assert graph == {"calls": ["aten.empty.memory_format", "triton_kernel_wrapper_functional"],
+                     "kernel": "lora_merge_kernel", "tensors_to_clone": ["out_ptr"]}

@@ -331,12 +331,3 @@ def test_lora_merge_kernel_matches_the_torch_merge(rank):
     assert ((rounded.float() - exact).abs() <= exact.abs() * 2 ** -7).all()
     with pytest.raises(AssertionError):
         lora_merge._launch(weight, a[:, :-1], b, 0.5, torch.bfloat16)
-
-
-def test_lora_merge_is_one_opaque_op_in_a_compiled_graph():
-    """Compiled (whole graph, no break) the merge runs as the custom op, and gives the direct launch's values."""
-    weight = _randn(40, 24, scale=0.02).bfloat16()
-    a, b = _randn(16, 24, seed=1, scale=0.1), _randn(40, 16, seed=2, scale=0.1)
-    compiled = torch.compile(lambda w, a, b: lora_merge.lora_merge(w, a, b, 0.5, torch.bfloat16),
-                             backend="aot_eager", fullgraph=True)
-    assert torch.equal(compiled(weight, a, b), lora_merge.lora_merge(weight, a, b, 0.5, torch.bfloat16))
