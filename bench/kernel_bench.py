@@ -446,7 +446,7 @@ def _host_ms(fn, repeats: int = 30) -> float:
     """Median host time of one call of `fn` (the device idle at each start, so launches never wait
     for a full queue); the first calls compile."""
     times = []
-    for i in range(repeats + 3):
+    for _ in range(repeats + 3):
         torch.cuda.synchronize()
         start = time.perf_counter()
         fn()

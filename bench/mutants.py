@@ -9,7 +9,7 @@ has to follow the code. The unmutated copy runs every test file once first: a fa
 make every kill meaningless.
 
 Prints killed/survived per mutant and a summary line; writes bench/results/mutants.json; exits 1
-if a mutant survived. About 6 minutes on 2 CPU cores; run by hand:
+if a mutant survived. About 20 minutes on 2 CPU cores; run by hand:
     python bench/mutants.py [--only NAME ...] [--no-baseline]
 """
 
