@@ -178,9 +178,7 @@ if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, choices=(90, 100))
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument("--kernels", action="store_true", help="compile every kernel (the default)")
-    what.add_argument("--lora-merge-graph", action="store_true", help="trace a compiled LoRA merge instead")
+    parser.add_argument("--lora-merge-graph", action="store_true", help="trace a compiled LoRA merge instead")
     args = parser.parse_args()
     if args.lora_merge_graph:
         print(json.dumps(lora_merge_graph(args.arch)))

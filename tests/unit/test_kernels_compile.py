@@ -23,7 +23,7 @@ SHARED_PER_SM = 228 * 1024
 
 @pytest.fixture(scope="module")
 def compiled_without_interpreter(tmp_path_factory):
-    """Run tests/compile_for_gpu.py with a flag and an architecture; its standard output."""
+    """Run tests/compile_for_gpu.py with these arguments; its standard output."""
     if torch.cuda.is_available():
         pytest.skip("the GPU tests run the kernels")
     triton = pytest.importorskip("triton")
@@ -33,8 +33,8 @@ def compiled_without_interpreter(tmp_path_factory):
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # kernels launched without enable_fp_fusion may fuse (Triton 3.9's default)
 
-    def run(flag: str, arch: int) -> str:
-        done = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_for_gpu.py"), flag, "--arch", str(arch)],
+    def run(*args: str) -> str:
+        done = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_for_gpu.py"), *args],
                               env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
@@ -44,7 +44,7 @@ def compiled_without_interpreter(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=sorted(TENSOR_CORES), ids=lambda arch: f"sm_{arch}")
 def compiled(request, compiled_without_interpreter) -> tuple[int, list[dict]]:
-    out = compiled_without_interpreter("--kernels", request.param)
+    out = compiled_without_interpreter("--arch", str(request.param))
     return request.param, [json.loads(line) for line in out.splitlines()]
 
 
@@ -96,6 +96,6 @@ def test_a_compiled_graph_launches_the_lora_merge_kernel_itself(compiled_without
     """Traced by torch.compile (through AOTAutograd, as inductor sees it, for sm_90), the merge is its
     Triton kernel in the graph, not an op whose dispatch costs host time at every call, and only the
     output is written: W, A and B are not copied first."""
-    graph = json.loads(compiled_without_interpreter("--lora-merge-graph", 90))
+    graph = json.loads(compiled_without_interpreter("--lora-merge-graph"))
     assert graph == {"calls": ["aten.empty.memory_format", "triton_kernel_wrapper_functional"],
                      "kernel": "lora_merge_kernel", "tensors_to_clone": ["out_ptr"]}
