@@ -3,8 +3,8 @@
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout prefill colocation train
 #                                          train_small kernels units
 #                                          (and, asked for by name: tail e2e_tail_off e2e_tail_on startup
-#                                          on_policy_bits on_policy invariant_sweep; multigpu, on a machine of
-#                                          2 or more GPUs)
+#                                          on_policy_bits on_policy invariant_sweep lora lora_8b; multigpu, on a
+#                                          machine of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and, for the files this run wrote,
 # OUT_DIR; one line per step.
 set -u
@@ -37,6 +37,12 @@ for step in $steps; do
     # 4 steps): time the steps after 3 warm-up steps.
     e2e_tail_on) run e2e_tail_on 590 python bench/e2e.py --tail --partial on --steps 3 --warmup 3 \
                    --out "$out/e2e_tail_on.json" ;;
+    # LoRA rank 64 against full training at the 1.5B shape, then the 8B shape with LoRA alone (the
+    # KV cache that remains is what lora_8b reports; at least 40 GiB needs an H200's memory).
+    lora) run lora 590 python bench/e2e.py --lora-rank 64 --offload on --skip-trl --steps 6 --warmup 2 \
+            --out "$out/e2e_lora.json" ;;
+    lora_8b) run lora_8b 590 python bench/e2e.py --shape 8b --lora-rank 64 --lora-only --offload on --skip-trl \
+               --steps 1 --warmup 1 --out "$out/e2e_lora_8b.json" ;;
     rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
     prefill) run prefill 300 python bench/prefill.py ;;
     tail) run tail 570 python bench/rollout.py --cases tail ;;
