@@ -5,18 +5,23 @@ Layout of one checkpoint, ROOT/rollout_{id:06d}/:
   rng_rank{r}.pt                   each rank's python / numpy / torch CPU / torch CUDA generator states
   meta.json                        rollout id, world size and the caller's JSON-able `extra`
   hf/                              config.json and tokenizer files, so `colocate.export` needs nothing else
-  manifest.json                    every file above with its size, and a CRC-32 of the small ones
-                                   (meta.json, .metadata, rng files)
+  manifest.json                    every file above with its size and CRC-32, taken from the bytes as
+                                   each rank wrote them (rank 0 gathers them), and whether every
+                                   floating tensor saved was finite
 
 A checkpoint is written into ROOT/.tmp-rollout_{id:06d}/ and renamed only after every rank has
 finished writing, so a run killed mid-save leaves the previous complete checkpoint as the newest one;
 a save that fails (a full or read-only disk) removes its temporary directory and raises OSError.
-A checkpoint damaged later (a truncated or missing file) fails its manifest check
-(colocate.checkpoint_manifest): resuming skips it, with a warning, for the newest usable one, and
-pruning never counts it among those kept.
+A checkpoint saved with NaN or inf in its tensors is kept but marked so in its manifest.
+Loading checks the CRC-32 of every file, then that every floating tensor read is finite; a damaged
+checkpoint (a missing, truncated or altered file, bytes that do not deserialise, NaN or inf) is
+refused, naming the reason. `resume_newest` falls back from it, with a one-line warning, to the
+newest checkpoint that loads cleanly. Pruning never counts a damaged or non-finite checkpoint among
+those kept, and keeps the one this process resumed from until a usable one was saved after it.
 DCP stores sharded tensors with their global shapes, so a checkpoint written by N ranks loads on M.
 A LoRA actor's part holds its adapters and their optimizer state only, with the identity of its
-base (path and config.json hash); resuming onto another base is refused, naming both.
+base (path, config.json hash and a fingerprint of its weights); resuming onto another base is
+refused, naming both.
 """
 
 from __future__ import annotations
@@ -25,28 +30,32 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import warnings
+from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from colocate import dist as cdist
 from colocate.checkpoint_manifest import (
-    FORMAT, META_FILE, checkpoint_dir, checkpoint_dirs, checkpoint_problem, is_checkpoint, verify_checkpoint,
-    write_manifest, written_here,
+    FORMAT, META_FILE, ChecksummingStream, DamagedCheckpoint, checkpoint_dir, checkpoint_dirs, checkpoint_problem,
+    checksum_problem, copy_recorded, is_checkpoint, verify_checkpoint, write_manifest, write_recorded, written_here,
 )
 from colocate.trainer.lora import check_same_adapters
 
@@ -162,6 +171,119 @@ def quiet_single_process():
         yield
 
 
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, keeping the size and CRC-32 of each file written (`records`, by
+    name) from the bytes as they go out."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = ChecksummingStream(raw)
+            yield stream
+        self.records[Path(path).name] = stream.record()
+
+    def rename(self, path, new_path) -> None:
+        # DCP writes .metadata under a temporary name, then renames it.
+        super().rename(path, new_path)
+        self.records[Path(new_path).name] = self.records.pop(Path(path).name)
+
+
+class _ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer, writing through _ChecksummingFileSystem."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.fs = _ChecksummingFileSystem()
+
+
+def _non_finite(named: Iterable[tuple[str, Any]]) -> str | None:
+    """The first key (sorted) whose floating tensor holds NaN or inf on this rank (its shard, for a
+    DTensor), or None. The flags are reduced on each tensor's device: one host sync per device."""
+    flags = defaultdict(list)
+    for key, value in named:
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and local.numel():
+            flags[local.device].append((key, torch.isfinite(local).all()))
+    bad = []
+    for pairs in flags.values():
+        finite = torch.stack([flag for _, flag in pairs]).tolist()
+        bad += [key for (key, _), ok in zip(pairs, finite) if not ok]
+    return min(bad, default=None)
+
+
+class _FiniteSavePlanner(DefaultSavePlanner):
+    """DCP's save planner, noting the first tensor to be saved that holds NaN or inf (`non_finite`)."""
+
+    non_finite: str | None = None
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self.non_finite = _non_finite(self.state_dict.items())
+
+
+class _FiniteLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, keeping every tensor read with its key (`read`) to check it is finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.read: list[tuple[str, torch.Tensor]] = []
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        self.read.append((read_item.dest_index.fqn, tensor))
+
+
+# What bytes that do not deserialise raise: DCP wraps each rank's error in a CheckpointException
+# (a BaseException), torch.load and pickle raise their own.
+_UNREADABLE = (CheckpointException, pickle.UnpicklingError, EOFError, RuntimeError)
+# Errors that are the device's or the process group's, not the files': raised, not fallen back from.
+_NOT_DAMAGE = (torch.OutOfMemoryError, dist.DistBackendError)
+
+
+def _unreadable(error: BaseException) -> str:
+    """One line saying why stored bytes did not load (the first failing rank's error, for DCP)."""
+    cause = error
+    if isinstance(error, CheckpointException):
+        failure = next(iter(error.failures.values()))
+        cause = failure[0] if isinstance(failure, tuple) else failure
+    if isinstance(cause, _NOT_DAMAGE):
+        raise cause
+    first_line = next(iter(str(cause).splitlines()), "")
+    return f"unreadable ({type(cause).__name__}: {first_line})"
+
+
+def _raise_damaged(path: Path, step: Callable[[], str | None]) -> None:
+    """Run one check or read of a checkpoint on this rank; DamagedCheckpoint on every rank when
+    any rank found a problem (the first rank's), so all ranks fall back together. Every rank
+    reaches the gather, whatever it raised: any other error (a mismatch of the states, or one of
+    _NOT_DAMAGE) then ends the load on every rank."""
+    problem, fatal = None, None
+    try:
+        problem = step()
+    except _UNREADABLE as e:
+        try:
+            problem = _unreadable(e)
+        except _NOT_DAMAGE as error:
+            fatal = error
+    except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+        fatal = e
+    found = cdist.all_gather_object((problem, fatal is not None))
+    if fatal is not None:
+        raise fatal
+    if any(failed for _, failed in found):
+        raise RuntimeError(f"checkpoint {path}: another rank failed while loading it")
+    problem = next((p for p, _ in found if p is not None), None)
+    if problem is not None:
+        raise DamagedCheckpoint(path, problem)
+
+
 def _rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
@@ -183,11 +305,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _copy_model_files(model_dir: Path, dest: Path) -> None:
+def _copy_model_files(model_dir: Path, dest: Path) -> dict[str, dict]:
+    """Copy a model directory's config and tokenizer files; their manifest entries."""
     dest.mkdir()
+    records = {}
     for f in model_dir.iterdir():
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
-            shutil.copy(f, dest / f.name)
+            records[f"{dest.name}/{f.name}"] = copy_recorded(f, dest / f.name)
+    return records
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -205,12 +330,22 @@ def _publish(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)  # a leftover is removed by the next save
 
 
+_resumed: Path | None = None
+"""The checkpoint this process resumed from (resume_newest), kept by pruning until a usable one is saved."""
+
+
 def _prune(root: Path, keep_last: int, newest: Path) -> None:
     """Delete our checkpoints older (by rollout id) than the `keep_last` newest usable ones; never
-    `newest`. A damaged checkpoint does not count as kept, so it never costs a usable one its place."""
+    `newest`, nor the one this process resumed from while no usable one was saved after it (a
+    checkpoint newer by id may pass the cheap check and still fail to load). A damaged or
+    non-finite checkpoint does not count as kept, so it never costs a usable one its place."""
+    global _resumed
+    if _resumed is not None and checkpoint_problem(newest) is None:
+        _resumed = None
     num_usable = 0
     for _, path in reversed(checkpoint_dirs(root, warn=False)):
-        if num_usable >= keep_last and path != newest and written_here(path):
+        kept = path == newest or path.resolve() == _resumed
+        if num_usable >= keep_last and not kept and written_here(path):
             shutil.rmtree(path)
         elif checkpoint_problem(path) is None:
             num_usable += 1
@@ -261,6 +396,8 @@ def save_checkpoint(
     copied in. `keep_last` > 0 deletes older complete checkpoints beyond that many usable ones; 0
     keeps all. A write that fails (a full or read-only disk) raises OSError naming the checkpoint
     on every rank, after removing the temporary directory; earlier checkpoints are untouched.
+    Tensors holding NaN or inf (on any rank) are saved, with a warning, in a checkpoint marked
+    non-finite, which resuming skips and pruning does not count as usable.
     """
     if rollout_id < 0:
         raise ValueError(f"rollout_id must be >= 0, got {rollout_id}")
@@ -282,26 +419,32 @@ def save_checkpoint(
     root = Path(root)
     tmp, final = root / f".tmp-rollout_{rollout_id:06d}", checkpoint_dir(root, rollout_id)
 
+    writer, planner = _ChecksummingWriter(tmp), _FiniteSavePlanner()
+    records: dict[str, dict] = {}  # this rank's files: name -> size and CRC-32
+    non_finite = None
+
     def prepare():
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
-            for path in root.iterdir():  # leftovers of a crashed save
-                if _TMP.fullmatch(path.name) and path.is_dir():
-                    shutil.rmtree(path)
+            _remove_leftovers(root)
             tmp.mkdir()
 
     def write():
         with quiet_single_process():
-            dcp.save(states, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-        (tmp / f"rng_rank{rank}.pt").write_bytes(_rng_bytes())
+            dcp.save(states, storage_writer=writer, planner=planner, no_dist=not dist.is_initialized())
+        records.update(writer.fs.records)
+        records[f"rng_rank{rank}.pt"] = write_recorded(tmp / f"rng_rank{rank}.pt", _rng_bytes())
         if rank == 0:
             if model_dir is not None:
-                _copy_model_files(Path(model_dir), tmp / HF_DIR)
-            (tmp / META_FILE).write_text(meta_text)
+                records.update(_copy_model_files(Path(model_dir), tmp / HF_DIR))
+            records[META_FILE] = write_recorded(tmp / META_FILE, meta_text.encode())
 
     def publish():
+        nonlocal non_finite
+        gathered = cdist.all_gather_object((records, planner.non_finite))
+        non_finite = min((key for _, key in gathered if key is not None), default=None)
         if rank == 0:
-            write_manifest(tmp)
+            write_manifest(tmp, {name: entry for files, _ in gathered for name, entry in files.items()}, non_finite)
             _publish(tmp, final)
 
     for step in (prepare, write, publish):
@@ -310,6 +453,9 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             raise OSError(f"cannot save checkpoint {final}: {error} (its temporary directory was removed; "
                           "earlier checkpoints are intact)") from error
+    if rank == 0 and non_finite is not None:
+        warnings.warn(f"checkpoint {final}: {non_finite} holds NaN or inf; it is kept, but resuming skips it "
+                      "and pruning does not count it", stacklevel=2)
     if rank == 0 and keep_last:
         _prune(root, keep_last, final)
     cdist.barrier()
@@ -362,26 +508,87 @@ def _some(items: list[str]) -> str:
 def load_checkpoint(path: str | Path, states: dict[str, Stateful], *, load_rng: bool = True) -> dict:
     """Restore `states` in place from a checkpoint directory (collective) and return its `extra`.
 
+    The checkpoint is checked against its manifest (every file's CRC-32, the ranks reading a share
+    each), loaded, and every floating tensor read must be finite. A damaged one (a missing,
+    truncated or altered file, bytes that do not load, NaN or inf) raises DamagedCheckpoint, a
+    ValueError naming it and the reason, on every rank, possibly after part of `states` was
+    overwritten: loading another checkpoint then overwrites all of it. `states` that do not fit
+    the checkpoint (missing keys, other shapes, adapters of another base) raise ValueError.
     Each rank restores its own RNG state when the world size matches the one that saved; otherwise
     the model and optimizer are resharded by DCP and the RNG keeps its current state (with a warning).
     """
     path = Path(path)
     meta = read_meta(path)
-    _check_adapters(path, states)
+    rank, world = _rank_world()
+    _raise_damaged(path, lambda: checksum_problem(path, rank, world))
+    _raise_damaged(path, lambda: _check_adapters(path, states))  # it reads a shard (unchecked in format v2)
     wanted = {}
     for name, state in states.items():
         wanted.update(_flat_keys(state.state_dict(), name))
     _check_compatible(path, wanted)
-    with quiet_single_process():
-        dcp.load(states, checkpoint_id=path, no_dist=not dist.is_initialized())
-    if load_rng:
-        rank, world = _rank_world()
-        rng_file = path / f"rng_rank{rank}.pt"
-        if meta["world_size"] != world:
-            warnings.warn(f"{path}: saved with world size {meta['world_size']}, loading with {world}; "
-                          "model and optimizer are resharded, RNG state is not restored", stacklevel=2)
-        elif not rng_file.is_file():
-            warnings.warn(f"{rng_file} is missing; RNG state is not restored", stacklevel=2)
-        else:
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+    planner = _FiniteLoadPlanner()
+
+    def read() -> str | None:
+        with quiet_single_process():
+            dcp.load(states, checkpoint_id=path, planner=planner, no_dist=not dist.is_initialized())
+        if load_rng:
+            _load_rng(path, meta["world_size"])
+        bad = _non_finite(planner.read)
+        return None if bad is None else f"{bad} holds NaN or inf"
+
+    _raise_damaged(path, read)
     return meta["extra"]
+
+
+def _load_rng(path: Path, saved_world_size: int) -> None:
+    rank, world = _rank_world()
+    rng_file = path / f"rng_rank{rank}.pt"
+    if saved_world_size != world:
+        warnings.warn(f"{path}: saved with world size {saved_world_size}, loading with {world}; "
+                      "model and optimizer are resharded, RNG state is not restored", stacklevel=5)
+    elif not rng_file.is_file():
+        warnings.warn(f"{rng_file} is missing; RNG state is not restored", stacklevel=5)
+    else:
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Remove the temporary directories of saves that never finished."""
+    if root.is_dir():
+        for path in root.iterdir():
+            if _TMP.fullmatch(path.name) and path.is_dir():
+                shutil.rmtree(path)
+
+
+def resume_newest(root: str | Path, states: dict[str, Stateful], *, load_rng: bool = True
+                  ) -> tuple[Path, dict] | None:
+    """Restore `states` from the newest checkpoint under root that loads cleanly (collective) and
+    return its path and `extra`; None when root holds no checkpoint.
+
+    Temporary directories of unfinished saves are removed first. A damaged checkpoint (see
+    load_checkpoint) is skipped with a one-line warning naming it and the reason, and the next
+    older one is tried, whose load overwrites all that a damaged one may have written into
+    `states`; ValueError naming every damaged one when none loads. A checkpoint that does not
+    fit `states` raises at once: an older one would not be what the run asked for. Pruning keeps
+    the checkpoint returned until a usable one is saved after it.
+    """
+    global _resumed
+    root = Path(root)
+    rank, _ = _rank_world()
+    if rank == 0:
+        _remove_leftovers(root)
+    cdist.barrier()
+    damaged = []
+    for _, path in reversed(checkpoint_dirs(root, warn=rank == 0)):
+        try:
+            extra = load_checkpoint(path, states, load_rng=load_rng)
+        except DamagedCheckpoint as e:
+            if rank == 0:
+                warnings.warn(f"{path}: skipped, damaged: {e.problem}", stacklevel=2)
+            damaged.append(f"{path} ({e.problem})")
+            continue
+        _resumed = path.resolve()
+        return path, extra
+    if damaged:
+        raise ValueError(f"no usable checkpoint under {root}: {'; '.join(damaged)}")
+    return None

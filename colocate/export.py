@@ -6,11 +6,12 @@ tensors at a time, so exporting needs about one bucket plus one safetensors shar
 and no GPU. The model config and tokenizer files come from the checkpoint's `hf/` directory.
 
 A LoRA checkpoint holds adapters only. By default they are merged into the base model's weights
-(read from the base directory the run trained on, or `--base`; its config.json must hash as when
-training): each adapted weight becomes W + (alpha / rank) B A, as the rollout engine had it. With
-`--adapter-only` OUT is a PEFT adapter directory instead (adapter_config.json and
-adapter_model.safetensors under peft's key names), which `peft.PeftModel.from_pretrained` loads
-onto the base.
+(read from the base directory the run trained on, or `--base`; its config.json and the fingerprint
+of its weights must be as when training): each adapted weight becomes W + (alpha / rank) B A, as
+the rollout engine had it. With `--adapter-only` OUT is a PEFT adapter directory instead
+(adapter_config.json and adapter_model.safetensors under peft's key names), which
+`peft.PeftModel.from_pretrained` loads onto the base it names: `--base` when given, else the one
+the run trained on; that base is checked the same way when it exists here.
 
 OUT is written beside itself and renamed into place. An existing OUT is replaced only when it is
 empty or holds an earlier export (colocate's marker file), or with --overwrite; never when it is,
@@ -39,7 +40,7 @@ from colocate.checkpoint_manifest import latest_checkpoint
 from colocate.cli import DEBUG_HELP, entry_point
 from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype, save_pretrained
 from colocate.output_dir import check_output_dir, replacing_dir
-from colocate.trainer.lora import config_sha256, merged_weight
+from colocate.trainer.lora import config_sha256, merged_weight, same_base_weights, weights_fingerprint
 
 # Keys of the actor weights inside a checkpoint: `model.model.<HF name>`; optimizer and scheduler
 # entries (`model.optimizer.*`, `model.scheduler.*`) and other states (a critic) are skipped.
@@ -130,7 +131,8 @@ def _adapters(ckpt: Path, config: ModelConfig, lora: dict) -> dict[str, torch.Te
 
 
 def _base_dir(lora: dict, base: str | Path | None) -> Path:
-    """The base model directory the adapters were trained on, checked by its config.json hash."""
+    """The base model directory the adapters were trained on, checked by its config.json hash and
+    the fingerprint of its weights."""
     path = Path(base if base is not None else lora["base_path"])
     if not (path / "config.json").is_file():
         hint = "" if base is not None else " (pass its new place with --base)"
@@ -138,6 +140,11 @@ def _base_dir(lora: dict, base: str | Path | None) -> Path:
     if config_sha256(path) != lora["base_config_sha256"]:
         raise ValueError(f"base model {path} is not the one the adapters were trained on "
                          f"({lora['base_path']}): its config.json differs")
+    fingerprint = weights_fingerprint(path)
+    if not same_base_weights(lora, fingerprint):
+        raise ValueError(f"base model {path} is not the one the adapters were trained on ({lora['base_path']}): "
+                         f"its weights differ (fingerprint {fingerprint[:12]}, "
+                         f"{lora['base_weights_fingerprint'][:12]} when trained)")
     return path
 
 
@@ -156,9 +163,11 @@ def merged_base_weights(base: Path, adapters: dict[str, torch.Tensor], scale: fl
 
 
 def write_peft_adapter(out: str | Path, lora: dict, adapters: dict[str, torch.Tensor], dtype: torch.dtype,
-                       *, overwrite: bool = False, reading=()) -> Path:
-    """A PEFT LoRA adapter directory: adapter_config.json + adapter_model.safetensors."""
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": lora["base_path"],
+                       *, base: str | Path | None = None, overwrite: bool = False, reading=()) -> Path:
+    """A PEFT LoRA adapter directory: adapter_config.json (naming `base`, else the base the run
+    trained on) + adapter_model.safetensors."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
+              "base_model_name_or_path": str(base if base is not None else lora["base_path"]),
               "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
               "target_modules": lora["target_modules"], "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
@@ -195,7 +204,11 @@ def export(ckpt: str | Path, out: str | Path, dtype: str = "bfloat16", overwrite
         return save_pretrained(None, out, config=config, state=state, tokenizer_dir=hf_dir, overwrite=overwrite)
     adapters = _adapters(ckpt, config, lora)
     if adapter_only:
-        return write_peft_adapter(out, lora, adapters, torch_dtype, overwrite=overwrite, reading=[ckpt])
+        # The directory only names its base; refuse one that is here and is not the trained one.
+        if base is not None or Path(lora["base_path"]).is_dir():
+            base = _base_dir(lora, base)
+        return write_peft_adapter(out, lora, adapters, torch_dtype, base=base, overwrite=overwrite,
+                                  reading=[ckpt])
     state = merged_base_weights(_base_dir(lora, base), adapters, lora["alpha"] / lora["rank"], torch_dtype)
     return save_pretrained(None, out, config=config, state=state, tokenizer_dir=hf_dir, overwrite=overwrite)
 
