@@ -1,4 +1,5 @@
-"""Mutation check of the tests that guard the objective, resume, the weight sync, the model and the sampler.
+"""Mutation check of the tests that guard the objective, the settings of the update and of the reward,
+resume, the weight sync, the model and the sampler.
 
 Each mutant is a one-line change: (file, an exact fragment of one line, its replacement). For each,
 the package and the tests are copied into a temporary directory, the mutant is applied there, and
@@ -9,7 +10,7 @@ has to follow the code. The unmutated copy runs every test file once first: a fa
 make every kill meaningless.
 
 Prints killed/survived per mutant and a summary line; writes bench/results/mutants.json; exits 1
-if a mutant survived. About 20 minutes on 2 CPU cores; run by hand:
+if a mutant survived. About 30 minutes on 2 CPU cores; run by hand:
     python bench/mutants.py [--only NAME ...] [--no-baseline]
 """
 
@@ -79,6 +80,15 @@ LEDGER = ("tests/unit/test_memory_ledger.py",)
 MANAGER = "tests/integration/test_rollout_manager.py::"
 FALLBACK = "tests/integration/test_checkpoint_fallback.py::"
 LOSSES_TESTS = ("tests/unit/test_losses.py",)
+OBJECTIVE_CASES = ("tests/integration/test_objective_terms.py::test_trainer_follows_the_documented_objective",)
+SETTINGS = ("tests/integration/test_objective_terms.py::test_trainer_follows_the_optimizer_and_mis_settings",)
+SEQUENCE_LOSSES = ("tests/integration/test_objective_terms.py::test_trainer_follows_the_gspo_and_cispo_objectives",)
+ADAMW = ("tests/unit/test_optim.py::test_steps_match_torch_adamw_under_every_setting",)
+ESTIMATORS = ("tests/integration/test_trainer_fsdp.py::test_advantages_match_the_algo_estimators",)
+GROUP_ADVANTAGES = ("tests/integration/test_trainer_fsdp.py::"
+                    "test_group_advantages_follow_normalize_advantage_std_and_dr_grpo",)
+CRITIC_FIRST = ("tests/integration/test_trainer_fsdp.py::test_critic_trains_first_and_its_value_loss_decreases",)
+OVERLONG = ("tests/integration/test_rollout_manager.py::test_a_runs_rollouts_carry_the_configured_overlong_penalty",)
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,8 @@ class Mutant:
 
 
 ACTOR, LOSSES, CKPT = "colocate/trainer/actor.py", "colocate/algo/losses.py", "colocate/checkpoint.py"
+OPTIM, CRITIC = "colocate/trainer/optim.py", "colocate/trainer/critic.py"
+GLOBAL_ADVANTAGES = "colocate/trainer/global_advantages.py"
 TRAINER, SYNC_FILE = "colocate/trainer/trainer.py", "colocate/colocation/weight_sync.py"
 PG_LOSS = "loss = agg(pg_tok, mask,"
 ACTOR_STATE = "ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler,"
@@ -295,6 +307,69 @@ MUTANTS = [
     Mutant("prefill_of_the_threshold_stays_eager", "colocate/rollout/native/model_runner.py",
            "len(ids) >= self.compiled_prefill_min_tokens", "len(ids) > self.compiled_prefill_min_tokens",
            ("tests/parity/test_engine_parity.py::test_only_prefills_of_the_threshold_run_compiled",)),
+    # Settings disconnected where they are read: the value is replaced by the field's default (or
+    # its effect dropped), so a test must compare the update or the reward with a formula.
+    Mutant("lr_disconnected", TRAINER, "self._optimizer(actor_model, t.lr, ACTOR_OPTIM,",
+           "self._optimizer(actor_model, 5e-3, ACTOR_OPTIM,", OBJECTIVE_CASES),
+    Mutant("critic_lr_is_the_actors", TRAINER, "self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,",
+           "self._optimizer(critic_model, t.lr, CRITIC_OPTIM,", SETTINGS),
+    Mutant("lr_schedule_disconnected", TRAINER, "LRSchedule(t.lr_schedule, t.lr_warmup_steps,",
+           'LRSchedule("constant", t.lr_warmup_steps,', SETTINGS),
+    Mutant("lr_warmup_steps_disconnected", TRAINER, "t.lr_warmup_steps, total_steps,", "0, total_steps,",
+           OBJECTIVE_CASES),
+    Mutant("min_lr_ratio_disconnected", TRAINER, "total_steps, t.min_lr_ratio)", "total_steps, 0.0)", SETTINGS),
+    Mutant("adam_beta1_disconnected", TRAINER, "betas=(t.adam_beta1, t.adam_beta2)", "betas=(0.9, t.adam_beta2)",
+           SETTINGS),
+    Mutant("adam_beta2_disconnected", TRAINER, "betas=(t.adam_beta1, t.adam_beta2)",
+           "betas=(t.adam_beta1, 0.999)", SETTINGS),
+    Mutant("adam_eps_disconnected", TRAINER, "eps=t.adam_eps,", "eps=1e-8,", OBJECTIVE_CASES),
+    Mutant("weight_decay_disconnected", TRAINER, "weight_decay=t.weight_decay,", "weight_decay=0.0,",
+           OBJECTIVE_CASES),
+    Mutant("grad_clip_disconnected", TRAINER, "grad_clip=t.grad_clip,", "grad_clip=None,", SETTINGS),
+    Mutant("adamw_default_betas", OPTIM, "lr=lr, betas=betas, eps=eps, fused", "lr=lr, eps=eps, fused", ADAMW),
+    Mutant("adamw_default_eps", OPTIM, "lr=lr, betas=betas, eps=eps, fused", "lr=lr, betas=betas, fused", ADAMW),
+    Mutant("matrices_not_decayed", OPTIM, '{"params": decay, "weight_decay": weight_decay}',
+           '{"params": decay, "weight_decay": 0.0}', ADAMW),
+    Mutant("optimizer_step_never_clips", OPTIM, "clip_grad_norm(self.params, self.grad_clip)",
+           "clip_grad_norm(self.params, None)", ADAMW),
+    Mutant("policy_loss_disconnected", ACTOR, "kind=a.policy_loss,", 'kind="ppo",', SEQUENCE_LOSSES),
+    Mutant("eps_clip_disconnected", ACTOR, "eps_clip=a.eps_clip,", "eps_clip=0.2,", OBJECTIVE_CASES),
+    Mutant("eps_clip_high_disconnected", ACTOR, "eps_clip_high=a.eps_clip_high,", "eps_clip_high=None,",
+           OBJECTIVE_CASES),
+    Mutant("dual_clip_c_disconnected", ACTOR, "dual_clip_c=a.dual_clip_c,", "dual_clip_c=None,", OBJECTIVE_CASES),
+    Mutant("loss_agg_mode_disconnected", ACTOR, "loss = agg(pg_tok, mask, mode=a.loss_agg_mode,",
+           'loss = agg(pg_tok, mask, mode="token_mean",', OBJECTIVE_CASES),
+    Mutant("critic_loss_agg_mode_disconnected", CRITIC, "agg(loss_tok, mode=self.algo.loss_agg_mode,",
+           'agg(loss_tok, mode="token_mean",', SETTINGS),
+    Mutant("kl_estimator_disconnected_in_the_loss", ACTOR, "a.kl_estimator), loss_mask,",
+           '"low_var_kl"), loss_mask,', OBJECTIVE_CASES),
+    Mutant("kl_estimator_disconnected_in_the_reward", GLOBAL_ADVANTAGES, 'batch["ref_logprobs"], algo.kl_estimator)',
+           'batch["ref_logprobs"], "low_var_kl")', OBJECTIVE_CASES),
+    Mutant("tis_clip_disconnected", ACTOR, "mask, a.tis_clip)", "mask, 2.0)", OBJECTIVE_CASES),
+    Mutant("mis_low_disconnected", ACTOR, "a.mis_low, a.mis_high)", "0.5, a.mis_high)", SETTINGS),
+    Mutant("mis_high_disconnected", ACTOR, "a.mis_low, a.mis_high)", "a.mis_low, 2.0)", SETTINGS),
+    Mutant("value_clip_disconnected", CRITIC, "self.algo.value_clip)", "0.2)", OBJECTIVE_CASES),
+    Mutant("num_critic_only_steps_disconnected", TRAINER, "rollout_id < a.num_critic_only_steps)",
+           "rollout_id < 0)", CRITIC_FIRST),
+    Mutant("group_size_disconnected", TRAINER, "compute_advantages(batch, a, cfg.rollout.n_samples_per_prompt)",
+           "compute_advantages(batch, a, 8)", OBJECTIVE_CASES),
+    Mutant("normalize_advantage_std_disconnected", GLOBAL_ADVANTAGES,
+           "normalize_std=algo.normalize_advantage_std)", "normalize_std=True)", GROUP_ADVANTAGES),
+    Mutant("dr_grpo_runs_grpo", GLOBAL_ADVANTAGES, "seq_adv = dr_grpo(rewards, group_size)",
+           "seq_adv = grpo(rewards, group_size)", GROUP_ADVANTAGES),
+    Mutant("gae_gamma_disconnected", GLOBAL_ADVANTAGES, "algo.gamma, algo.lam)", "1.0, algo.lam)", ESTIMATORS),
+    Mutant("gae_lam_disconnected", GLOBAL_ADVANTAGES, "algo.gamma, algo.lam)", "algo.gamma, 0.95)", ESTIMATORS),
+    Mutant("reinforce_gamma_disconnected", GLOBAL_ADVANTAGES, "gamma = algo.gamma", "gamma = 1.0", ESTIMATORS),
+    Mutant("overlong_off_in_the_inputs", "colocate/inputs.py",
+           "overlong = (a.overlong_buffer_len, a.overlong_penalty_factor) if a.overlong_buffer_len else None",
+           "overlong = None", OVERLONG),
+    Mutant("overlong_penalty_factor_disconnected", "colocate/inputs.py",
+           "(a.overlong_buffer_len, a.overlong_penalty_factor)", "(a.overlong_buffer_len, 1.0)", OVERLONG),
+    Mutant("overlong_not_handed_to_the_rollouts", "colocate/train.py", "overlong=self.inputs.overlong,",
+           "overlong=None,", OVERLONG),
+    Mutant("overlong_ignores_max_response_len", "colocate/rollout/orchestrator.py",
+           "dapo_overlong_penalty(lengths, self.cfg.max_response_len,", "dapo_overlong_penalty(lengths, 8,",
+           OVERLONG),
 ]
 
 

@@ -8,7 +8,9 @@ update that follows are compared with the trainer's at every step, for the actor
 Each test also checks that leaving out any one term (policy gradient, KL loss, KL in the reward,
 entropy bonus, TIS weights and their truncation, MIS mask, PPO clip, clip-higher, dual clip, value
 clip) moves the reference gradient far beyond the tolerance, so a trainer that zeroes or flips it
-cannot pass.
+cannot pass. GSPO and CISPO runs check those objectives; one more run sets every optimizer setting
+(learning rates, schedule, betas, clipping), the MIS bounds and the critic's aggregation away from
+their defaults, so that a trainer that drops one of them fails too.
 """
 
 from __future__ import annotations
@@ -49,6 +51,21 @@ CASES = {
                        "algorithm.advantage_estimator": "gae", "algorithm.gamma": 0.9, "algorithm.lam": 0.8,
                        "algorithm.value_clip": 0.05},
 }
+SEQUENCE_LOSSES = {"gspo": ("dual_clip", "clip_high"), "cispo": ("dual_clip",)}
+"""GSPO and CISPO, run on the settings of COMMON but the dual clip (PPO's only), and the terms
+that do not act in their run: no sequence ratio of GSPO's reaches the clip-higher range."""
+SETTINGS = {
+    "train.critic_lr": 0.01, "train.adam_beta1": 0.7, "train.adam_beta2": 0.5, "train.grad_clip": 0.05,
+    "train.lr_schedule": "cosine", "train.lr_warmup_steps": 0, "train.min_lr_ratio": 0.3,
+    "algorithm.advantage_estimator": "gae", "algorithm.gamma": 0.9, "algorithm.lam": 0.8,
+    "algorithm.value_clip": 0.3, "algorithm.kl_estimator": "k2", "algorithm.loss_agg_mode": "seq_mean_token_sum",
+    "algorithm.mis_low": 0.85, "algorithm.mis_high": 2.35, "algorithm.dual_clip_c": 1.04,
+}
+"""Every setting of the AdamW step away from its default (critic_lr away from lr), a clip that
+every step's gradient exceeds, and MIS bounds that keep or drop samples that the default bounds
+would not: the engine ratios of _samples put one sequence at 2.33 and one at 2.37, two at 0.78
+and 0.80. The clipped steps move the ratios by less than 10%, hence a dual clip bound that close to 1;
+over three steps only a beta2 far below 1 changes the bias-corrected second moment much."""
 
 
 def _config(paths: dict, overrides: dict) -> Config:
@@ -257,10 +274,15 @@ def _policy_loss(model, inputs: _Inputs, idx: list[int], drop: str | None = None
         lp, entropy = _response_stats(model, inputs.samples[i])
         old, adv, m = inputs.old[i], advantages[i], inputs.mask[i]
         ratio = torch.exp(lp - old)
-        loss = -adv * ratio if drop == "clip" else torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))
-        capped = (adv < 0) & (loss > -algo.dual_clip_c * adv)
-        if drop != "dual_clip":
-            loss = torch.where(capped, -algo.dual_clip_c * adv, loss)
+        if algo.policy_loss == "gspo":  # the sequence's geometric-mean ratio, lp's gradient per token
+            ratio = torch.exp(((lp - old) * m).sum() / m.sum()).detach() * torch.exp(lp - lp.detach())
+        if algo.policy_loss == "cispo":  # the clipped ratio weighs a REINFORCE term
+            weight = ratio.detach() if drop == "clip" else ratio.detach().clamp(lo, hi)
+            loss = -weight * adv * lp
+        else:
+            loss = -adv * ratio if drop == "clip" else torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))
+        if algo.dual_clip_c is not None and drop != "dual_clip":
+            loss = torch.where((adv < 0) & (loss > -algo.dual_clip_c * adv), -algo.dual_clip_c * adv, loss)
         weights = torch.exp(old - inputs.rollout[i]).clamp(max=math.inf if drop == "tis_clip" else algo.tis_clip)
         if drop != "tis":
             loss = loss * weights
@@ -327,14 +349,30 @@ def _grads(module: nn.Module, loss: torch.Tensor) -> dict:
 
 class _AdamW:
     """torch.optim.AdamW's documented update, decaying matrices only, at the learning rate of
-    LRSchedule's warm-up: lr (s + 1) / warmup_steps at step s, then lr (constant schedule)."""
+    LRSchedule's docstring over the run's NUM_GROUPS steps: lr (s + 1) / warmup_steps at step s in
+    the warm-up, then lr times the constant, linear or cosine decay to min_lr_ratio. `clipped`
+    scales gradients to the global norm grad_clip."""
 
     def __init__(self, t, lr: float):
         self.t, self.lr, self.step, self.m, self.v = t, lr, 0, {}, {}
 
+    def _lr(self) -> float:
+        t, s = self.t, self.step
+        if s < t.lr_warmup_steps:
+            return self.lr * (s + 1) / t.lr_warmup_steps
+        p = min(1.0, (s - t.lr_warmup_steps) / max(1, NUM_GROUPS - t.lr_warmup_steps))
+        decay = {"constant": 1.0, "linear": 1 - p, "cosine": 0.5 * (1 + math.cos(math.pi * p))}[t.lr_schedule]
+        r = 1.0 if t.lr_schedule == "constant" else t.min_lr_ratio
+        return self.lr * (r + (1 - r) * decay)
+
+    def clipped(self, grads: dict) -> dict:
+        norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+        scale = min(1.0, self.t.grad_clip / norm)
+        return {name: g * scale for name, g in grads.items()}
+
     def __call__(self, weights: dict, grads: dict) -> dict:
         t = self.t
-        lr = self.lr * min(1.0, (self.step + 1) / t.lr_warmup_steps)
+        lr = self._lr()
         b1, b2 = t.adam_beta1, t.adam_beta2
         self.step += 1
         out = {}
@@ -353,32 +391,38 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-def _check_steps(steps: list[dict], module: nn.Module, loss_fn, terms, adam: _AdamW) -> None:
+def _check_steps(steps: list[dict], module: nn.Module, loss_fn, terms, adam: _AdamW) -> list[float]:
     """Each recorded optimizer step against plain torch at the trainer's weights before it: the
-    gradient and the updated weights. Leaving out any one of `terms` must change the gradient of
-    at least one step: a trainer without that term follows the same weights up to that step, so
-    it fails there. `loss_fn(sample indices, term left out or None)` is the step's loss."""
+    (clipped) gradient and the updated weights. Leaving out any one of `terms` must change the
+    gradient of at least one step: a trainer without that term follows the same weights up to
+    that step, so it fails there. `loss_fn(sample indices, term left out or None)` is the step's
+    loss. Returns each step's gradient norm before clipping."""
     effects = dict.fromkeys(terms, 0.0)
+    norms = []
     assert len(steps) == NUM_GROUPS
     for k, step in enumerate(steps):
         idx = list(range(k * GROUP, (k + 1) * GROUP))
         _load(module, step["before"])
-        expected = _grads(module, loss_fn(idx, None))
+        raw = _grads(module, loss_fn(idx, None))
+        norms.append(math.sqrt(sum(float(g.square().sum()) for g in raw.values())))
+        expected = adam.clipped(raw)
         assert _max_diff(step["grads"], expected) <= ATOL, f"step {k}: gradient"
         for term in terms:
-            effects[term] = max(effects[term], _max_diff(expected, _grads(module, loss_fn(idx, term))))
+            effects[term] = max(effects[term], _max_diff(raw, _grads(module, loss_fn(idx, term))))
         assert _max_diff(step["after"], adam(step["before"], expected)) <= ATOL, f"step {k}: updated weights"
     assert all(e > EFFECT for e in effects.values()), effects
+    return norms
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_trainer_follows_the_documented_objective(case, paths, samples, one_rank):
-    cfg = _config(paths, CASES[case])
+def _check_run(cfg, paths, samples, terms=TERMS) -> tuple[list[float], list[float] | None]:
+    """Train one rollout with `cfg` and check every actor (and critic) step against plain torch,
+    and the effect of each of the actor's `terms`; returns the gradient norms before clipping of
+    the actor's and the critic's steps."""
     actor, critic_steps = _train(cfg, samples)
     load = functools.partial(from_pretrained, dtype="float32")
     policy = load(paths["policy"])
     assert _max_diff(actor[0]["before"], {n: p.detach() for n, p in policy.named_parameters()}) == 0.0
-    critic = None
+    critic, critic_norms = None, None
     if cfg.algorithm.use_critic:  # it starts from critic_path, value head included
         critic = _PlainCritic(load(paths["policy"]), paths["critic"])
         assert _max_diff(critic_steps[0]["before"], {n: p.detach() for n, p in critic.named_parameters()}) == 0.0
@@ -386,7 +430,28 @@ def test_trainer_follows_the_documented_objective(case, paths, samples, one_rank
         assert critic_steps is None
     inputs = _Inputs(samples, cfg.algorithm, policy, load(paths["ref"]), critic)
     if critic is not None:  # the critic trains first, on the values read before its first step
-        _check_steps(critic_steps, critic, functools.partial(_value_loss, critic, inputs), ("value_clip",),
-                     _AdamW(cfg.train, cfg.train.critic_lr))
+        critic_norms = _check_steps(critic_steps, critic, functools.partial(_value_loss, critic, inputs),
+                                    ("value_clip",), _AdamW(cfg.train, cfg.train.critic_lr))
     model = load(paths["policy"])
-    _check_steps(actor, model, functools.partial(_policy_loss, model, inputs), TERMS, _AdamW(cfg.train, cfg.train.lr))
+    actor_norms = _check_steps(actor, model, functools.partial(_policy_loss, model, inputs), terms,
+                               _AdamW(cfg.train, cfg.train.lr))
+    return actor_norms, critic_norms
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trainer_follows_the_documented_objective(case, paths, samples, one_rank):
+    _check_run(_config(paths, CASES[case]), paths, samples)
+
+
+@pytest.mark.parametrize("kind", list(SEQUENCE_LOSSES))
+def test_trainer_follows_the_gspo_and_cispo_objectives(kind, paths, samples, one_rank):
+    cfg = _config(paths, {"algorithm.policy_loss": kind, "algorithm.dual_clip_c": None, "algorithm.kl_estimator": "k1"})
+    _check_run(cfg, paths, samples, tuple(t for t in TERMS if t not in SEQUENCE_LOSSES[kind]))
+
+
+def test_trainer_follows_the_optimizer_and_mis_settings(paths, samples, one_rank):
+    cfg = _config(paths, SETTINGS)
+    assert cfg.train.critic_lr != cfg.train.lr
+    actor_norms, critic_norms = _check_run(cfg, paths, samples)
+    # Every step is clipped, by far more than the tolerance could hide.
+    assert min(actor_norms + critic_norms) > 2 * cfg.train.grad_clip, (actor_norms, critic_norms)

@@ -446,3 +446,30 @@ def test_advantages_match_the_algo_estimators():
     expected = algo.broadcast_to_tokens(algo.grpo(penalised, GROUP), idx, mask)
     got = run(advantage_estimator="grpo", kl_in_reward=True, kl_reward_coef=0.5, kl_estimator="k1")
     assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_group_advantages_follow_normalize_advantage_std_and_dr_grpo():
+    """grpo divides each sequence's centred reward r_i - mean_g(r) by the group's unbiased std
+    (+ 1e-6) unless normalize_advantage_std is off; dr_grpo never divides. Every token of a
+    sequence carries its advantage."""
+    from colocate.trainer.batch import RolloutBatch
+    from colocate.trainer.global_advantages import compute_advantages
+
+    cfg = _config("unused").algorithm
+    batch = RolloutBatch.from_samples(_samples(vocab=101, num_groups=3), torch.device("cpu"))
+    grouped = batch.rewards.view(-1, GROUP)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    normalised = centred / (grouped.std(1, keepdim=True) + 1e-6)
+    assert (normalised - centred).abs().max() > 0.1  # the std is far from 1: the two differ
+
+    def run(estimator: str, normalize_std: bool) -> torch.Tensor:
+        cfg.advantage_estimator, cfg.normalize_advantage_std = estimator, normalize_std
+        compute_advantages(batch, cfg, GROUP)
+        return batch["advantages"]
+
+    def tokens(seq_adv: torch.Tensor) -> torch.Tensor:
+        return seq_adv.reshape(-1)[batch.seq_index] * batch.mask
+
+    assert torch.allclose(run("grpo", True), tokens(normalised), atol=1e-6)
+    assert torch.allclose(run("grpo", False), tokens(centred), atol=1e-6)
+    assert torch.allclose(run("dr_grpo", True), tokens(centred), atol=1e-6)
