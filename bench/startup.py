@@ -1,6 +1,7 @@
 """Start-up time, cold and warm: the 1-GPU smoke run and offline generation, each a fresh process.
 
     python bench/startup.py [--cases toy,generate,generate_compiled,rollout_engine] [--out PATH] [--cpu-smoke]
+    python bench/startup.py --cases pinning,qwen3_4b --out bench/results/startup_4b.json
 
 Cases:
   toy       `python -m colocate.train` on configs/default.yaml for 10 steps (`./launch.sh test-gpu`'s
@@ -13,12 +14,22 @@ Cases:
             (0.5B shape, decode compiled, CUDA graphs up to 256): its init time and parts, wall
             time, and b256 tok/s (start-up must not cost steady-state speed). With --cpu-smoke
             its tail case on a tiny shape instead.
+Cases run only when named:
+  qwen3_4b  `python -m colocate.train` on a Qwen3-4B shape (random bf16 weights, bench/e2e.py's "4b"),
+            full fine-tuning with offload on, 32 prompts x 8 samples (the decode graphs of the
+            measured 4B run) of 32 new tokens, one step: the start-up phases, among them the
+            trainer's pinned buffers (now their layout), the start-up offload (which waits for
+            the pinning left) and the engine's first decode (the compile, or the cache's hit).
+            With --cpu-smoke a tiny shape on CPU.
+  pinning   pinning 8 GiB of host memory in 1 GiB pieces with 1, 2, 4 and 8 helper threads, each in
+            a fresh process (GB/s each): how far pieces pin side by side on this machine. CUDA only.
 
 Each case runs twice in a set of empty cache directories of its own (Triton, inductor, colocate's
 toy model and data): "cold" is the first run, as on a fresh CI machine, "warm" the second, caches
 filled. (Shared, a case would find the kernels and graphs that an earlier case compiled, such as
-generate_compiled's decode layer, which rollout_engine's is too.) Writes bench/results/startup.json.
---cpu-smoke: generate and rollout_engine on a tiny shape (CPU, for tests).
+generate_compiled's decode layer, which rollout_engine's is too.) Writes bench/results/startup.json
+(the device's name inside). --cpu-smoke: generate, rollout_engine and qwen3_4b on a tiny shape (CPU,
+for tests).
 """
 
 from __future__ import annotations
@@ -42,6 +53,30 @@ SMOKE_GENERATE = dict(prompts=8, prompt_tokens=16, new_tokens=8)
 SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
 CASES = ("toy", "generate", "generate_compiled", "rollout_engine")
+NAMED_CASES = ("qwen3_4b", "pinning")
+"""Cases that run only when --cases names them (minutes of GPU time, tens of GB of host memory)."""
+BATCH_4B = dict(prompts=32, samples_per_prompt=8, response_tokens=32)
+SMOKE_BATCH_4B = dict(prompts=4, samples_per_prompt=4, response_tokens=8)
+RUN_4B_TIMEOUT_S = 420
+"""Per run of the 4B case: a cold start measured 78 s, and its one step takes seconds."""
+PIN_GIB = 8
+PIN_THREADS = (1, 2, 4, 8)
+PIN_CODE = """
+import sys, time
+import torch
+from colocate.trainer.offload import HostPieces, pin_in_background
+
+num_gib, num_threads = int(sys.argv[1]), int(sys.argv[2])
+device = torch.device("cuda", 0)
+torch.empty(1, device=device)  # the context, before the clock starts
+pieces = HostPieces([1 << 30] * num_gib)
+start = time.perf_counter()
+for thread in pin_in_background([pieces], device, num_threads=num_threads):
+    thread.join()
+seconds = time.perf_counter() - start
+assert all(pieces.get(i).is_pinned() for i in range(num_gib))
+print(seconds)
+"""
 
 
 def cache_env(root: pathlib.Path) -> dict:
@@ -73,15 +108,22 @@ def memory_saver_preload(config: pathlib.Path, env: dict) -> dict:
 
 
 def run_toy(work: pathlib.Path, env: dict, label: str) -> dict:
-    config = ROOT / "configs" / "default.yaml"
-    out_dir = work / f"toy_{label}"
+    return run_loop(work, env, f"toy_{label}", ROOT / "configs" / "default.yaml", TOY_STEPS)
+
+
+def run_loop(work: pathlib.Path, env: dict, name: str, config: pathlib.Path, steps: int,
+             timeout: float = 550) -> dict:
+    """`python -m colocate.train` on this config for `steps` steps: wall time, start-up phases."""
+    out_dir = work / name
     cmd = [sys.executable, "-m", "colocate.train", "--config", str(config), "--output-dir", str(out_dir),
-           "--train.num_rollout", str(TOY_STEPS), "--logging.console", "False"]
+           "--train.num_rollout", str(steps), "--logging.console", "False"]
     env = memory_saver_preload(config, env)  # before the clock starts: it runs a process of its own
     start = time.time()
-    wall = timed_run(cmd, env, work / f"toy_{label}.log")
+    wall = timed_run(cmd, env, work / f"{name}.log", timeout)
     end = time.time()  # the records' clock: `wall` is monotonic, and the wall clock may be slewed against it
     rows = read_metrics(out_dir)
+    if not rows:
+        raise RuntimeError(f"{name}: no step was logged under {out_dir}")
     startup = startup_phases(rows[0])
     top = sum(split_startup(startup)[0].values())
     first_done = rows[0]["time"] - start
@@ -92,6 +134,48 @@ def run_toy(work: pathlib.Path, env: dict, label: str) -> dict:
                "after_last_step": end - rows[-1]["time"]}
     return {"wall_s": wall, "startup_s": top, "phases_s": startup, "outside_s": outside,
             "first_step_done_s": first_done, "steps_s": rows[-1]["time"] - rows[0]["time"], "steps": len(rows)}
+
+
+def write_4b_inputs(work: pathlib.Path, smoke: bool) -> pathlib.Path:
+    """bench/e2e.py's random-weight model (its "4b" shape, or "tiny" for the smoke) with its byte
+    tokenizer, prompts, and a config for one step of full fine-tuning with offload on."""
+    import e2e
+    import torch
+    import yaml
+
+    shape, batch = ("tiny", SMOKE_BATCH_4B) if smoke else ("4b", BATCH_4B)
+    model_dir, prompts = e2e.write_inputs(work / "qwen3_4b_inputs", shape, batch["prompts"])
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the weights were drawn on the GPU: the runs need that memory
+    cfg = e2e.ours_config(work, model_dir, prompts, shape, "qwen3_4b", offload=not smoke, compile=False,
+                          budget=None, num_steps=1)
+    cfg["rollout"].update(rollout_batch_size=batch["prompts"], n_samples_per_prompt=batch["samples_per_prompt"],
+                          max_response_len=batch["response_tokens"])
+    cfg["model"]["gradient_checkpointing"] = not smoke
+    config = work / "qwen3_4b.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
+def run_4b(work: pathlib.Path, env: dict, label: str, config: pathlib.Path) -> dict:
+    # The config's hooks (reward, fixed-length generation) live in bench/e2e.py.
+    env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "bench"), str(ROOT), env.get("PYTHONPATH"))
+                                                 if p)}
+    return run_loop(work, env, f"qwen3_4b_{label}", config, 1, RUN_4B_TIMEOUT_S)
+
+
+def run_pinning() -> dict:
+    """Seconds and GB/s to pin PIN_GIB GiB in 1 GiB pieces, per number of helper threads."""
+    out = {}
+    for threads in PIN_THREADS:
+        done = subprocess.run([sys.executable, "-c", PIN_CODE, str(PIN_GIB), str(threads)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"pinning with {threads} threads failed (rc {done.returncode}):\n{done.stderr[-2000:]}")
+        seconds = float(done.stdout.split()[-1])
+        out[f"threads_{threads}"] = {"seconds": seconds, "gb_per_s": PIN_GIB * (1 << 30) / seconds / 1e9}
+        print(f"pinning {PIN_GIB} GiB, {threads} threads -> {seconds:.2f} s", flush=True)
+    return out
 
 
 def write_generate_inputs(work: pathlib.Path, smoke: bool) -> tuple[pathlib.Path, pathlib.Path]:
@@ -142,38 +226,58 @@ def run_rollout_engine(work: pathlib.Path, env: dict, label: str, smoke: bool) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated subset of {','.join(CASES + NAMED_CASES)}")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--cpu-smoke", action="store_true", help="generate on a tiny shape")
     args = parser.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
-    if unknown := [c for c in cases if c not in CASES]:
-        raise ValueError(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+    if unknown := [c for c in cases if c not in CASES + NAMED_CASES]:
+        raise ValueError(f"--cases: unknown {unknown}; choose from {list(CASES + NAMED_CASES)}")
     import torch
 
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        raise SystemExit("bench/startup.py: no CUDA device here; --cpu-smoke runs the tiny shapes on CPU")
+    if "pinning" in cases and args.cpu_smoke:
+        raise SystemExit("bench/startup.py: the pinning case needs CUDA (no --cpu-smoke)")
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "toy_steps": TOY_STEPS,
               "generate": SMOKE_GENERATE if args.cpu_smoke else GENERATE}
+    if "qwen3_4b" in cases:
+        result["qwen3_4b_batch"] = SMOKE_BATCH_4B if args.cpu_smoke else BATCH_4B
     with tempfile.TemporaryDirectory(prefix="colocate_startup_") as tmp:
         work = pathlib.Path(tmp)
         inputs = (write_generate_inputs(work, args.cpu_smoke)
                   if any(c.startswith("generate") for c in cases) else None)
+        config_4b = write_4b_inputs(work, args.cpu_smoke) if "qwen3_4b" in cases else None
         for case in cases:
+            if case == "pinning":
+                result["pinning"] = run_pinning()
+                write(result, args.out)
+                continue
             env = cache_env(work / "caches" / case)
             for label in ("cold", "warm"):
                 if case == "toy":
                     r = run_toy(work, env, label)
+                elif case == "qwen3_4b":
+                    r = run_4b(work, env, label, config_4b)
                 elif case == "rollout_engine":
                     r = run_rollout_engine(work, env, label, args.cpu_smoke)
                 else:
                     r = run_generate(work, env, f"{case}_{label}", inputs, result["generate"]["new_tokens"],
                                      "on" if case == "generate_compiled" else "auto")
                 result[f"{case}_{label}"] = r
-                shown = {k: v for k, v in {**r, **r.get("init_parts_s", {})}.items() if isinstance(v, float)}
+                parts = {**r.get("init_parts_s", {}), **(r["phases_s"] if case == "qwen3_4b" else {})}
+                shown = {k: v for k, v in {**r, **parts}.items() if isinstance(v, float)}
                 print(f"{case} {label} -> " + ", ".join(f"{k} {v:.1f}" for k, v in shown.items()), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+                write(result, args.out)  # after each run: a run cut short keeps what it measured
+    write(result, args.out)
     print(f"wrote {args.out}")
+
+
+def write(result: dict, out: pathlib.Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

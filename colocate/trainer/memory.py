@@ -132,8 +132,9 @@ class TrainerMemory:
     """The trainer's groups of device tensors and the two moves between device and host.
 
     On CPU nothing moves; calls still return statistics (0 bytes), so callers need no special case.
-    With offload on, `reserve` pins the host buffers once at start-up: pinning many GiB takes
-    seconds, which no step should pay."""
+    With offload on, `reserve` starts pinning the host buffers at start-up, on helper threads:
+    pinning many GiB takes seconds, which no step should pay, and the start-up goes on meanwhile;
+    the first offload waits for whatever is not pinned yet (`wait_seconds`)."""
 
     def __init__(self, method: str, device: torch.device):
         self.offloader = StateOffloader(method, device)
@@ -162,9 +163,19 @@ class TrainerMemory:
         self.arrivals[tag] = StateArrival(self.offloader, tag, opt)
         return self.arrivals[tag]
 
-    def reserve(self) -> float:
-        """Pin the host buffers of every group now; returns the seconds it took."""
-        return self.offloader.reserve(list(self.offloader.groups))
+    def reserve(self, *tags: str) -> float:
+        """Start pinning the host buffers of these groups (default: every group), in the order the
+        start-up offload (`STATE`, then `PARAMS`) copies into them; returns the seconds this took,
+        not the pinning's."""
+        chosen = set(tags or self.offloader.groups) & set(self.offloader.groups)
+        order = dict.fromkeys([*STATE, *PARAMS, *self.offloader.groups])
+        return self.offloader.reserve([tag for tag in order if tag in chosen])
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds offloads have spent on host buffers not pinned yet (the first offload's wait for
+        what `reserve`'s helper threads had not finished, and any buffers a new layout needed)."""
+        return self.offloader.wait_seconds
 
     def offload(self, *tags: str) -> OffloadStats:
         """Move these groups (those that exist) to the host and hand their memory back to the device."""

@@ -5,13 +5,14 @@ the trainer needs its tensors back unchanged afterwards: the same Python objects
 sharded parameters, the optimizer holds its state by identity), with the same values. Two methods:
 
 - "pinned" (default, faster): every distinct device storage behind the registered tensors is copied
-  into a slot of the group's pinned host buffers (allocated by `reserve` or at the first offload,
-  then reused, since pinning many GiB takes seconds), on a side stream, then the storage is resized
-  to zero. Onload resizes it back and copies the bytes home. The buffers are pieces of one power of
-  two (`pinned_layout`): torch's pinned allocator rounds every allocation up to a power of two, so
-  one buffer a group pinned up to twice its bytes (a 1.5B model's 18.5 GB of gradients and AdamW
-  moments took 32 GiB). Views into a storage (FSDP's padded shard, the parameter view) keep
-  working because they reference the storage, not its address.
+  into a slot of the group's pinned host buffers (allocated once, then reused, since pinning many
+  GiB takes seconds: by helper threads that `reserve` starts, while the start-up goes on, or at
+  the first offload), on a side stream, then the storage is resized to zero. Onload resizes it back
+  and copies the bytes home. The buffers are pieces of one power of two (`pinned_layout`): torch's
+  pinned allocator rounds every allocation up to a power of two, so one buffer a group pinned up
+  to twice its bytes (a 1.5B model's 18.5 GB of gradients and AdamW moments took 32 GiB). Views
+  into a storage (FSDP's padded shard, the parameter view) keep working because they reference the
+  storage, not its address.
   A group may name tensors that never change (`constant`: the frozen base under LoRA adapters):
   their bytes are copied out once, and later offloads only free their storages.
 - "tms": the tensors are allocated inside a torch_memory_saver region with a CPU backup, and
@@ -24,6 +25,7 @@ On CPU nothing moves; calls still return statistics (0 bytes) so callers need no
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -43,6 +45,10 @@ _SMALL = 1 << 20
 """torch's caching allocator serves requests up to this size (bytes) from its small pool's 2 MiB
 segments, larger ones from the large pool, rounded up to _BLOCK bytes."""
 _BLOCK = 512
+_PIN_THREADS = 4
+"""Helper threads that pin a reservation's pieces. Each piece is one allocation of its own, so
+pieces pin side by side where the driver and the kernel allow it; where they do not, the threads
+take turns and the total is that of one."""
 
 TensorSource = Callable[[], Iterable[torch.Tensor]]
 ConstantTest = Callable[[torch.Tensor], bool]
@@ -103,6 +109,107 @@ def pinned_layout(sizes: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
     return slots, pieces
 
 
+def pin(num_bytes: int) -> torch.Tensor:
+    """A pinned host buffer of this many bytes (uint8)."""
+    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+
+
+class HostPieces:
+    """The host buffers (uint8) of one layout, each allocated exactly once: by whichever comes to it
+    first of the helper threads that `pin_in_background` starts (`claim`, then `fill`) and the
+    caller of `get`, which waits for a piece a helper has begun. An error in a helper is kept with
+    its piece and raised by that piece's `get`, as the same exception the allocation raised."""
+
+    def __init__(self, sizes: list[int], allocate: Callable[[int], torch.Tensor] | None = None):
+        self.sizes = sizes
+        self._allocate = allocate or pin
+        self._lock = threading.Lock()
+        self._begun = [False] * len(sizes)
+        self._done = [threading.Event() for _ in sizes]
+        self._pieces: list[torch.Tensor | None] = [None] * len(sizes)
+        self._errors: list[BaseException | None] = [None] * len(sizes)
+        self._cancelled = False
+        self.wait_seconds = 0.0
+        """Seconds `get` spent on pieces not yet there: waiting for a helper, or allocating one
+        that no helper had begun."""
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def claim(self) -> int | None:
+        """The first piece nobody has begun, now begun by the caller; None when none is left."""
+        with self._lock:
+            i = next((i for i, begun in enumerate(self._begun) if not begun), None)
+            if i is not None:
+                self._begun[i] = True
+            return i
+
+    def fill(self, i: int) -> bool:
+        """Allocate claimed piece i; False if that raised (the error is kept for its `get`) or the
+        layout was cancelled meanwhile (the piece is let go at once)."""
+        try:
+            piece = self._allocate(self.sizes[i])
+            with self._lock:
+                if self._cancelled:
+                    return False
+                self._pieces[i] = piece
+        except Exception as e:
+            self._errors[i] = e
+        finally:
+            self._done[i].set()
+        return self._errors[i] is None
+
+    def cancel(self) -> None:
+        """A new layout replaced this one: no more pieces begin, and those done are let go."""
+        with self._lock:
+            self._cancelled = True
+            for i, begun in enumerate(self._begun):
+                if not begun:
+                    self._begun[i] = True
+                    self._errors[i] = RuntimeError("host piece of a replaced layout")
+                    self._done[i].set()
+            self._pieces = [None] * len(self.sizes)
+
+    def get(self, i: int) -> torch.Tensor:
+        """Piece i, allocated now if nobody has begun it, else once its helper is done."""
+        if not self._done[i].is_set():
+            start = time.perf_counter()
+            with self._lock:
+                mine = not self._begun[i]
+                self._begun[i] = True
+            if mine:
+                self.fill(i)
+            self._done[i].wait()
+            self.wait_seconds += time.perf_counter() - start
+        if self._errors[i] is not None:
+            raise self._errors[i]
+        return self._pieces[i]
+
+
+def pin_in_background(reservations: list[HostPieces], device: torch.device | None = None,
+                      num_threads: int = _PIN_THREADS) -> list[threading.Thread]:
+    """Start helper threads that allocate these pieces, in this order; a helper stops at its first
+    failed allocation (its error waits in that piece), leaving the rest to whoever needs them.
+    `device` is made current in each thread first: pinned allocations go through its context."""
+    index = None  # a bare "cuda" device is the caller's current one
+    if device is not None and device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+
+    def work():
+        if index is not None:
+            torch.cuda.set_device(index)
+        for pieces in reservations:
+            while (i := pieces.claim()) is not None:
+                if not pieces.fill(i):
+                    return
+
+    count = min(num_threads, sum(len(pieces) for pieces in reservations))
+    threads = [threading.Thread(target=work, name=f"colocate-pin-{n}", daemon=True) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
 
@@ -114,13 +221,14 @@ class _PinnedGroup:
         self.source, self.constant = source, constant
         self.storages: list[torch.UntypedStorage] = []
         self.sizes: list[int] = []
-        self.pieces: list[torch.Tensor] = []  # uint8, pinned (see pinned_layout)
+        self.pieces: HostPieces | None = None  # pinned (see pinned_layout)
         self.slots: list[tuple[int, int]] = []  # (piece, offset) of each storage
         self.away: set[int] = set()  # storages on the host, not yet queued home
         self.tensors: list[torch.Tensor] = []  # held while offloaded, so that `index`'s ids stay theirs
         self.index: dict[int, int] = {}  # id(tensor) -> its storage's position
         self.arrived: torch.cuda.Event | None = None  # end of an onload not yet waited for
         self.kept: set[int] = set()  # constant storages whose slot holds their bytes already
+        self.earlier_wait_seconds = 0.0  # the wait_seconds of layouts replaced since
 
     @property
     def offloaded(self) -> bool:
@@ -128,19 +236,23 @@ class _PinnedGroup:
 
     def _slot(self, i: int) -> torch.Tensor:
         piece, offset = self.slots[i]
-        return self.pieces[piece][offset : offset + self.sizes[i]]
+        return self.pieces.get(piece)[offset : offset + self.sizes[i]]
 
     def prepare(self) -> tuple[list[torch.Tensor], dict[int, int]]:
-        """Find the group's storages as they are now; (re)allocate the pinned buffers if their sizes
-        differ from the last layout. Returns the tensors and their storage positions."""
+        """Find the group's storages as they are now; lay out new pinned buffers if their sizes
+        differ from the last layout (allocated when first used, unless `pin_in_background` pins
+        them before). Returns the tensors and their storage positions."""
         tensors, index = [t for t in self.source() if t is not None], {}
         self.storages = _storages(tensors, index)
         sizes = [s.nbytes() for s in self.storages]
-        if sizes != self.sizes or not self.pieces:
+        if sizes != self.sizes or self.pieces is None:
             self.sizes = sizes
             self.slots, pieces = pinned_layout(sizes)
-            self.pieces = []  # the old pieces go back to torch's pinned cache before the new ones come
-            self.pieces = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in pieces]
+            if self.pieces is not None:
+                self.pieces.cancel()
+                self.earlier_wait_seconds += self.pieces.wait_seconds
+            self.pieces = None  # the old pieces go back to torch's pinned cache before the new ones come
+            self.pieces = HostPieces(pieces)
             self.kept = set()
         return tensors, index
 
@@ -148,7 +260,9 @@ class _PinnedGroup:
         if self.offloaded:
             return 0
         self.tensors, self.index = self.prepare()
-        copies = [i for i in range(len(self.storages)) if i not in self.kept]
+        # In slot order: the copies into a piece queue as soon as it is pinned, while helper
+        # threads may still pin the next.
+        copies = sorted((i for i in range(len(self.storages)) if i not in self.kept), key=self.slots.__getitem__)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for i in copies:
@@ -247,14 +361,25 @@ class StateOffloader:
         return sum(group.sizes[i] for i in group.away)
 
     def reserve(self, tags: Iterable[str]) -> float:
-        """Allocate the pinned buffers of these groups (not yet offloaded) for their tensors as they
-        are now; returns the seconds it took. Without it the first offload allocates them."""
+        """Lay out the pinned buffers of these groups (not yet offloaded) for their tensors as they
+        are now, and start pinning them on helper threads, in this order; returns the seconds this
+        took (the layout, not the pinning). An offload waits for just the pieces it copies into,
+        each when it first needs it (`wait_seconds` adds up those waits), and raises any error
+        pinning it raised. Without a reservation the first offload allocates them."""
         start = time.perf_counter()
         if self._stream is not None:
-            for tag in tags:
-                if not self.groups[tag].offloaded:
-                    self.groups[tag].prepare()
+            groups = [self.groups[tag] for tag in tags if not self.groups[tag].offloaded]
+            for group in groups:
+                group.prepare()
+            pin_in_background([group.pieces for group in groups], self.device)
         return time.perf_counter() - start
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds offloads and onloads have spent on pinned buffers not yet there (waiting for the
+        helper threads of `reserve`, or allocating)."""
+        return sum(g.earlier_wait_seconds + (g.pieces.wait_seconds if g.pieces is not None else 0.0)
+                   for g in self.groups.values())
 
     def offload(self, tags: Iterable[str]) -> OffloadStats:
         return self._move(list(tags), to_host=True)

@@ -118,6 +118,17 @@ def test_startup_bench_cpu_smoke_times_every_case_cold_and_warm(tmp_path):
         assert 0 < engine["init_s"] < engine["wall_s"] and engine["tokens_per_s"] > 0, engine
 
 
+@pytest.mark.slow
+def test_startup_bench_4b_case_cpu_smoke_logs_the_start_up_of_one_step_cold_and_warm(tmp_path):
+    r = _bench(tmp_path, _script("startup.py"), "--cases", "qwen3_4b", "--cpu-smoke", timeout=300)[0]
+    assert r["device"] == "cpu" and r["qwen3_4b_batch"]["prompts"] == 4
+    for label in ("cold", "warm"):
+        run = r[f"qwen3_4b_{label}"]
+        assert run["steps"] == 1 and 0 < run["startup_s"] < run["first_step_done_s"] < run["wall_s"], run
+        assert {"inputs", "trainer", "trainer_actor", "engine", "first_sync"} <= set(run["phases_s"]), run
+
+
+@pytest.mark.slow
 def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(tmp_path):
     results = _bench(tmp_path, _script("e2e.py"), "--tail", "--cpu-smoke", "--over-sampling", "3", timeout=400)[0]
     ours = results["ours"]

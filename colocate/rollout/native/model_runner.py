@@ -261,7 +261,7 @@ class ModelRunner:
         slots = () if ctx.gather_slots is None else (ctx.gather_slots,)
         self._batch_dim(x, cos, sin, ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k, *slots)
         for i, layer in enumerate(inner.layers):
-            x = self._prefill_layer(layer, x, cos, sin, self.kv[:, i], ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k,
+            x = self._prefill_layer(layer, x, cos, sin, self._layer_kv(i), ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k,
                                     ctx.max_lens, ctx.gather_slots, self.scale)
         return inner.norm(x)
 
@@ -296,7 +296,7 @@ class ModelRunner:
         x, delta, cos, sin = batch(*self._embed(*batch(self.input_ids[:b], self.positions[:b])))
         batch(slot_mapping, block_tables, context_lens)
         for i, layer in enumerate(self.model.model.layers):
-            x, delta = batch(*self._layer(layer, x, delta, cos, sin, self.kv[:, i], slot_mapping, block_tables,
+            x, delta = batch(*self._layer(layer, x, delta, cos, sin, self._layer_kv(i), slot_mapping, block_tables,
                                           context_lens, self.scale))
         return self._head(x, delta)
 
@@ -310,6 +310,17 @@ class ModelRunner:
             for t in tensors:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         return tensors
+
+    def _layer_kv(self, i: int) -> torch.Tensor:
+        """Layer i's cache (2, num_blocks, block_size, Hk, D) for a compiled layer, its block count
+        traced as a size that varies. On CUDA the engine sizes its cache from the free memory, which
+        moves between runs by more than a block; as a constant, the block count would key the
+        compile caches (inductor's graphs, AOTAutograd's) anew, and a warm restart would compile the
+        layer again. Only the opaque attention op reads the cache, so no kernel depends on it."""
+        kv = self.kv[:, i]
+        if self.compiled_decode:
+            torch._dynamo.maybe_mark_dynamic(kv, 1)
+        return kv
 
     def _decode_embed(self, input_ids, positions):
         """The stream (B, H), a zero first delta, and the rotary tables of a decode step."""
