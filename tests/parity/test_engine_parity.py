@@ -318,6 +318,7 @@ def test_generate_cli_writes_completions_in_input_order(tmp_path, capsys):
     assert out.read_bytes() == before  # neither failure touched the earlier output
 
 
+@pytest.mark.slow
 def test_only_prefills_of_the_threshold_run_compiled(models):
     """With the decode compiled, a prefill below `compiled_prefill_min_tokens` tokens runs eager (no
     graph is compiled for it); one of that many tokens compiles the prefill layer. One new token per

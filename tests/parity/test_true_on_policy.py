@@ -147,6 +147,7 @@ def test_a_toy_run_in_the_mode_logs_no_mismatch_at_all(tmp_path):
     assert_toy_run_has_no_mismatch(tmp_path, 5, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.slow
 def test_a_lora_run_in_the_mode_logs_no_mismatch_after_its_adapters_moved(tmp_path):
     """With LoRA the engine holds merged weights W + s B A: the trainer's forward multiplies the same
     merged weight in the mode (x W^T + x A^T B^T differs in the last bits once B is not zero: 70-81%

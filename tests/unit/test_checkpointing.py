@@ -135,6 +135,7 @@ def test_modes_keep_the_true_on_policy_mode_s_products_and_attention():
     assert attention_recomputed == 0
 
 
+@pytest.mark.slow
 def test_compiled_modes_recompute_what_they_should_without_graph_breaks(monkeypatch):
     """torch.compile with dynamic shapes, as parallelize compiles blocks, with one compile cache for
     every mode and two intermediate sizes: each compiled block recomputes exactly what its mode
@@ -229,6 +230,7 @@ products it recomputes and needs (the down projection's output is not needed; "o
 product, "mlp" recomputes gate and up)."""
 
 
+@pytest.mark.slow
 def test_lora_blocks_never_keep_a_merged_weight(monkeypatch):
     """A LoRA block multiplies merged weights: every mode gives the gradients of the plain block,
     no merged weight (each as large as its weight) is kept for backward, a "full" block keeps

@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # every kernel compiled twice: a minute or more on 2 cores
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = {"matmul_kernel", "chunk_sum_kernel", "rms_kernel", "silu_mul_kernel", "attend", "rotary",
            "decode", "merge", "partial", "stats", "grad", "lora_merge_kernel"}

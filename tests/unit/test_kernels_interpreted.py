@@ -133,7 +133,8 @@ def test_invariant_row_reductions_match_torch():
     torch.testing.assert_close(entropy, -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (132, 2)], ids=["group_2", "group_66"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), pytest.param(132, 2, marks=pytest.mark.slow)],
+                         ids=["group_2", "group_66"])
 def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, monkeypatch):
     """The trainer's packed sequences, the engine's chunked prefill from the paged cache and its decode
     steps (a kv head's query heads as a tile's rows: a group of 66 takes two tiles), padded rows

@@ -51,6 +51,19 @@ def test_process_age_counts_from_the_process_start():
     assert 0.5 <= float(out) <= wall + 0.02, (out, wall)  # the kernel's clock ticks are 10 ms
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_process_age_starts_at_a_launchers_exec():
+    """A shell that becomes Python with exec hands it its own start time; launch.sh's mark of the
+    exec's moment keeps the shell's work (here a 1 s sleep) out of the age."""
+    code = ("import os; from colocate.timing import process_age_s; own = process_age_s(); "
+            "os.environ.pop('COLOCATE_EXEC_UPTIME'); print(own, process_age_s())")
+    script = 'sleep 1; read -r up _ < /proc/uptime; COLOCATE_EXEC_UPTIME=$up exec "$0" -c "$1"'
+    out = subprocess.run(["bash", "-c", script, sys.executable, code], capture_output=True, text=True,
+                         check=True).stdout
+    own, with_the_shell = map(float, out.split())
+    assert with_the_shell - own >= 0.99, out  # the kernel's clock ticks are 10 ms
+
+
 def test_generate_compiles_decode_only_for_jobs_long_enough_to_pay_for_it():
     assert decode_steps(256, 1, 256) == 256  # one wave of 256 sequences
     assert decode_steps(257, 1, 256) == 512
