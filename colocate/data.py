@@ -159,8 +159,13 @@ def _file_rows(path: str) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path}:row {i}", row
         return
-    with open(path) as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is then named by its number
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x}, {e.start + 1} bytes "
+                                 "into the line): save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from colocate import dist
 from colocate.config import Config
 from colocate.dist import DistInfo
 from colocate.rollout.rewards import RewardFn
+
+if TYPE_CHECKING:
+    from colocate.models import ModelConfig
+    from colocate.rollout.data import PromptDataset
 
 
 def _prepare_toy(cfg: Config, info: DistInfo):
@@ -46,6 +50,54 @@ def _resolve_hub_ids(cfg: Config, info: DistInfo) -> None:
         setattr(m, name, local)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A model directory holds a tokenizer when it has one of these (fast, sentencepiece, BPE, WordPiece)."""
+
+
+def _check_tokenizer_files(model_dir: str) -> None:
+    """Without tokenizer files transformers may still build a tokenizer, one that encodes every
+    prompt as nothing; say what is missing instead."""
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"model.path: {model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+                         "copy the model's tokenizer into it")
+
+
+def _projection_shapes(mc: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in features, out features) of each projection of a block that can carry LoRA adapters."""
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    h, i = mc.hidden_size, mc.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def _check_model_fit(cfg: Config, field: str, mc: ModelConfig) -> None:
+    """Settings that depend on the model's shape: the stop ids must be tokens of its vocabulary,
+    and a LoRA rank above an adapted projection's smaller side adds parameters but no rank."""
+    where = f"{getattr(cfg.model, field)}/config.json"
+    if field == "ref_path":
+        return
+    if field == "path":
+        outside = [t for t in cfg.rollout.stop_token_ids if t >= mc.vocab_size]
+        if outside:
+            raise ValueError(f"rollout.stop_token_ids {outside} lie outside the vocabulary of {where} "
+                             f"(vocab_size {mc.vocab_size})")
+    rank, shapes = cfg.model.lora_rank, _projection_shapes(mc)
+    for name in cfg.model.lora_target_modules if rank else ():
+        if rank > min(shapes[name]):
+            raise ValueError(f"model.lora_rank {rank} exceeds the smaller side of {name} "
+                             f"({shapes[name][0]} -> {shapes[name][1]} in {where}): at most {min(shapes[name])}")
+
+
+def _check_prompt_count(cfg: Config, data: PromptDataset) -> None:
+    """A step samples rollout_batch_size distinct prompts; fewer would repeat prompts within it."""
+    r = cfg.rollout
+    if len(data) < r.rollout_batch_size:
+        dropped = f", after dropping {data.num_dropped} longer than rollout.max_prompt_len={r.max_prompt_len}"
+        raise ValueError(f"rollout.prompt_data {r.prompt_data} holds {len(data)} prompts"
+                         f"{dropped if data.num_dropped else ''}, fewer than rollout.rollout_batch_size="
+                         f"{r.rollout_batch_size}")
+
+
 @dataclass
 class RunInputs:
     tokenizer: object
@@ -61,8 +113,8 @@ class RunInputs:
 
     @classmethod
     def load(cls, cfg: Config, info: DistInfo) -> "RunInputs":
-        from colocate.models import ModelConfig
         from colocate.models.config import load_tokenizer, stop_token_ids
+        from colocate.models.loading import read_model_config
         from colocate.rollout.data import PromptDataset, PromptSampler
         from colocate.rollout.rewards import load_reward_fn
         from colocate.user_code import load_function
@@ -71,7 +123,12 @@ class RunInputs:
         _prepare_toy(cfg, info)
         _resolve_hub_ids(cfg, info)
         r = cfg.rollout
-        ModelConfig.from_dir(cfg.model.path)  # unsupported architectures fail here
+        # Unreadable config.json files and unsupported architectures fail here.
+        m, a = cfg.model, cfg.algorithm
+        used = {"path": True, "ref_path": a.needs_ref, "critic_path": a.use_critic}
+        for field in [f for f, on in used.items() if on and getattr(m, f)]:
+            _check_model_fit(cfg, field, read_model_config(getattr(m, field), f"model.{field}"))
+        _check_tokenizer_files(cfg.model.path)
         tokenizer = load_tokenizer(cfg.model.path)
         eos = stop_token_ids(cfg.model.path, tokenizer)
         reward_fn = load_reward_fn(r.reward)
@@ -83,6 +140,7 @@ class RunInputs:
                                  chat_template_kwargs=r.chat_template_kwargs)
 
         train_set = dataset(r.prompt_data, r.input_key, r.label_key, r.metadata_key)
+        _check_prompt_count(cfg, train_set)
         data = PromptSampler(train_set, rank=info.rank, world_size=info.world_size, seed=r.seed,
                              shuffle=r.shuffle)
         eval_sets = []

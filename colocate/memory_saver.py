@@ -3,6 +3,11 @@ library to put in LD_PRELOAD for this run, or an empty line; with `--gpus`, the 
 devices torch sees first, on a line of its own (launch.sh asks both in one process: importing torch
 takes seconds on a GPU machine). `handle()` is the library's handle in the mode this process can use.
 
+`python -m colocate.memory_saver --world-size N CONFIG [FLAGS...]` checks, without importing torch,
+that the run's batch sizes divide among N processes, and ends a bad config or world size in one
+line, `error: ...`, with exit status 2: launch.sh asks before torchrun, whose failure report would
+bury each rank's own error line.
+
 The native engine needs the preload hook so that its CUDA-graph memory can be paused too; the SGLang
 backend preloads the hook into its own scheduler process and refuses a second copy, so it gets none.
 """
@@ -13,6 +18,8 @@ import atexit
 import functools
 import os
 import sys
+
+from colocate.cli import entry_point
 
 
 def preload_active() -> bool:
@@ -75,12 +82,26 @@ def with_preload(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+@entry_point
+def check_world_size(argv: list[str]) -> None:
+    """`N CONFIG [FLAGS...]`: the config loads, and its batch sizes divide among N processes."""
+    from colocate.config import load_config
+
+    if len(argv) < 2 or not argv[0].isdigit() or int(argv[0]) < 1:
+        raise ValueError(f"--world-size needs a process count and a config file, got {argv[:2]}")
+    if {"-h", "--help"} & set(argv[2:]):
+        return  # the run prints the help
+    load_config(["--config", argv[1], *argv[2:]]).check_world_size(int(argv[0]))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--world-size":
+        return check_world_size(argv[1:])
     import torch
 
     from colocate.config import load_config
 
-    argv = sys.argv[1:] if argv is None else argv
     gpus = bool(argv) and argv[0] == "--gpus"
     argv = argv[1:] if gpus else argv
     if not argv:

@@ -250,9 +250,7 @@ class MetricsLogger:
                 raise ValueError(f"metric name {reserved!r} is reserved for the record's own field")
         record = {"step": step, "time": round(time.time(), 3)}
         record.update((key, _json_safe(value)) for key, value in values.items())
-        with open(self.output_dir / METRICS_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
+        self._append(METRICS_FILE, json.dumps(record) + "\n")
         if self._wandb_run is not None:
             try:
                 self._wandb_run.log({k: v for k, v in values.items() if v is not None}, step=step)
@@ -300,11 +298,21 @@ class MetricsLogger:
         if not self.enabled:
             return
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        with open(self.output_dir / LOG_FILE, "a", encoding="utf-8") as f:
-            f.write(f"{stamp} {level} {msg}\n")
+        self._append(LOG_FILE, f"{stamp} {level} {msg}\n")
         if self._console is not None:
             prefix = "warning: " if level == "WARNING" else ""
-            self._console.print(Text(prefix + msg, style=style))
+            self._console.print(Text(prefix + msg, style=style), soft_wrap=True)  # a line stays one line
+
+    def _append(self, name: str, text: str) -> None:
+        """Append and flush `text`; a failed write (a full disk) is an OSError naming the file, whose
+        own message (e.g. "[Errno 28] No space left on device") does not."""
+        path = self.output_dir / name
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+        except OSError as err:
+            raise OSError(f"cannot write {path}: {err.strerror or err}") from err
 
     def close(self) -> None:
         """Finish the wandb run (uploads it when online); safe to call twice."""
@@ -339,14 +347,42 @@ def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def _ranges(steps: list[int]) -> str:
+    """'0-4, 7' for [0, 1, 2, 3, 4, 7] (sorted, distinct)."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _steps_line(records: list[dict[str, Any]], seconds: float) -> str:
+    """'10 steps in 12.3 s', or for a resumed run 'steps 5-9 of this run in 12.3 s (0-4 earlier)'.
+
+    This run's records are those written in its last `seconds`, less a step's record that it
+    restored from the checkpoint (that step ran before the resume)."""
+    since = time.time() - seconds
+    mine = sorted({r["step"] for r in records
+                   if r.get("time", 0) >= since and not r.get("resume/record_from_checkpoint")})
+    earlier = sorted({r["step"] for r in records} - set(mine))
+    if not earlier:
+        return f"{len(mine)} steps in {seconds:.1f} s"
+    ran = f"steps {_ranges(mine)}" if mine else "no steps"
+    return f"{ran} of this run in {seconds:.1f} s ({_ranges(earlier)} earlier)"
+
+
 def run_summary(output_dir: str | os.PathLike, seconds: float) -> str:
-    """What a finished run did, in a few lines: steps and time, the rollout reward's first fifth
-    against its last fifth, each eval set's first and last score, and where the outputs are."""
+    """What a finished run did, in a few lines: the steps this run ran in its `seconds` so far (and
+    those of the runs it resumed), the rollout reward's first fifth against its last fifth and each eval
+    set's first and last score (over every step of the training), and where the outputs are."""
+    records = read_metrics(output_dir)
     steps: dict[int, dict[str, Any]] = {}
-    for record in read_metrics(output_dir):
+    for record in records:
         steps.setdefault(record["step"], {}).update(record)
     rows = [steps[s] for s in sorted(steps)]
-    lines = [f"{len(rows)} steps in {seconds:.1f} s"]
+    lines = [_steps_line(records, seconds)]
     rewards = [r["rollout/raw_reward"] for r in rows if r.get("rollout/raw_reward") is not None]
     if rewards:
         fifth = max(1, len(rewards) // 5)

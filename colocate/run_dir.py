@@ -3,7 +3,8 @@
 `RunDir.claim` (every rank calls it; rank 0 does the work and its verdict reaches all ranks):
 - takes a lock on OUTPUT_DIR/.lock for the run's lifetime, so two runs never share a directory;
 - refuses to start a fresh run over another run's metrics (unless `overwrite`, which replaces that
-  run's metrics and log, never a checkpoint) and over another run's checkpoints when resume is off;
+  run's metrics and log) and over another run's checkpoints (with `overwrite`, or when resume is
+  off): a checkpoint is never deleted;
 - drops a torn last line of metrics.jsonl (a run killed mid-write) before a resumed run appends.
 `save_config` writes config.yaml atomically, once the run's inputs and models have loaded, so a
 launch that fails leaves the previous run's config.yaml as it was.
@@ -94,6 +95,10 @@ def _check_owner(path: Path, cfg: Config) -> None:
 
     ckpt_dir = cfg.checkpoint_dir
     has_checkpoint = latest_checkpoint(ckpt_dir) is not None
+    if has_checkpoint and cfg.overwrite:
+        # A fresh run would resume from them, and overwrite never deletes a checkpoint.
+        raise ValueError(f"--overwrite starts a fresh run, but {ckpt_dir} holds checkpoints: drop --overwrite "
+                         "to resume from them, or choose another output_dir or checkpoint.dir")
     if has_checkpoint and not cfg.checkpoint.resume:
         raise ValueError(f"{ckpt_dir} holds another run's checkpoints and checkpoint.resume is off: "
                          "resume that run, or choose another output_dir or checkpoint.dir")

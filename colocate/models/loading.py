@@ -32,6 +32,26 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
     return DTYPES[dtype]
 
 
+def read_model_config(path: str | Path, field: str = "model.path") -> ModelConfig:
+    """ModelConfig.from_dir, with a config.json that is not UTF-8 JSON, not an object, or lacks a
+    required key reported as ValueError naming the file and `field` (the setting naming the directory)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return ModelConfig.from_dir(path)  # its error says what a model directory needs
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{field}: {file} is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{field}: {file} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{field}: {file} must hold a JSON object, got {type(raw).__name__}")
+    try:
+        return ModelConfig.from_hf_dict(raw, source=str(file))
+    except KeyError as e:
+        raise ValueError(f"{field}: {file} has no {e}") from None
+
+
 def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"

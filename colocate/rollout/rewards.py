@@ -177,9 +177,15 @@ def _call(fn: RewardFn, samples: Sequence[RewardInput], name: str) -> list[float
     return [float(r) for r in out]
 
 
+class RewardError(ValueError):
+    """A reward function raised, or returned a non-finite reward, under train.strict: the user's code
+    failed, reported in one line."""
+
+
 def _fail(name: str, index: int, error: Exception, strict: bool) -> None:
     if strict:
-        raise RuntimeError(f"reward function {name} failed on sample {index}: {error!r}") from error
+        what = " ".join(f"{type(error).__name__}: {error}".split())  # one line, whatever the message holds
+        raise RewardError(f"reward function {name} failed on sample {index} (train.strict is on): {what}") from error
     if name not in _warned:
         _warned.add(name)
         logger.warning("reward function %s failed on sample %d (reward 0.0; further failures "

@@ -113,13 +113,20 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.
     return total.float()
 
 
+class DivergedError(ValueError):
+    """Training diverged under the user's settings (a learning rate too high, most often): a user
+    error, reported in one line naming the settings to change."""
+
+
 class OptimizerStep:
     """AdamW + LR schedule + clipping for one model, and the step that skips non-finite updates;
-    `max_skipped_steps` skips in a row stop training (RuntimeError): the model is then broken, not
-    unlucky, and every further step would be skipped too."""
+    `max_skipped_steps` skips in a row stop training (DivergedError): the model is then broken, not
+    unlucky, and every further step would be skipped too. `lr_field` names the learning rate's
+    config field in that error."""
 
     def __init__(self, model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, grad_clip: float | None, schedule: LRSchedule, max_skipped_steps: int):
+                 weight_decay: float, grad_clip: float | None, schedule: LRSchedule, max_skipped_steps: int,
+                 lr_field: str = "train.lr"):
         if max_skipped_steps < 1:
             raise ValueError(f"max_skipped_steps={max_skipped_steps} must be >= 1")
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -130,6 +137,7 @@ class OptimizerStep:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: schedule(step))
         self.grad_clip = grad_clip
         self.max_skipped_steps = max_skipped_steps
+        self.peak_lr, self.lr_field = lr, lr_field
         self.num_skipped = 0
         self.num_skipped_in_a_row = 0
 
@@ -144,7 +152,7 @@ class OptimizerStep:
         """Clip and step unless the global `loss` (same on every rank) or the grad norm is not
         finite; the gradients are freed either way. Returns grad_norm, lr (of this step), skipped.
         `before_update` runs right before the optimizer reads its state (e.g. to wait for it).
-        Raises RuntimeError when this is the `max_skipped_steps`-th skipped step in a row.
+        Raises DivergedError when this is the `max_skipped_steps`-th skipped step in a row.
 
         The fused optimizer takes the verdict as a device tensor (`found_inf`: parameters, moments
         and step counts stay as they were), so the update is queued before the host reads it:
@@ -163,10 +171,10 @@ class OptimizerStep:
             self.num_skipped += 1
             self.num_skipped_in_a_row += 1
             if self.num_skipped_in_a_row >= self.max_skipped_steps:
-                raise RuntimeError(
-                    f"{self.num_skipped_in_a_row} optimizer steps in a row were skipped for a non-finite loss "
-                    f"({float(loss)}) or grad norm ({float(grad_norm)}): stopping (train.max_skipped_steps="
-                    f"{self.max_skipped_steps})")
+                raise DivergedError(
+                    f"{self.num_skipped_in_a_row} optimizer steps in a row (train.max_skipped_steps) were skipped "
+                    f"for a non-finite loss ({float(loss)}) or grad norm ({float(grad_norm)}): training diverged; "
+                    f"lower {self.lr_field} (now {self.peak_lr:g})")
         else:
             self.num_skipped_in_a_row = 0
             self.scheduler.step()

@@ -60,6 +60,31 @@ def test_groups_rewards_and_metrics(toy):
     assert [s.response_ids for s in again] == [s.response_ids for s in samples]  # seeded
 
 
+def test_a_runs_rollouts_carry_the_configured_overlong_penalty(toy, tmp_path):
+    """algorithm.overlong_buffer_len and overlong_penalty_factor, set in the config of a whole run
+    (colocate.train.Loop), shape the rewards of its rollouts: reward = raw_reward - factor *
+    clamp((L - (max_response_len - buffer_len)) / buffer_len, 0, 1) for a response of L tokens."""
+    from colocate.config import Config
+    from colocate.train import Loop
+
+    cfg = Config()
+    cfg.output_dir, cfg.model.path, cfg.logging.console = str(tmp_path / "run"), str(toy / "model"), False
+    r, a = cfg.rollout, cfg.algorithm
+    r.prompt_data, r.rollout_batch_size, r.n_samples_per_prompt = str(toy / "train.jsonl"), 4, 4
+    r.max_response_len, r.max_kv_tokens = 10, 4096
+    a.overlong_buffer_len, a.overlong_penalty_factor = 5, 0.3
+    loop = Loop(cfg, dist.get_info())
+    try:
+        loop.build()
+        samples, m = loop.rollout.generate(loop.inputs.data, rollout_id=0)
+    finally:
+        loop.close()
+    penalties = [0.3 * min(max((s.response_len - 5) / 5, 0.0), 1.0) for s in samples]
+    assert len({round(p, 6) for p in penalties}) >= 2 and max(penalties) > 0  # lengths inside the buffer too
+    assert [s.reward for s in samples] == pytest.approx([s.raw_reward - p for s, p in zip(samples, penalties)])
+    assert m["rollout/rewards"] == pytest.approx(m["rollout/raw_reward"] - sum(penalties) / len(samples))
+
+
 def test_dynamic_sampling_drops_uniform_groups_and_tops_up(toy):
     # A reward that is 1 for every sample of even-indexed prompts: those groups carry no signal.
     def reward(prompts, responses, labels, metadata):
@@ -85,7 +110,7 @@ def test_raising_reward_counted_and_strict_fatal(toy):
     failed = [s for s in samples if "a" in s.response_text]
     assert m["rollout/reward_errors"] == len(failed) and all(s.raw_reward == 0 for s in failed)
     rm, data = manager(toy, reward=reward, strict=True)
-    with pytest.raises(RuntimeError, match="failed on sample"):
+    with pytest.raises(ValueError, match="failed on sample .* RuntimeError: grader crashed$"):
         rm.generate(data, rollout_id=0)
 
 

@@ -3,10 +3,12 @@ ranges, reward-function contracts, unreadable or non-finite weights, directories
 replace, and the one-line errors of the command-line tools."""
 
 import json
+import re
 import shutil
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from colocate import cli, data, export, generate, parity, plot, toy
@@ -236,3 +238,98 @@ def test_user_code_loads_from_a_file_path_and_its_errors_name_the_file(contract_
     with pytest.raises(ValueError, match="rollout.reward: cannot import 'broken.py:f': ZeroDivisionError"):
         load_function("broken.py:f", "rollout.reward")
     assert str(contract_module / "broken.py") not in sys.modules
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    return toy.ensure_toy(tmp_path_factory.mktemp("toy") / "toy")
+
+
+def _load_inputs(toy_dir, model=None, data=None, **fields):
+    """RunInputs of the toy (its model and training prompts unless `model`, `data` say otherwise)."""
+    from colocate.config import Config
+    from colocate.dist import DistInfo
+    from colocate.inputs import RunInputs
+
+    cfg = Config()
+    cfg.model.path, cfg.rollout.prompt_data = str(model or toy_dir / "model"), str(data or toy_dir / "train.jsonl")
+    for name, value in fields.items():
+        section, field = name.split("__")
+        setattr(getattr(cfg, section), field, value)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    return RunInputs.load(cfg, info)
+
+
+def test_stop_ids_outside_the_vocabulary_are_refused(toy_dir):
+    with pytest.raises(ValueError) as info:
+        _load_inputs(toy_dir, rollout__stop_token_ids=[3, 9, 40])
+    assert str(info.value) == (f"rollout.stop_token_ids [9, 40] lie outside the vocabulary of "
+                               f"{toy_dir / 'model'}/config.json (vocab_size 9)")
+    assert _load_inputs(toy_dir, rollout__stop_token_ids=[8]).eos_token_ids == [0]  # the model's own
+
+
+def test_a_lora_rank_above_the_smallest_adapted_projection_is_refused(toy_dir):
+    # The toy: hidden 64, 4 query heads and 2 key/value heads of 16, MLP 256: k_proj is 64 -> 32.
+    with pytest.raises(ValueError) as info:
+        _load_inputs(toy_dir, model__lora_rank=33)
+    assert str(info.value) == (f"model.lora_rank 33 exceeds the smaller side of k_proj (64 -> 32 in "
+                               f"{toy_dir / 'model'}/config.json): at most 32")
+    _load_inputs(toy_dir, model__lora_rank=32)
+    _load_inputs(toy_dir, model__lora_rank=64, model__lora_target_modules=["q_proj", "o_proj", "up_proj"])
+
+
+def test_fewer_prompts_than_a_rollout_batch_are_refused(toy_dir, tmp_path):
+    data = tmp_path / "few.jsonl"
+    rows = [{"prompt": "a b after a", "label": "b"}] * 3 + [{"prompt": "a " * 40 + "after a", "label": "b"}] * 2
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError) as info:
+        _load_inputs(toy_dir, data=data, rollout__rollout_batch_size=4, rollout__max_prompt_len=10)
+    assert str(info.value) == (f"rollout.prompt_data {data} holds 3 prompts, after dropping 2 longer than "
+                               "rollout.max_prompt_len=10, fewer than rollout.rollout_batch_size=4")
+    assert len(_load_inputs(toy_dir, data=data, rollout__rollout_batch_size=4).data.dataset) == 5
+
+
+def test_a_corrupt_model_config_or_missing_tokenizer_is_named(toy_dir, tmp_path):
+    model = shutil.copytree(toy_dir / "model", tmp_path / "model")
+    (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"],\n "hidden_size": 64,,\n}')
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        _load_inputs(toy_dir, model=model)
+    assert str(info.value) == (f"model.path: {model}/config.json is not valid JSON (Expecting property name "
+                               "enclosed in double quotes at line 2)")
+    (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    with pytest.raises(ValueError, match=f"^model.path: {model}/config.json has no 'num_attention_heads'$"):
+        _load_inputs(toy_dir, model=model)
+    shutil.copy(toy_dir / "model" / "config.json", model / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).unlink()
+    with pytest.raises(ValueError) as info:
+        _load_inputs(toy_dir, model=model)
+    assert str(info.value) == (f"model.path: {model} has no tokenizer files (none of tokenizer.json, "
+                               "tokenizer.model, vocab.json, vocab.txt): copy the model's tokenizer into it")
+    assert (model / "model.safetensors").read_bytes() == (toy_dir / "model" / "model.safetensors").read_bytes()
+    assert before.keys() - snapshot(model).keys() == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+
+
+def test_a_data_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "a", "label": "b"}\n{"prompt": "caf\u00e9", "label": "b"}\n'.encode("latin-1"))
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError) as info:
+        list(data.read_rows(str(path)))
+    assert str(info.value) == f"{path}:2: not UTF-8 text (byte 0xe9, 16 bytes into the line): save the file as UTF-8"
+    assert snapshot(tmp_path) == before
+
+
+def test_a_diverging_run_ends_in_one_line_naming_the_settings(tmp_path, monkeypatch, capsys):
+    from colocate.train import main
+
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    argv = ["--output-dir", str(tmp_path / "run"), "--train.lr", "1e20", "--train.max-skipped-steps", "2",
+            "--train.num-rollout", "6", "--rollout.rollout-batch-size", "4", "--logging.console", "False"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.fullmatch(r"error: 2 optimizer steps in a row \(train.max_skipped_steps\) were skipped for a "
+                        r"non-finite loss \(\S+\) or grad norm \(\S+\): training diverged; lower train.lr "
+                        r"\(now 1e\+20\)\n", err.splitlines(keepends=True)[-1]), err

@@ -16,7 +16,7 @@ from rich.console import Console
 from colocate import metrics as metrics_mod
 from colocate.metrics import MetricsLogger, read_metrics, run_summary
 from colocate.plot import main as plot_main
-from colocate.plot import collect_series, merge_by_step, plot
+from colocate.plot import _draw_startup, collect_series, latest_startup, merge_by_step, plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -280,6 +280,49 @@ def test_plot_writes_one_png_per_group(tmp_path, capsys):
     assert paths == [tmp_path / "only" / "eval.png"]
 
 
+STARTUP = {"perf/startup/process_s": 3.25, "perf/startup/inputs_s": 9.0, "perf/startup/engine_s": 4.0,
+           "perf/startup/engine_cuda_graphs_s": 2.5, "perf/startup/first_sync_s": 0.25}
+
+
+def test_plot_draws_the_start_up_as_one_bar_chart_in_perf(tmp_path, capsys):
+    logger = _logger(tmp_path)
+    for step in range(3):
+        logger.log(step, {"perf/train_time": 2.0 + step, **(STARTUP if step == 0 else {})})
+    steps = merge_by_step(read_metrics(tmp_path))
+    assert set(collect_series(steps)["perf"]) == {"perf/train_time"}  # no single-dot panel per part
+    assert latest_startup(steps) == (0, {"process": 3.25, "inputs": 9.0, "engine": 4.0,
+                                         "engine_cuda_graphs": 2.5, "first_sync": 0.25})
+    assert latest_startup(steps, ["perf/startup/e*"]) == (0, {"engine": 4.0, "engine_cuda_graphs": 2.5})
+    assert latest_startup(steps, ["perf/train_time"]) is None
+    assert plot(tmp_path, tmp_path / "only", keys=["perf/startup/*"]) == [tmp_path / "only" / "perf.png"]
+    logger.log(3, {**STARTUP, "perf/startup/inputs_s": 1.0})  # a resumed run's own start-up
+    assert latest_startup(merge_by_step(read_metrics(tmp_path)))[0] == 3
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    _draw_startup(ax, *latest_startup(steps))
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "process", "inputs", "engine", "cuda graphs", "first sync"]
+    assert [bar.get_width() for bar in ax.patches] == [3.25, 9.0, 4.0, 2.5, 0.25]
+    assert ax.get_title() == "start-up 16.5 s (step 0)"  # the top-level parts; cuda graphs is inside engine
+    plt.close(fig)
+
+
+def test_plot_names_the_line_of_a_record_without_a_step(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "a": 1.0}\n\n{"a": 2.0}\n{"step": 2, "a": 3.0}\n')
+    assert plot_main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f'error: {path}:3: a metrics record needs an integer "step"\n'
+    path.write_text('{"step": 0, "a": 1.0}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: a metrics record"):
+        plot(tmp_path)
+    assert not (tmp_path / "plots").exists()
+
+
 def test_plot_errors_on_missing_or_empty_file(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot(tmp_path)
@@ -300,3 +343,32 @@ def test_run_summary_reads_the_runs_metrics(tmp_path):
         "reward 0.050 (first fifth of the steps) -> 0.850 (last fifth)",
         "eval/toy/avg@1 0.000 -> 0.450",
         f"outputs in {tmp_path} (metrics.jsonl; `python -m colocate.plot {tmp_path}` draws them)"]
+
+
+def test_a_resumed_runs_summary_counts_only_the_steps_it_ran(tmp_path):
+    earlier = time.time() - 3600  # the run that wrote steps 0-6 and saved a checkpoint after step 4
+    lines = [{"step": s, "time": earlier + s, "rollout/raw_reward": 0.0} for s in range(7)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    logger = _logger(tmp_path)
+    logger.log(4, {"rollout/raw_reward": 0.0, "resume/record_from_checkpoint": 1})  # restored, not run
+    assert run_summary(tmp_path, 60.0).splitlines()[0] == "no steps of this run in 60.0 s (0-6 earlier)"
+    for step in range(5, 10):
+        logger.log(step, {"rollout/raw_reward": 1.0})
+    summary = run_summary(tmp_path, 60.0).splitlines()
+    assert summary[0] == "steps 5-9 of this run in 60.0 s (0-4 earlier)"
+    assert summary[1] == "reward 0.000 (first fifth of the steps) -> 1.000 (last fifth)"  # the whole training
+
+
+def test_a_failed_metrics_write_is_one_error_naming_the_file(tmp_path, capsys):
+    from colocate.cli import entry_point
+
+    logger = _logger(tmp_path)
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    with pytest.raises(OSError) as info:
+        logger.log(1, {"rollout/raw_reward": 0.5})
+    assert str(info.value) == f"cannot write {tmp_path / 'metrics.jsonl'}: No space left on device"
+    assert entry_point(lambda argv: logger.log(2, {}))([]) == 2
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device\n"
+    (tmp_path / "log.txt").symlink_to("/dev/full")
+    with pytest.raises(OSError, match=f"^cannot write {tmp_path / 'log.txt'}: No space left on device$"):
+        logger.info("a message")

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from colocate.rollout.rewards import (
+    RewardError,
     RewardInput,
     compute_rewards,
     extract_final_answer,
@@ -133,12 +134,14 @@ def test_raising_function_is_counted_and_logged_once(custom_module, caplog):
     assert len(warnings) == 1 and "cannot score boom" in warnings[0].getMessage()
 
 
-def test_strict_mode_reraises_with_sample_index(custom_module):
+def test_strict_mode_ends_in_one_line_naming_function_sample_and_error(custom_module):
     fn = load_reward_fn(f"{custom_module}:picky_reward")
     samples = [RewardInput("p", "ok", "1"), RewardInput("p", "boom", "1")]
-    with pytest.raises(RuntimeError, match="picky_reward failed on sample 1") as info:
+    with pytest.raises(RewardError) as info:  # a ValueError: `error: ...`, no traceback
         compute_rewards(fn, samples, strict=True)
-    assert "cannot score boom" in str(info.value.__cause__)
+    assert str(info.value) == (f"reward function {custom_module}:picky_reward failed on sample 1 "
+                               "(train.strict is on): RuntimeError: cannot score boom")
+    assert isinstance(info.value, ValueError) and "cannot score boom" in str(info.value.__cause__)
 
 
 def test_non_finite_reward_is_an_error(custom_module):
@@ -147,7 +150,7 @@ def test_non_finite_reward_is_an_error(custom_module):
     rewards, errors = compute_rewards(fn, samples)
     assert rewards == [0.0, 1.0] and errors == 1
     assert all(math.isfinite(r) for r in rewards)
-    with pytest.raises(RuntimeError, match="sample 0"):
+    with pytest.raises(RewardError, match="sample 0 \\(train.strict is on\\): ValueError: non-finite reward nan$"):
         compute_rewards(fn, [RewardInput("p", "nan", None)], strict=True)
 
 

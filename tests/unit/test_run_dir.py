@@ -57,10 +57,29 @@ def test_a_fresh_run_over_another_runs_metrics_is_refused_unless_overwrite(tmp_p
 def test_checkpoints_of_another_run_are_never_mixed_with_a_fresh_one(tmp_path):
     ckpt = _checkpoint(tmp_path)
     before = _tree(ckpt)
-    for overwrite in (False, True):
-        with pytest.raises(ValueError, match="holds another run's checkpoints and checkpoint.resume is off"):
-            RunDir.claim(_cfg(tmp_path, overwrite=overwrite, **{"checkpoint.resume": False}), INFO)
+    with pytest.raises(ValueError, match="holds another run's checkpoints and checkpoint.resume is off"):
+        RunDir.claim(_cfg(tmp_path, **{"checkpoint.resume": False}), INFO)
     assert _tree(ckpt) == before
+
+
+@pytest.mark.parametrize("own_dir", [False, True])
+def test_overwrite_with_checkpoints_is_refused_and_deletes_nothing(tmp_path, own_dir):
+    """--overwrite promises a fresh run; with checkpoints present that run would resume instead."""
+    out = tmp_path / "run"
+    ckpt_dir = _checkpoint(tmp_path / "elsewhere" if own_dir else out).parent
+    out.mkdir(exist_ok=True)
+    (out / "metrics.jsonl").write_text('{"step": 3}\n')
+    (out / "log.txt").write_text("earlier\n")
+    before = _tree(tmp_path)
+    fields = {"checkpoint.dir": str(ckpt_dir)} if own_dir else {}
+    for resume in (True, False):
+        with pytest.raises(ValueError) as info:
+            RunDir.claim(_cfg(out, overwrite=True, **fields, **{"checkpoint.resume": resume}), INFO)
+        assert str(info.value) == (f"--overwrite starts a fresh run, but {ckpt_dir} holds checkpoints: drop "
+                                   "--overwrite to resume from them, or choose another output_dir or checkpoint.dir")
+    assert {k: v for k, v in _tree(tmp_path).items() if not k.endswith(".lock")} == before
+    RunDir.claim(_cfg(out, **fields), INFO).release()  # without --overwrite: resumes, keeps the metrics
+    assert (out / "metrics.jsonl").read_text() == '{"step": 3}\n'
 
 
 def test_a_resumed_run_drops_the_torn_last_metrics_line(tmp_path):
