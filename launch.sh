@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # colocate launcher.
 #   ./launch.sh                         set up (first run) and train on configs/default.yaml
-#   ./launch.sh CONFIG.yaml [FLAGS...]  train with a config; FLAGS override it (--train.lr 1e-6)
-#   ./launch.sh test [PYTEST ARGS...]   set up (first run) and run the tests
+#   ./launch.sh [train] CONFIG.yaml [FLAGS...]
+#                                       train with a config; FLAGS override it (--train.lr 1e-6;
+#                                       CONFIG.yaml --help lists them)
+#   ./launch.sh COMMAND [ARGS...]       set up (first run) and run `colocate COMMAND ARGS...`, one of
+#                                       generate, export, parity, plot, data, toy (COMMAND --help)
+#   ./launch.sh test [PYTEST ARGS...]   set up (first run) and run the tests not marked slow
+#   ./launch.sh test --all [ARGS...]    the whole CPU suite, slow end-to-end runs included (CI's)
 #   ./launch.sh test-gpu                the 1-GPU smoke: the toy loop for 10 steps, then the GPU-marked
 #                                       unit tests (kernels, losses, rotary, sampling) on the device
 # Set-up: a virtual environment in .venv (made with uv when it is installed, else python3 -m venv)
@@ -14,6 +19,10 @@
 # torch, if missing, and this checkout are installed into it), TORCH_CPU_INDEX.
 set -euo pipefail
 cd "$(dirname "$0")"
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p;}' "$0"  # the comment above
+  exit 0
+fi
 TORCH_VERSION=2.13.0  # the torch the project is tested with
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
 
@@ -91,16 +100,39 @@ fi
 
 if [[ "${1:-}" == "test" ]]; then
   shift
-  exec "$py" -m pytest -q tests "$@"
+  if [[ "${1:-}" == --all ]]; then
+    shift
+    exec "$py" -m pytest -q tests "$@"
+  fi
+  exec "$py" -m pytest -q -m "not slow" tests "$@"
 fi
+
+mark_exec() {
+  # A process that this script becomes with exec keeps its id and start time, so its age would
+  # count the set-up above: colocate's `process` start-up phase counts from here (colocate/timing.py).
+  local up
+  if [[ -r /proc/uptime ]] && read -r up _ < /proc/uptime; then
+    export COLOCATE_EXEC_UPTIME=$up
+  fi
+  return 0
+}
+
+case "${1:-}" in
+  generate|export|parity|plot|data|toy)
+    mark_exec
+    exec "$py" -m colocate "$@" ;;
+  train)
+    shift ;;
+esac
 
 probe() {
   # One Python process, as importing torch takes seconds on a GPU machine: sets `gpus` (the CUDA
   # devices torch sees) and preloads torch_memory_saver's hook when the run's native engine needs it
   # for pausable CUDA graphs (the SGLang backend preloads it into its own scheduler process and
-  # refuses a second copy). A config the probe cannot read leaves the error to the run itself.
+  # refuses a second copy). A config the probe cannot read leaves the error to the run itself, and
+  # --help (whose text the probe prints instead of a count) leaves the help to it.
   local out lines
-  out=$("$py" -m colocate.memory_saver --gpus "$@" 2>/dev/null) ||
+  out=$("$py" -m colocate.memory_saver --gpus "$@" 2>/dev/null) && [[ "${out%%$'\n'*}" =~ ^[0-9]+$ ]] ||
     out=$("$py" -c "import torch; print(torch.cuda.device_count())")
   readarray -t lines <<< "$out"
   gpus=${lines[0]}
@@ -114,6 +146,7 @@ if [[ "${1:-}" == "test-gpu" ]]; then
   trap 'rm -rf "$smoke_dir"' EXIT
   start=$SECONDS
   (probe configs/default.yaml
+   mark_exec
    "$py" -m colocate.train --config configs/default.yaml --train.num_rollout 10 --output-dir "$smoke_dir/run")
   loop_s=$((SECONDS - start))
   rc=0
@@ -132,13 +165,42 @@ nproc=${NPROC:-$(( gpus > 0 ? gpus : 1 ))}
 nnodes=${NNODES:-1}
 if [[ "$nproc" -eq 1 && "$nnodes" -eq 1 ]]; then
   # One process needs no torchrun: a user error is then the last line printed.
+  mark_exec
   exec "$py" -m colocate.train --config "$config" "$@"
 fi
+# Under torchrun a rank's one-line error ends up above torchrun's failure report: check the config
+# and that its batches divide among the processes first, so that such an error is the last line.
+"$py" -m colocate.memory_saver --world-size "$((nproc * nnodes))" "$config" "$@" || exit
 if [[ "$nnodes" -gt 1 ]]; then
   rdzv=(--nnodes "$nnodes" --node-rank "${NODE_RANK:?set NODE_RANK}" --rdzv-backend c10d
         --rdzv-endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}")
 else
   rdzv=(--standalone)
 fi
-exec "$py" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" \
-  -m colocate.train --config "$config" "$@"
+# torchrun starts each rank in a session of its own, out of reach of the terminal's Ctrl-C, and would
+# answer a SIGINT of its own with a traceback and a SIGKILL of the ranks 30 s later: it ignores SIGINT,
+# and this script hands SIGINT and SIGTERM to the ranks, which stop cleanly (colocate/stopping.py).
+# Before the ranks exist, a signal goes to torchrun as SIGTERM. A SIGTERM that reaches torchrun itself
+# (a scheduler signalling the whole group) gives the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to
+# finish the step and save. A clean stop exits 0 under torchrun; this script then exits 130 (SIGINT)
+# or 143 (SIGTERM).
+signal_ranks() {
+  pkill "-$1" -P "$agent" 2>/dev/null || kill -TERM "$agent" 2>/dev/null || true
+}
+stopped_by=0
+trap 'stopped_by=130; signal_ranks INT' INT
+trap 'stopped_by=143; signal_ranks TERM' TERM
+(trap '' INT
+ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
+ exec "$py" -m torch.distributed.run "${rdzv[@]}" --signals-to-handle SIGTERM,SIGHUP,SIGQUIT \
+   --nproc-per-node "$nproc" -m colocate.train --config "$config" "$@") &
+agent=$!
+while kill -0 "$agent" 2>/dev/null; do
+  wait "$agent" || true  # returns early when a trapped signal arrives
+done
+rc=0
+wait "$agent" || rc=$?  # its exit status, which bash keeps
+if [[ $rc -eq 0 && $stopped_by -ne 0 ]]; then
+  exit "$stopped_by"
+fi
+exit "$rc"

@@ -175,16 +175,26 @@ def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Pat
     return model_dir, prompts
 
 
+def _budget(text: str) -> tuple[int | str, str | None]:
+    """`--max-tokens-per-gpu` item: (train.max_tokens_per_gpu, model.recompute_rest or None)."""
+    count, _, rest = text.partition(":")
+    return (count if count == "auto" else int(count)), rest or None
+
+
 def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name: str, offload: bool,
-                compile: bool, max_tokens: int | None, num_steps: int, lora_rank: int = 0) -> dict:
+                compile: bool, budget: tuple[int | str, str | None] | None, num_steps: int, lora_rank: int = 0
+                ) -> dict:
     b = BATCHES[shape]
     train = {"num_rollout": num_steps, "lr": LR}
-    if max_tokens is not None:
-        train["max_tokens_per_gpu"] = max_tokens
+    model = {"path": str(model_dir), "dtype": "auto", "compile": compile, "lora_rank": lora_rank,
+             "gradient_checkpointing": shape in RECOMPUTED}
+    if budget is not None:
+        train["max_tokens_per_gpu"], rest = budget
+        if rest is not None:
+            model["recompute_rest"] = rest
     return {
         "output_dir": str(workdir / f"ours_{name}"),
-        "model": {"path": str(model_dir), "dtype": "auto", "compile": compile, "lora_rank": lora_rank,
-                  "gradient_checkpointing": shape in RECOMPUTED},
+        "model": model,
         "rollout": {"prompt_data": str(prompts), "max_prompt_len": b["prompt_tokens"],
                     "rollout_batch_size": b["prompts"], "n_samples_per_prompt": b["samples_per_prompt"],
                     "max_response_len": b["response_tokens"], "temperature": 1.0,
@@ -192,7 +202,7 @@ def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name:
         "algorithm": {"advantage_estimator": "grpo"},
         "train": train,
         "offload": {"offload_rollout": offload, "offload_train": offload},
-        "checkpoint": {"save_interval": None, "resume": False},
+        "checkpoint": {"save_interval": None, "save_on_exit": False, "resume": False},
         "logging": {"wandb": False, "console": False},
     }
 
@@ -301,7 +311,7 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
             (f"lora{rank}" if rank else "full") if rank or len(ranks) > 1 else "",
             f"offload_{'on' if offload else 'off'}",
             f"compile_{'on' if compile else 'off'}" if len(compiles) > 1 else "",
-            f"tokens_{budget}" if len(budgets) > 1 else "",
+            f"tokens_{budget[0]}{'_' + budget[1] if budget[1] else ''}" if len(budgets) > 1 else "",
             f"partial_{'on' if partial else 'off'}" if partial is not None else "") if part)
         profiled = args.trace_dir is not None
         cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, budget,
@@ -368,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", choices=tuple(CHOICES), default=None,
                         help="model.compile of ours: torch.compile the trainer's transformer blocks "
                              "(default on; --cpu-smoke: off)")
-    parser.add_argument("--max-tokens-per-gpu", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                        help="train.max_tokens_per_gpu of ours, comma-separated for several runs "
-                             "(default: the config's)")
+    parser.add_argument("--max-tokens-per-gpu", type=lambda v: [_budget(x) for x in v.split(",")], default=None,
+                        help="train.max_tokens_per_gpu of ours, comma-separated for several runs, each a count, "
+                             "`auto`, or COUNT:REST to set model.recompute_rest too (default: the config's)")
     parser.add_argument("--trace-dir", type=Path, default=None,
                         help="profile one extra step of each of our runs (not timed) into DIR")
     parser.add_argument("--skip-trl", action="store_true")

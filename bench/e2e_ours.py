@@ -92,6 +92,7 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         with profiler:
             loop.run()
         groups = e2e_tail.groups_report(record, loop) if tail else None
+        plan = loop.trainer.memory_plan
     finally:
         closing = time.perf_counter()
         loop.close()
@@ -139,4 +140,9 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         "peak_device_used_gib": peak("device_used"),
         "kv_cache_tokens": kv_tokens,
         "sync_tensors": med("perf/sync_tensors"),
+        # The allocator's high-water mark over the whole run, beside the start-up's forecast of the
+        # training phase's peak (colocate/sizing.py) and the sizes it chose.
+        "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "memory_plan": {"reason": plan.reason, **plan.forecast, "max_tokens_per_gpu": plan.max_tokens_per_gpu,
+                        "recompute_rest": cfg.model.recompute_rest, "kv_cache_tokens": plan.kv_cache_tokens},
     }

@@ -3,8 +3,8 @@
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout prefill colocation train
 #                                          train_small kernels units
 #                                          (and, asked for by name: tail e2e_tail_off e2e_tail_on startup
-#                                          on_policy_bits on_policy invariant_sweep lora lora_8b; multigpu, on a
-#                                          machine of 2 or more GPUs)
+#                                          startup_4b sizing on_policy_bits on_policy invariant_sweep lora lora_8b;
+#                                          multigpu, on a machine of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and, for the files this run wrote,
 # OUT_DIR; one line per step.
 set -u
@@ -31,6 +31,10 @@ for step in $steps; do
                --output-dir "$out/default_run" --logging.console False ;;
     engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
     e2e) run e2e 590 python bench/e2e.py --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
+    # The start-up's sizes (train.max_tokens_per_gpu, the recompute plan and the KV cache all auto)
+    # beside hand-picked budgets with nothing recomputed, offload off and on, in one run.
+    sizing) run sizing 590 python bench/e2e.py --skip-trl --steps 3 --warmup 2 \
+              --max-tokens-per-gpu auto,49152:none,32768:none,16384:none --out "$out/e2e_sizing.json" ;;
     e2e_tail_off) run e2e_tail_off 590 python bench/e2e.py --tail --partial off --steps 2 --warmup 1 \
                     --out "$out/e2e_tail_off.json" ;;
     # Partial rollout reaches its steady state once the first step's 4x groups have drained (about
@@ -48,6 +52,9 @@ for step in $steps; do
     tail) run tail 570 python bench/rollout.py --cases tail ;;
     colocation) run colocation 150 python bench/colocation.py ;;
     startup) run startup 560 python bench/startup.py ;;
+    # Qwen3-4B-shaped start-up (offload on), cold then warm, beside pinning 8 GiB with 1-8 threads.
+    startup_4b) run startup_4b 590 python bench/startup.py --cases pinning,qwen3_4b \
+                  --out bench/results/startup_4b.json ;;
     on_policy_bits) run on_policy_bits 300 python -m pytest -q -s -rA -m gpu -p no:cacheprovider \
                       tests/unit/test_kernel_batch_invariant.py tests/parity/test_true_on_policy_gpu.py ;;
     on_policy) run on_policy 580 python bench/true_on_policy.py --profile "$out/on_policy_profile.txt" ;;

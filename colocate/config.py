@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -65,10 +66,12 @@ class ModelConfig:
     recompute_fraction: float | None = _ranged(None, "[0, 1]")
     """Fraction of the trainer's blocks, spread over depth, that recompute their whole forward in
     backward; None: 1.0 with gradient_checkpointing, else 0."""
-    recompute_rest: Literal["none", "ops", "mlp"] = "none"
+    recompute_rest: Literal["auto", "none", "ops", "mlp"] = "auto"
     """What the other blocks keep for backward: "none" every activation it reads; "ops" the outputs of
     the matmuls and of attention, recomputing the element-wise work (about a third of the memory);
-    "mlp" as "ops" but recomputing the gate and up projections too (about a third of "ops")."""
+    "mlp" as "ops" but recomputing the gate and up projections too (about a third of "ops"); "auto":
+    with no recompute_fraction or gradient_checkpointing, the least of these that fits the step's
+    tokens in one micro-batch in the GPU's free memory (colocate/sizing.py), else "none"."""
     recompute_keeps_attention: bool = False
     """The recomputed blocks also keep attention's output, about their input's size again, so their
     recompute skips attention."""
@@ -162,8 +165,10 @@ class RolloutConfig:
     """Shuffle the prompts each epoch (seeded by rollout.seed and the epoch)."""
     seed: int = 42
     """Seed of the prompt order and of the sampling."""
-    gpu_memory_fraction: float = _ranged(0.5, "(0, 1)")
-    """KV cache share of free GPU memory (native engine), or SGLang's mem_fraction_static."""
+    gpu_memory_fraction: float | Literal["auto"] = _ranged("auto", "(0, 1)")
+    """KV cache share of free GPU memory (native engine), or SGLang's mem_fraction_static; "auto":
+    what one sampling round's sequences need at full length, within what the GPU has free once the
+    trainer's share is counted (colocate/sizing.py; logged at start)."""
     max_kv_tokens: int = _ranged(65536, ">= 1")
     """KV cache size in tokens when running on CPU."""
     max_running_requests: int = _ranged(256, ">= 1")
@@ -272,8 +277,10 @@ class TrainConfig:
     """AdamW epsilon."""
     grad_clip: float = _ranged(1.0, "> 0")
     """Clip the global gradient norm to this value."""
-    max_tokens_per_gpu: int = _ranged(16384, ">= 1")
-    """Token budget of one packed micro-batch on one GPU."""
+    max_tokens_per_gpu: int | Literal["auto"] = _ranged("auto", ">= 1")
+    """Token budget of one packed micro-batch on one GPU; "auto": the rank's tokens of one optimizer
+    step at full length, or as many as the GPU's free memory holds beside everything else the run
+    keeps there (colocate/sizing.py; logged at start); 16384 at most without a GPU."""
     keep_gathered: bool | None = None
     """Keep the trained models' gathered (compute-dtype) parameters from a step's first forward to
     its last backward, and reduce gradients once per step instead of once per micro-batch: fewer
@@ -346,7 +353,10 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     save_interval: int | None = _ranged(None, ">= 1")
-    """Save every this-many rollout steps, and at epoch ends (None = off)."""
+    """Save every this-many rollout steps, and at epoch ends (None: only as save_on_exit says)."""
+    save_on_exit: bool = True
+    """Save at the run's last step, and when SIGINT (Ctrl-C) or SIGTERM stops the run: the step in
+    flight finishes its training and is saved, and the run exits with 130 or 143 (colocate/stopping.py)."""
     keep_last: int = _ranged(2, ">= 1")
     """Number of most recent checkpoints kept on disk."""
     resume: bool = True
@@ -372,8 +382,9 @@ class Config:
     output_dir: str = "outputs/default"
     """Run directory: resolved config, metrics JSONL, checkpoints."""
     overwrite: bool = False
-    """Start a fresh run in an output_dir that holds another run's metrics (they are replaced;
-    checkpoints are never touched)."""
+    """Start a fresh run in an output_dir that holds another run's metrics and log, replacing them.
+    Checkpoints are never deleted: with checkpoints present the run is refused (drop --overwrite to
+    resume, or choose another output_dir or checkpoint.dir)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy, reference and critic weights."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -435,11 +446,11 @@ def load_config(argv: list[str] | None = None) -> Config:
     _expand_paths(base)
     cfg = tyro.cli(
         Config,
-        args=args,
+        args=_bool_values_as_flags(args, base),
         default=base,
         description="colocate run configuration. --config FILE.yaml sets the defaults; "
-        "flags override them.",
-        config=(tyro.conf.FlagConversionOff,),
+        "flags override them. A yes/no field is a flag (--overwrite, --no-overwrite) that also "
+        "takes True or False (--overwrite True).",
     )
     origin = Origin(base, yaml_path)
     _expand_paths(cfg)
@@ -456,8 +467,50 @@ def config_from_yaml(path: str | Path) -> Config:
             data = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML: {e}") from None
-    data = {} if data is None else data
+    if data is None:  # an empty file (or one of comments) is more likely a mistake than a wish for defaults
+        raise ValueError(f"{path}: the config file is empty; leave out --config to run with the defaults")
     return from_mapping(Config, data, str(path))
+
+
+def _bool_fields(section: Any, prefix: str = "") -> set[str]:
+    """The command-line names, hyphenated, that tyro makes flags of: the bool fields of `section`
+    and of its sections (`overwrite`, `checkpoint.resume`, `rollout.partial-rollout`), and the bool
+    entries of a mapping's default (`rollout.chat-template-kwargs.enable-thinking`)."""
+    names = set()
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        name, value = prefix + f.name.replace("_", "-"), getattr(section, f.name)
+        if hints[f.name] is bool:
+            names.add(name)
+        elif dataclasses.is_dataclass(value):
+            names |= _bool_fields(value, name + ".")
+        elif isinstance(value, dict):
+            names |= {f"{name}.{key.replace('_', '-')}" for key, v in value.items() if isinstance(v, bool)}
+    return names
+
+
+def _bool_values_as_flags(args: list[str], base: Config) -> list[str]:
+    """tyro makes a bool field a pair of flags (`--overwrite`, `--no-overwrite`); the spelling with a
+    value that scripts use (`--overwrite True`, `--checkpoint.resume=False`) becomes one of them."""
+    fields = _bool_fields(base)
+    out, i = [], 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        field_name = name[2:].replace("_", "-") if name.startswith("--") else None
+        if field_name not in fields:
+            out.append(args[i])
+            i += 1
+            continue
+        if not eq and i + 1 < len(args) and args[i + 1] in ("True", "False"):
+            value, i = args[i + 1], i + 1
+        elif not eq:
+            value = "True"
+        if value not in ("True", "False"):
+            raise ValueError(f"--{field_name} is a flag: give it alone, or with True or False, not {value!r}")
+        section, _, last = field_name.rpartition(".")
+        out.append(f"--{field_name}" if value == "True" else f"--{section}{'.' if section else ''}no-{last}")
+        i += 1
+    return out
 
 
 def _pop_config_flag(args: list[str]) -> tuple[str | None, list[str]]:

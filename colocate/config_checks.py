@@ -18,6 +18,21 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 """The linear projections of a block that can carry LoRA adapters (attention's, then the MLP's)."""
 
 
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline is the group of a prompt's samples."""
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part, None)
+    return obj
+
+
+def differs_from_default(cfg: Config, dotted: str) -> bool:
+    """Whether a (non-list) field's value is not its default."""
+    return _get(cfg, dotted) != _get(type(cfg)(), dotted)
+
+
 class Origin:
     """Names where a field's value came from: the YAML file, or the command line if overridden."""
 
@@ -25,15 +40,10 @@ class Origin:
         self.base, self.yaml_path = base, yaml_path
 
     def __call__(self, cfg: Config, dotted: str) -> str:
-        def get(obj: Any) -> Any:
-            for part in dotted.split("."):
-                obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part, None)
-            return obj
-
         if self.yaml_path is None:
             return "command line"
         try:
-            overridden = get(self.base) != get(cfg)
+            overridden = _get(self.base, dotted) != _get(cfg, dotted)
         except (IndexError, AttributeError):
             overridden = True
         return "command line" if overridden else self.yaml_path
@@ -45,10 +55,24 @@ def validate(cfg: Config, origin: Callable[[Config, str], str] | None = None) ->
     Every range is checked before any combination, as combinations may divide by a range-checked
     value (rollout.n_samples_per_prompt, the batch sizes)."""
     origin = origin or (lambda _cfg, _name: "config")
-    for check in (_range_checks, _combination_checks):
+    for check in (_range_checks, _combination_checks, _unused_checks):
         for name, ok, why, value in check(cfg):
             if not ok:
                 raise ValueError(f"{origin(cfg, name)}: {name} {why}, got {value!r}")
+
+
+def _unused_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
+    """Fields set without the feature that reads them, a setting that would silently do nothing.
+    "Set" means changed from the default: the default is what the run does anyway, and a run's
+    saved config.yaml, meant to be loaded again, spells out every field."""
+    r = cfg.rollout
+    needs = [("rollout.over_sampling_batch_size", r.dynamic_sampling or r.partial_rollout,
+              "rollout.dynamic_sampling or rollout.partial_rollout"),
+             ("rollout.max_staleness", r.partial_rollout, "rollout.partial_rollout"),
+             ("rollout.partial_mask_stale_tokens", r.partial_rollout, "rollout.partial_rollout")]
+    return [(name, on or not differs_from_default(cfg, name),
+             f"is set but takes effect only with {feature}, which is off", _get(cfg, name))
+            for name, on, feature in needs]
 
 
 def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
@@ -100,6 +124,10 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
          n >= 2 or a.advantage_estimator in ("reinforce_plus_plus", "gae"),
          "needs rollout.n_samples_per_prompt >= 2 (its baseline is the group)",
          a.advantage_estimator),
+        ("rollout.temperature", r.temperature > 0 or a.advantage_estimator not in GROUP_ESTIMATORS,
+         f"is 0 (greedy): the {n} samples of a prompt are identical, so every advantage of "
+         f"algorithm.advantage_estimator={a.advantage_estimator} (relative to the group) is 0; "
+         f"sample with rollout.temperature > 0", r.temperature),
         ("algorithm.eps_clip_high", a.eps_clip_high is None or a.eps_clip >= 1 or a.eps_clip_high >= a.eps_clip,
          f"must be >= algorithm.eps_clip ({a.eps_clip}) unless that is >= 1 (no lower bound)", a.eps_clip_high),
         ("algorithm.overlong_buffer_len",
@@ -114,7 +142,8 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
          "needs algorithm.advantage_estimator=gae (no critic otherwise)", a.num_critic_only_steps),
         ("train.num_rollout", t.num_rollout > 0 or (e.interval is not None and bool(e.datasets)),
          "is 0 (eval-only) but eval is off: set eval.interval and eval.datasets", t.num_rollout),
-        ("train.max_tokens_per_gpu", t.max_tokens_per_gpu >= r.max_prompt_len + r.max_response_len,
+        ("train.max_tokens_per_gpu", t.max_tokens_per_gpu == "auto"
+         or t.max_tokens_per_gpu >= r.max_prompt_len + r.max_response_len,
          f"must hold one full sample (rollout.max_prompt_len + rollout.max_response_len = "
          f"{r.max_prompt_len + r.max_response_len})", t.max_tokens_per_gpu),
         ("train.global_batch_size", cfg.samples_per_rollout % cfg.global_batch_size == 0,
@@ -179,7 +208,7 @@ def _range_checks(obj: Any, prefix: str = ""):
         elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
             for i, item in enumerate(value):
                 yield from _range_checks(item, f"{name}.{i}.")
-        elif "range" in f.metadata and value is not None:
+        elif "range" in f.metadata and value is not None and value != "auto":  # auto: sized at start
             spec = f.metadata["range"]
             ok = all(_in_range(v, spec) for v in (value if isinstance(value, list) else [value]))
             why = f"must be in {spec}" if spec[0] in "[(" else f"must be {spec}"

@@ -42,6 +42,11 @@ def _coerce(value: Any, tp: Any, name: str, source: str) -> Any:
         if value is None and type(None) in targs:
             return None
         inner = [t for t in targs if t is not type(None)]
+        literals = [t for t in inner if typing.get_origin(t) is Literal]
+        if len(inner) == 2 and len(literals) == 1:  # a number or a word such as "auto"
+            if value in typing.get_args(literals[0]):
+                return value
+            inner.remove(literals[0])
         assert len(inner) == 1, f"unsupported union type {tp} for {name}"
         return _coerce(value, inner[0], name, source)
     if origin is Literal:

@@ -9,6 +9,8 @@ and when, is colocate/colocation/handoff.py's to decide; this file only says whe
 from __future__ import annotations
 
 import copy
+import os
+import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 from colocate import dist
 from colocate.cli import entry_point
 from colocate.config import Config, load_config, use_compile_cache
+from colocate.stopping import StopSignals, exit_code
 from colocate.timing import process_age_s, timed
 
 
@@ -63,7 +66,8 @@ def _add_parts(startup: dict[str, float], part: str, seconds: dict[str, float]) 
 
 
 class Loop:
-    def __init__(self, cfg: Config, info: dist.DistInfo, startup: dict[str, float] | None = None):
+    def __init__(self, cfg: Config, info: dist.DistInfo, startup: dict[str, float] | None = None,
+                 stop: StopSignals | None = None):
         from colocate.colocation.ledger import MemoryLedger
         from colocate.inputs import RunInputs
         from colocate.metrics import MetricsLogger
@@ -85,6 +89,11 @@ class Loop:
         self.start_rollout_id = 0
         self.resumed_rollouts: list | None = None
         """Partial rollout: the groups in flight that the checkpoint resumed from carries."""
+        self.stop = stop or StopSignals(info.is_main)
+        self.saved: set[int] = set()
+        """Rollout ids this run has checkpointed."""
+        self.stopped_after: int | None = None
+        """The last step a requested stop let run (-1: none), or None when the run was not stopped."""
 
     def build(self):
         from colocate.colocation.handoff import Colocation
@@ -105,6 +114,9 @@ class Loop:
         with timed(startup, "perf/startup/trainer_s", info.device):  # load, shard, reserve pinned buffers
             self.trainer = Trainer(cfg, info)
         _add_parts(startup, "trainer", self.trainer.startup_seconds)
+        if self.trainer.memory_plan.summary():
+            self.log.info(self.trainer.memory_plan.summary())
+        startup.update(self.trainer.memory_plan.forecast)
         with timed(startup, "perf/startup/resume_s", info.device):
             self._maybe_resume()
         self.colocation = Colocation(self.trainer, cfg.offload, dtype=resolve_dtype(cfg.model.dtype, info.device),
@@ -112,10 +124,12 @@ class Loop:
         if cfg.offload.offload_train:
             with timed(startup, "perf/startup/offload_s", info.device):
                 self.colocation.make_room()
+            _add_parts(startup, "offload", {"pinned_wait": self.trainer.memory.wait_seconds})
         eval_prompts = max((len(prompts) for _, prompts, _ in self.inputs.eval_sets), default=0)
         with timed(startup, "perf/startup/engine_s", info.device):
             self.engine = build_engine(cfg, info, self.inputs.eos_token_ids,
-                                       reachable_batch_size(cfg, info.world_size, eval_prompts))
+                                       reachable_batch_size(cfg, info.world_size, eval_prompts),
+                                       self.trainer.memory_plan)
         _add_parts(startup, "engine", getattr(self.engine, "startup_seconds", {}))
         self.rollout = RolloutManager(
             self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,
@@ -131,17 +145,21 @@ class Loop:
         self.log.info(startup_line(startup_phases(startup)))
 
     def _maybe_resume(self):
-        from colocate.checkpoint_manifest import latest_checkpoint
-
+        """Resume from the newest checkpoint that loads cleanly: every file matches its checksum and
+        every tensor is finite; a damaged one is skipped with a warning for the next older one."""
         if not self.cfg.checkpoint.resume:
             return
-        path = latest_checkpoint(self.cfg.checkpoint_dir)
-        if path is None:
-            self.log.info(f"no checkpoint under {self.cfg.checkpoint_dir}: starting from step 0")
-            return
-        from colocate.checkpoint import load_checkpoint  # torch.distributed.checkpoint: only when resuming
+        root = self.cfg.checkpoint_dir
+        found = None
+        # Checkpoints, or leftovers of a save to remove; rank 0's view, which resume_newest changes.
+        if dist.broadcast_from_main(root.is_dir() and any(root.glob("*rollout_*"))):
+            from colocate.checkpoint import resume_newest  # torch.distributed.checkpoint: seconds to import
 
-        extra = load_checkpoint(path, self.trainer.checkpoint_states())
+            found = resume_newest(root, self.trainer.checkpoint_states())
+        if found is None:
+            self.log.info(f"no checkpoint under {root}: starting from step 0")
+            return
+        path, extra = found
         self.inputs.data.load_state_dict(extra["data"])
         self.start_rollout_id = extra["rollout_id"] + 1
         self.weight_version = extra["weight_version"]
@@ -166,19 +184,21 @@ class Loop:
         with self.phase("eval"):
             return self.rollout.evaluate(self.inputs.eval_sets, rollout_id, self.cfg.eval)
 
-    def save(self, rollout_id: int, step_metrics: dict):
-        """A checkpoint after the step's training. It also holds the step's metrics so far: the
-        record is written after to_rollout and eval, and a run that dies in between gets it back
-        on resume (`_maybe_resume`)."""
+    def save(self, rollout_id: int, step_metrics: dict, weight_version: int | None = None):
+        """A checkpoint after the step's training, of the weights of `weight_version` (default: the
+        current one). It also holds the step's metrics so far: the record is written after
+        to_rollout and eval, and a run that dies in between gets it back on resume (`_maybe_resume`)."""
         from colocate.checkpoint import save_checkpoint
         from colocate.metrics import plain_metrics
 
-        extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
+        version = self.weight_version if weight_version is None else weight_version
+        extra = {"rollout_id": rollout_id, "weight_version": version,
                  "data": self.inputs.data.state_dict(), "metrics": plain_metrics(step_metrics)}
         if self.cfg.rollout.partial_rollout:  # the groups in flight, carried into the next step
             extra["partial_rollout"] = self.rollout.state_dict()
         save_checkpoint(self.cfg.checkpoint_dir, rollout_id, self.trainer.checkpoint_states(), extra=extra,
                         model_dir=Path(self.cfg.model.path), keep_last=self.cfg.checkpoint.keep_last)
+        self.saved.add(rollout_id)
 
     def run(self):
         cfg = self.cfg
@@ -188,6 +208,9 @@ class Loop:
                 self.log.log(0, self.evaluate(0))
             return
         for rollout_id in range(self.start_rollout_id, cfg.train.num_rollout):
+            if self.stop.requested(self.info.device):
+                self._stop_between_steps(rollout_id)
+                return
             step_start = time.perf_counter()
             self.phase.step = rollout_id
             metrics = {}
@@ -203,29 +226,52 @@ class Loop:
                 to_train = self.colocation.to_train()
             with self.phase("train"):
                 train_metrics = self.trainer.train(samples, rollout_id, self.weight_version)
-            interval = cfg.checkpoint.save_interval
-            if interval is not None and ((rollout_id + 1) % interval == 0 or epoch_end or last):
+            stopping = self.stop.requested(self.info.device)
+            if self._save_due(rollout_id, epoch_end, last, stopping):
                 with self.phase("save"):
                     self.save(rollout_id, {**metrics, **rollout_metrics, **train_metrics, **to_train.metrics()})
+            if stopping:  # the engine is not woken again: the step's record goes out as it is
+                self._log_step(rollout_id, step_start, metrics, rollout_metrics, train_metrics, to_train)
+                self.stopped_after = rollout_id
+                return
             self.weight_version += 1
             with self.phase("to_rollout"):
                 to_rollout = self.colocation.to_rollout(self.weight_version)
             if eval_on and ((rollout_id + 1) % cfg.eval.interval == 0 or epoch_end or last):
                 metrics.update(self.evaluate(rollout_id))
-            metrics.update(rollout_metrics)
-            metrics.update(train_metrics)
-            metrics.update(to_train.metrics())
             metrics.update(to_rollout.metrics())
-            metrics.update(self.phase.take())
-            metrics.update(self.startup)  # the first step's record only
-            self.startup = {}
-            metrics.update(self.ledger.step_metrics(rollout_id))
-            self.ledger.append_to(self.out / f"memory_rank{self.info.rank}.jsonl", rollout_id)
-            metrics["perf/step_time"] = time.perf_counter() - step_start
-            metrics["rollout/weight_version"] = self.weight_version
-            metrics["rollout/dropped_long_prompts"] = self.inputs.num_dropped_prompts
-            metrics["rollout/epoch"] = self.inputs.data.epoch
-            self.log.log(rollout_id, metrics)
+            self._log_step(rollout_id, step_start, metrics, rollout_metrics, train_metrics, to_train)
+
+    def _save_due(self, rollout_id: int, epoch_end: bool, last: bool, stopping: bool) -> bool:
+        """Every save_interval steps and at epoch ends (with an interval), at the run's end and
+        on a requested stop (with checkpoint.save_on_exit)."""
+        c = self.cfg.checkpoint
+        if c.save_interval is not None and ((rollout_id + 1) % c.save_interval == 0 or epoch_end or last):
+            return True
+        return c.save_on_exit and (last or stopping)
+
+    def _stop_between_steps(self, rollout_id: int) -> None:
+        """A stop asked for after the previous step's save point (during its weight sync or eval, or
+        during start-up): the previous step is saved if it trained in this run and is not saved yet."""
+        previous = rollout_id - 1
+        if self.cfg.checkpoint.save_on_exit and previous >= self.start_rollout_id and previous not in self.saved:
+            self.colocation.to_train()  # the trainer's state back on the device, where the save reads it
+            with self.phase("save"):  # as the step's own save would have: before the version it pushed
+                self.save(previous, {}, weight_version=self.weight_version - 1)
+        self.stopped_after = previous
+
+    def _log_step(self, rollout_id, step_start, metrics, rollout_metrics, train_metrics, to_train) -> None:
+        """The step's record: its phases' metrics, times and memory, once per step."""
+        for part in (rollout_metrics, train_metrics, to_train.metrics(), self.phase.take(), self.startup,
+                     self.ledger.step_metrics(rollout_id)):
+            metrics.update(part)
+        self.startup = {}  # the first step's record only
+        self.ledger.append_to(self.out / f"memory_rank{self.info.rank}.jsonl", rollout_id)
+        metrics["perf/step_time"] = time.perf_counter() - step_start
+        metrics["rollout/weight_version"] = self.weight_version
+        metrics["rollout/dropped_long_prompts"] = self.inputs.num_dropped_prompts
+        metrics["rollout/epoch"] = self.inputs.data.epoch
+        self.log.log(rollout_id, metrics)
 
     def close(self):
         engine = getattr(self, "engine", None)
@@ -243,6 +289,7 @@ def main(argv: list[str]) -> int:
 
     age = process_age_s()  # the interpreter's start and the imports so far
     start = time.perf_counter()
+    stop = StopSignals(is_main=os.environ.get("RANK", "0") == "0").install()  # Ctrl-C: a clean stop
     use_compile_cache()
     cfg = load_config(argv)
     given = copy.deepcopy(cfg)  # as the user gave it: loading resolves Hub ids to local snapshots
@@ -256,12 +303,16 @@ def main(argv: list[str]) -> int:
         startup = {"perf/startup/process_s": age} if age is not None else {}
         startup["perf/startup/config_s"] = config_s
         startup["perf/startup/dist_s"] = time.perf_counter() - start - config_s  # process group, output dir
-        loop = Loop(cfg, info, startup)  # data, rewards, hooks and the model config are checked here
+        loop = Loop(cfg, info, startup, stop)  # data, rewards, hooks and the model config are checked here
         loop.build()
         run_dir.save_config(given)  # once the inputs and the models have loaded
         loop.run()
+        signum = None if loop.stopped_after is None else stop.agreed_signum(info.device)
+        code = 0 if signum is None else exit_code(signum)
         if info.is_main:
             loop.log.info(run_summary(cfg.output_dir, time.perf_counter() - start))
+            if signum is not None:
+                loop.log.info(stop_line(loop, signal.Signals(signum).name))
         finished = True
     finally:
         if loop is not None:
@@ -269,7 +320,24 @@ def main(argv: list[str]) -> int:
         if run_dir is not None:
             run_dir.release()
         dist.destroy(synchronize=finished)
-    return 0
+        stop.uninstall()
+    return code
+
+
+def stop_line(loop: Loop, signal_name: str) -> str:
+    """One line after a requested stop: what was saved and how to go on."""
+    from colocate.checkpoint_manifest import checkpoint_dir
+
+    step = loop.stopped_after
+    if step in loop.saved:
+        return (f"stopped by {signal_name} after step {step}: checkpoint {checkpoint_dir(loop.cfg.checkpoint_dir, step)}; "
+                "run the same command to resume from it")
+    if step < loop.start_rollout_id:
+        when, why = f"before step {loop.start_rollout_id}", "no step trained in this run"
+    else:
+        when, why = f"after step {step}", "checkpoint.save_on_exit is off"
+    return f"stopped by {signal_name} {when}, nothing saved ({why}); the same command resumes from " \
+           f"the newest checkpoint under {loop.cfg.checkpoint_dir}, if any"
 
 
 if __name__ == "__main__":

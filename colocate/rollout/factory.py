@@ -6,6 +6,11 @@ from colocate.config import Config
 from colocate.dist import DistInfo
 from colocate.models import resolve_dtype
 from colocate.rollout.protocol import RolloutEngine
+from colocate.sizing import AUTO, MemoryPlan
+
+DEFAULT_KV_FRACTION = 0.5
+"""The KV cache's share of free memory with rollout.gpu_memory_fraction auto and no plan (an engine
+built outside the training loop)."""
 
 
 def reachable_batch_size(cfg: Config, world_size: int, eval_prompts: int = 0) -> int:
@@ -18,11 +23,18 @@ def reachable_batch_size(cfg: Config, world_size: int, eval_prompts: int = 0) ->
     return max(1, min(r.max_running_requests, most))
 
 
-def build_engine(cfg: Config, info: DistInfo, eos_token_ids: list[int], max_batch_size: int | None = None
-                 ) -> RolloutEngine:
+def build_engine(cfg: Config, info: DistInfo, eos_token_ids: list[int], max_batch_size: int | None = None,
+                 memory_plan: MemoryPlan | None = None) -> RolloutEngine:
     """The native engine (default) or SGLang's, sized for whatever the trainer left free; with
-    `max_batch_size` (see `reachable_batch_size`), no decode graph is captured beyond it."""
+    `max_batch_size` (see `reachable_batch_size`), no decode graph is captured beyond it. With
+    rollout.gpu_memory_fraction auto, the KV cache is `memory_plan`'s (colocate/sizing.py), or
+    DEFAULT_KV_FRACTION of free memory without one."""
     r = cfg.rollout
+    fraction, kv_tokens, static = r.gpu_memory_fraction, None, r.gpu_memory_fraction
+    if fraction == AUTO:
+        fraction = static = DEFAULT_KV_FRACTION
+        if memory_plan is not None and memory_plan.kv_cache_tokens is not None:
+            kv_tokens, static = memory_plan.kv_cache_tokens, memory_plan.static_fraction
     dtype = resolve_dtype(cfg.model.dtype, info.device)
     graph_max_bs = min(r.cuda_graph_max_bs, max_batch_size or r.cuda_graph_max_bs)
     if r.engine == "sglang":
@@ -30,7 +42,7 @@ def build_engine(cfg: Config, info: DistInfo, eos_token_ids: list[int], max_batc
 
         return SGLangEngine(
             model_path=cfg.model.path, dtype=dtype, seed=r.seed, rank=info.rank, local_rank=info.local_rank,
-            mem_fraction_static=r.gpu_memory_fraction, max_running_requests=r.max_running_requests,
+            mem_fraction_static=static, max_running_requests=r.max_running_requests,
             cuda_graph_max_bs=graph_max_bs, release_cuda_graph=cfg.offload.offload_rollout,
             eos_token_ids=eos_token_ids, load_dummy=True, log_level=r.sglang_log_level,
         )
@@ -38,8 +50,8 @@ def build_engine(cfg: Config, info: DistInfo, eos_token_ids: list[int], max_batc
 
     return NativeEngine(
         cfg.model.path, dtype=dtype, device=info.device, eos_token_ids=eos_token_ids,
-        max_num_seqs=r.max_running_requests, kv_cache_fraction=r.gpu_memory_fraction,
-        max_kv_tokens=r.max_kv_tokens if info.device.type == "cpu" else None,
+        max_num_seqs=r.max_running_requests, kv_cache_fraction=fraction,
+        max_kv_tokens=r.max_kv_tokens if info.device.type == "cpu" else kv_tokens,
         cuda_graph=r.cuda_graph, cuda_graph_max_bs=graph_max_bs, seed=r.seed + info.rank,
         compile_decode=r.compile_decode and info.device.type == "cuda",
     )

@@ -25,6 +25,7 @@ from colocate import dist
 from colocate.config import Config
 from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype
 from colocate.rollout.sample import Sample
+from colocate.sizing import AUTO, MemoryPlan, Shape, cpu_plan, needs_of, plan_memory
 from colocate.trainer.actor import Actor
 from colocate.trainer.global_advantages import compute_advantages, global_masked_mean
 from colocate.trainer.batch import RolloutBatch
@@ -58,8 +59,9 @@ class Trainer:
     """Actor (+ reference, + critic) for one rank. `model_config` builds randomly initialised
     models of that shape instead of loading cfg.model.path (benchmarks); `checkpointing`
     overrides the recomputation plan of cfg.model (gradient_checkpointing, recompute_*).
-    With cfg.offload.offload_train the pinned host buffers are allocated here, once, so that no
-    offload during training pays for pinning host memory."""
+    With cfg.offload.offload_train the pinned host buffers start pinning here, once, on helper
+    threads (`TrainerMemory.reserve`), so that no offload during training pays for pinning host
+    memory and the start-up does not stop for it."""
 
     def __init__(self, cfg: Config, info: dist.DistInfo, *, model_config: ModelConfig | None = None,
                  checkpointing: ActivationCheckpointing | None = None):
@@ -71,6 +73,8 @@ class Trainer:
         self.memory = TrainerMemory(cfg.offload.method, self.device)
         self.random_config = model_config
         self.keep_gathered = info.world_size == 1 if t.keep_gathered is None else t.keep_gathered
+        policy_cfg = model_config or ModelConfig.from_dir(m.path)
+        self.memory_plan = self._plan_memory(policy_cfg, checkpointing)
         self.checkpointing = checkpointing or ActivationCheckpointing(m.full_recompute_fraction, m.recompute_rest,
                                                                       m.recompute_keeps_attention)
         steps_per_rollout = -(-cfg.samples_per_rollout // cfg.global_batch_size)
@@ -78,10 +82,10 @@ class Trainer:
         norm_len = r.max_response_len
 
         self.startup_seconds: dict[str, float] = {}
-        """Where the time of building went: actor (load, shard, optimizer state), reference, critic,
-        pinned host buffers (those that were built)."""
+        """Where the time of building went (the parts that were built): actor (load, shard,
+        optimizer state), reference, critic, pinned_buffers (their layout: helper threads pin them
+        behind the rest of the start-up, and the first offload waits for what is left)."""
 
-        policy_cfg = model_config or ModelConfig.from_dir(m.path)
         self.vocab_size = policy_cfg.vocab_size
         self.lora = LoRASpec.from_config(m)
         with timed(self.startup_seconds, "actor", self.device):
@@ -91,6 +95,8 @@ class Trainer:
                                                  max(1, actor_rollouts * steps_per_rollout))
         self.actor = Actor(actor_model, actor_opt, arrival, a, temperature=r.temperature, norm_len=norm_len,
                            keep_gathered=self.keep_gathered)
+        if cfg.offload.offload_train:  # pinned on helper threads while the rest starts
+            self.startup_seconds["pinned_buffers"] = self.memory.reserve(ACTOR_PARAMS, ACTOR_OPTIM)
 
         self.reference = None
         if a.needs_ref and self.lora is not None:
@@ -116,9 +122,34 @@ class Trainer:
                                                              max(1, t.num_rollout * steps_per_rollout))
             self.critic = Critic(critic_model, critic_opt, critic_arrival, a, norm_len=norm_len,
                                  keep_gathered=self.keep_gathered)
-        if cfg.offload.offload_train:
-            with timed(self.startup_seconds, "pinned_buffers", self.device):
-                self.memory.reserve()
+        if self.critic is not None and cfg.offload.offload_train:
+            self.startup_seconds["pinned_buffers"] += self.memory.reserve(CRITIC_PARAMS, CRITIC_OPTIM)
+
+    def _plan_memory(self, policy_cfg: ModelConfig, checkpointing: ActivationCheckpointing | None) -> MemoryPlan:
+        """Resolve cfg's `auto` sizes in place from the device's free memory (colocate/sizing.py),
+        before anything is loaded; every rank plans for the one with the least free memory."""
+        m, t = self.cfg.model, self.cfg.train
+        modes = None
+        if checkpointing is not None:
+            modes = tuple(checkpointing.block_modes(policy_cfg.num_hidden_layers))
+        elif m.recompute_rest != AUTO or m.full_recompute_fraction > 0:
+            rest = "none" if m.recompute_rest == AUTO else m.recompute_rest
+            plan = ActivationCheckpointing(m.full_recompute_fraction, rest, m.recompute_keeps_attention)
+            modes = tuple(plan.block_modes(policy_cfg.num_hidden_layers))
+        itemsize = self.compute_dtype.itemsize
+        needs = needs_of(self.cfg, self.info.world_size, itemsize, self.keep_gathered, modes)
+        if self.device.type != "cuda":
+            plan = cpu_plan(needs)
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            free = -dist.all_reduce_max(-free, self.device)
+            kv_per_token = 2 * policy_cfg.num_hidden_layers * policy_cfg.num_key_value_heads * policy_cfg.head_dim * itemsize
+            shape = Shape.of(policy_cfg, m.lora_rank, tuple(m.lora_target_modules))
+            plan = plan_memory(shape, needs, free, total, kv_per_token)
+        t.max_tokens_per_gpu = plan.max_tokens_per_gpu
+        if m.recompute_rest == AUTO:
+            m.recompute_rest = plan.recompute_rest or "none"
+        return plan
 
     def _build(self, make, path: str, tag: str, *, train: bool, skip: tuple[str, ...] = (),
                new: tuple[str, ...] = (), forward_methods: tuple[str, ...] = ("hidden_states",),
@@ -161,7 +192,8 @@ class Trainer:
         schedule = LRSchedule(t.lr_schedule, t.lr_warmup_steps, total_steps, t.min_lr_ratio)
         opt = OptimizerStep(model, lr=lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                             weight_decay=t.weight_decay, grad_clip=t.grad_clip, schedule=schedule,
-                            max_skipped_steps=t.max_skipped_steps)
+                            max_skipped_steps=t.max_skipped_steps,
+                            lr_field="train.critic_lr" if tag == CRITIC_OPTIM else "train.lr")
         with self.memory.region(tag):
             init_optimizer_state(opt.optimizer)
         return opt, self.memory.add_optimizer(tag, opt, model, keep=self._keeps_adapters(self.lora))

@@ -68,6 +68,29 @@ def test_cli_overrides_yaml(tmp_path):
     assert load_config([f"--config={path}"]).rollout.top_p == 0.9
 
 
+@pytest.mark.parametrize("args, overwrite, resume, normalize", [
+    ([], True, False, True),  # the YAML's, and the default
+    (["--no-overwrite", "--checkpoint.resume", "--algorithm.no-normalize-advantage-std"], False, True, False),
+    (["--overwrite", "False", "--checkpoint.resume", "True", "--algorithm.normalize_advantage_std", "False"],
+     False, True, False),
+    (["--overwrite=False", "--checkpoint.resume=True", "--algorithm.normalize-advantage-std=False"], False, True, False),
+    (["--overwrite", "--checkpoint.no-resume", "--algorithm.normalize-advantage-std"], True, False, True),
+    (["--overwrite", "True", "--checkpoint.resume", "False", "--output-dir", "True"], True, False, True),
+])
+def test_a_bool_field_is_a_flag_that_also_takes_a_value(tmp_path, args, overwrite, resume, normalize):
+    path = write_yaml(tmp_path, {"overwrite": True, "checkpoint": {"resume": False}})
+    cfg = load_config(["--config", path, *args])
+    assert (cfg.overwrite, cfg.checkpoint.resume, cfg.algorithm.normalize_advantage_std) == (overwrite, resume, normalize)
+    if args[-2:] == ["--output-dir", "True"]:
+        assert cfg.output_dir == "True"  # only a bool field's value becomes a flag
+
+
+def test_a_bool_flag_refuses_another_value():
+    with pytest.raises(ValueError, match="--checkpoint.resume is a flag: give it alone, or with True or False, not 'yes'"):
+        load_config(["--checkpoint.resume=yes"])
+    assert load_config(["--train.keep-gathered", "False"]).train.keep_gathered is False  # None|bool takes a value
+
+
 @pytest.mark.parametrize("data, message", [
     ({"rollout": {"topp": 0.9}}, "unknown key rollout.topp (did you mean rollout.top_p?)"),
     ({"bogus": 1}, "unknown key bogus"),
@@ -98,6 +121,15 @@ def test_missing_or_malformed_file(tmp_path):
         load_config(["--config", str(tmp_path / "bad.yaml")])
     with pytest.raises(ValueError, match="--config needs a YAML file path"):
         load_config(["--config"])
+
+
+@pytest.mark.parametrize("text", ["", "# every setting commented out\n# rollout:\n#   top_p: 0.9\n"])
+def test_an_empty_config_file_is_refused_naming_it(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        load_config(["--config", str(path)])
+    assert str(info.value) == f"{path}: the config file is empty; leave out --config to run with the defaults"
 
 
 def test_range_error_message_format(tmp_path):
@@ -131,7 +163,7 @@ def test_range_error_message_format(tmp_path):
     ({"eval": {"datasets": [{"name": "a", "path": "x", "top_p": 1}]}}, "unknown key"),
     ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last must be >= 1"),
     ({"model": {"recompute_fraction": 1.5}}, "model.recompute_fraction must be in [0, 1], got 1.5"),
-    ({"model": {"recompute_rest": "all"}}, "model.recompute_rest must be one of ['none', 'ops', 'mlp']"),
+    ({"model": {"recompute_rest": "all"}}, "model.recompute_rest must be one of ['auto', 'none', 'ops', 'mlp']"),
     ({"model": {"lora_rank": 8, "lora_dropout": 0.1}, "algorithm": {"true_on_policy": True}},
      "model.lora_dropout must be 0 with algorithm.true_on_policy"),
 ])
@@ -139,6 +171,57 @@ def test_impossible_combinations(tmp_path, overrides, field):
     path = write_yaml(tmp_path, overrides)
     with pytest.raises(ValueError, match=re.escape(field)):
         load_config(["--config", path])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_greedy_sampling_with_a_group_baseline_is_refused(tmp_path, estimator):
+    """Identical samples: every reward equals its group's mean, so nothing would be learnt."""
+    path = write_yaml(tmp_path, {"rollout": {"temperature": 0}, "algorithm": {"advantage_estimator": estimator}})
+    with pytest.raises(ValueError) as info:
+        load_config(["--config", path])
+    assert str(info.value) == (
+        f"{path}: rollout.temperature is 0 (greedy): the 8 samples of a prompt are identical, so every "
+        f"advantage of algorithm.advantage_estimator={estimator} (relative to the group) is 0; sample with "
+        "rollout.temperature > 0, got 0.0")
+    with pytest.raises(ValueError, match="^command line: rollout.temperature is 0"):
+        load_config(["--algorithm.advantage-estimator", estimator, "--rollout.temperature", "0"])
+
+
+def test_greedy_sampling_is_allowed_without_a_group_baseline():
+    for estimator in ("reinforce_plus_plus", "gae"):
+        cfg = load_config(["--algorithm.advantage-estimator", estimator, "--rollout.temperature", "0"])
+        assert cfg.rollout.temperature == 0.0
+    assert load_config(["--eval.temperature", "0"]).eval.temperature == 0.0  # eval is not trained on
+
+
+@pytest.mark.parametrize("flags, field, feature, value", [
+    (["--rollout.over-sampling-batch-size", "32"], "rollout.over_sampling_batch_size",
+     "rollout.dynamic_sampling or rollout.partial_rollout", "32"),
+    (["--rollout.max-staleness", "4"], "rollout.max_staleness", "rollout.partial_rollout", "4"),
+    (["--rollout.partial-mask-stale-tokens", "False"], "rollout.partial_mask_stale_tokens",
+     "rollout.partial_rollout", "False"),
+])
+def test_a_setting_without_the_feature_that_reads_it_is_refused(tmp_path, flags, field, feature, value):
+    with pytest.raises(ValueError) as info:
+        load_config(flags)
+    assert str(info.value) == (f"command line: {field} is set but takes effect only with {feature}, which is "
+                               f"off, got {value}")
+    key = field.split(".")[1]
+    path = write_yaml(tmp_path, {"rollout": {key: yaml.safe_load(value.lower())}})
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: {field} is set but"):
+        load_config(["--config", path])
+
+
+def test_settings_with_their_feature_or_at_their_defaults_are_accepted(tmp_path):
+    cfg = load_config(["--rollout.over-sampling-batch-size", "32", "--rollout.dynamic-sampling", "True"])
+    assert cfg.rollout.over_sampling_batch_size == 32
+    cfg = load_config(["--rollout.partial-rollout", "True", "--rollout.over-sampling-batch-size", "32",
+                       "--rollout.max-staleness", "3", "--rollout.partial-mask-stale-tokens", "False"])
+    assert cfg.rollout.max_staleness == 3 and not cfg.rollout.partial_mask_stale_tokens
+    # Spelled out at the default (as a run's saved config.yaml spells out every field): nothing is off.
+    path = write_yaml(tmp_path, {"rollout": {"over_sampling_batch_size": None, "max_staleness": 1,
+                                             "partial_mask_stale_tokens": True}})
+    assert load_config(["--config", path]).rollout.max_staleness == 1
 
 
 def test_group_free_estimators_accept_one_sample(tmp_path):

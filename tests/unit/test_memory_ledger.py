@@ -95,7 +95,9 @@ def _oom(phase, step=3, **fields):
 
 
 def test_out_of_memory_in_training_names_the_settings_that_give_it_room():
-    msg = _oom("train", **{"model.gradient_checkpointing": False, "offload.offload_rollout": False})
+    # The loop reports the budget the start-up chose (colocate/sizing.py), which replaced `auto`.
+    msg = _oom("train", **{"model.gradient_checkpointing": False, "offload.offload_rollout": False,
+                           "train.max_tokens_per_gpu": 16384})
     assert msg.startswith("step 3: the train phase ran out of GPU memory. For more room: ")
     assert "train.max_tokens_per_gpu (now 16384" in msg and "model.gradient_checkpointing" in msg
     assert "offload.offload_rollout" in msg and "rollout.gpu_memory_fraction" not in msg
