@@ -47,17 +47,33 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from colocate import dist as cdist
 from colocate.checkpoint_manifest import (
-    FORMAT, META_FILE, ChecksummingStream, DamagedCheckpoint, checkpoint_dir, checkpoint_dirs, checkpoint_problem,
-    checksum_problem, copy_recorded, is_checkpoint, verify_checkpoint, write_manifest, write_recorded, written_here,
+    FORMAT,
+    META_FILE,
+    ChecksummingStream,
+    DamagedCheckpoint,
+    checkpoint_dir,
+    checkpoint_dirs,
+    checkpoint_problem,
+    checksum_problem,
+    copy_recorded,
+    is_checkpoint,
+    verify_checkpoint,
+    write_manifest,
+    write_recorded,
+    written_here,
 )
-from colocate.trainer.lora import check_same_adapters
+from colocate.lora.identity import check_same_adapters
 
 try:
     import numpy as np
@@ -89,7 +105,7 @@ class ModelOptimizerState(Stateful):
     removed) and the optimizer state is flattened per parameter name, so a checkpoint survives a
     change of world size or of how parameters are grouped.
 
-    `adapters` (a LoRA model: colocate.trainer.lora.LoRASpec.describe) keeps the trained
+    `adapters` (a LoRA model: colocate.lora.identity.LoRASpec.describe) keeps the trained
     parameters only, with that description under ADAPTERS_KEY; loading checks that the
     checkpoint's adapters were trained on the same base (the SHA-256 of its config.json) with the
     same rank, alpha and target modules (load_checkpoint, before anything is read).

@@ -8,14 +8,13 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from colocate import lora
 from colocate.user_code import FORMS, is_function_spec
 
 if TYPE_CHECKING:
     from colocate.config import Config
 
 BUILTIN_REWARDS = ("toy", "math", "exact", "f1")
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The linear projections of a block that can carry LoRA adapters (attention's, then the MLP's)."""
 
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -173,10 +172,10 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
 
 def _lora_checks(m: Any) -> list[tuple[str, bool, str, Any]]:
     targets = m.lora_target_modules
-    unknown = [t for t in targets if t not in LORA_TARGET_MODULES]
+    unknown = [t for t in targets if t not in lora.TARGET_MODULES]
     return [
         ("model.lora_target_modules", not unknown,
-         f"has unknown names {unknown}: expected some of {list(LORA_TARGET_MODULES)}", targets),
+         f"has unknown names {unknown}: expected some of {list(lora.TARGET_MODULES)}", targets),
         ("model.lora_target_modules", not m.lora_rank or (targets and len(set(targets)) == len(targets)),
          "must name each adapted projection once (model.lora_rank > 0)", targets),
         ("model.ref_path", not m.lora_rank or m.ref_path in (None, m.path),

@@ -21,7 +21,6 @@ contains or lies inside the checkpoint being read.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -30,23 +29,27 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from safetensors.torch import save_file
 
 from colocate.checkpoint import (
-    ACTOR_STATE, HF_DIR, MODEL_KEY, is_checkpoint, quiet_single_process, read_adapters,
+    ACTOR_STATE,
+    HF_DIR,
+    MODEL_KEY,
+    is_checkpoint,
+    quiet_single_process,
+    read_adapters,
     verify_checkpoint,
 )
 from colocate.checkpoint_manifest import latest_checkpoint
 from colocate.cli import DEBUG_HELP, entry_point
+from colocate.lora import peft_format
+from colocate.lora.identity import config_sha256, same_base_weights, weights_fingerprint
+from colocate.lora.merge import merged_weight
 from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype, save_pretrained
 from colocate.output_dir import check_output_dir, replacing_dir
-from colocate.trainer.lora import config_sha256, merged_weight, same_base_weights, weights_fingerprint
 
 # Keys of the actor weights inside a checkpoint: `model.model.<HF name>`; optimizer and scheduler
 # entries (`model.optimizer.*`, `model.scheduler.*`) and other states (a critic) are skipped.
 WEIGHT_PREFIX = f"{ACTOR_STATE}.{MODEL_KEY}."
-PEFT_PREFIX = "base_model.model."
-"""peft's prefix of adapter tensor names in adapter_model.safetensors."""
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -164,18 +167,10 @@ def merged_base_weights(base: Path, adapters: dict[str, torch.Tensor], scale: fl
 
 def write_peft_adapter(out: str | Path, lora: dict, adapters: dict[str, torch.Tensor], dtype: torch.dtype,
                        *, base: str | Path | None = None, overwrite: bool = False, reading=()) -> Path:
-    """A PEFT LoRA adapter directory: adapter_config.json (naming `base`, else the base the run
-    trained on) + adapter_model.safetensors."""
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
-              "base_model_name_or_path": str(base if base is not None else lora["base_path"]),
-              "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
-              "target_modules": lora["target_modules"], "bias": "none", "fan_in_fan_out": False,
-              "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
-              "modules_to_save": None}
-    tensors = {PEFT_PREFIX + name: t.to(dtype).contiguous() for name, t in adapters.items()}
+    """A PEFT LoRA adapter directory (colocate.lora.peft_format) naming `base`, else the base the
+    run trained on."""
     with replacing_dir(out, "colocate export --adapter-only", overwrite=overwrite, reading=reading) as tmp:
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        peft_format.write_adapter(tmp, lora, adapters, dtype, base if base is not None else lora["base_path"])
     return Path(out)
 
 

@@ -90,7 +90,13 @@ def compile_all(arch: int) -> list[dict]:
 
 def launch_every_kernel() -> None:
     from colocate.kernels import (
-        batch_invariant_cuda, invariant_attention, logprob, lora_merge, paged_attention, rotary, sampling,
+        batch_invariant_cuda,
+        invariant_attention,
+        logprob,
+        lora_merge,
+        paged_attention,
+        rotary,
+        sampling,
     )
     from tests.unit.test_kernel_paged_attention import _paged_inputs
 
@@ -115,8 +121,8 @@ def launch_every_kernel() -> None:
     batch_invariant_cuda.rms_norm(randn(256, 12, 128), randn(128), 1e-6)  # qk-norm: a row per head
     batch_invariant_cuda.add_rms_norm(x, randn(256, 896), randn(896), 1e-6)
     batch_invariant_cuda.silu_mul(*randn(256, 2 * 4864).chunk(2, dim=-1))
-    batch_invariant_cuda.logsumexp(randn(4, 151936, dtype=torch.float32))
-    batch_invariant_cuda.logsumexp_and_entropy(randn(4, 151936, dtype=torch.float32))
+    sampling.invariant_logsumexp(randn(4, 151936, dtype=torch.float32))
+    sampling.invariant_logsumexp_and_entropy(randn(4, 151936, dtype=torch.float32))
     for heads, kv_heads, dim in ((14, 2, 64), (12, 2, 128)):
         lens = [40, 300, 1]
         n = sum(lens)

@@ -11,7 +11,7 @@ tensors go to the engine as they are when the engine casts while it copies
 units fill buckets together, so a bucket is one large multi-tensor copy rather than one per block.
 
 LoRA (colocate/trainer/lora.py): the engine holds merged weights. An adapted module's weight goes
-out as W + (alpha / rank) B A in the engine dtype (`merged_weight`), its adapters never. Frozen
+out as W + (alpha / rank) B A in the engine dtype (colocate/lora/merge.py), its adapters never. Frozen
 parameters cannot change between pushes: when the engine still holds the previous push
 (`since_last`), only what can have changed goes out (with LoRA: the adapted modules' merged
 weights), a unit with nothing to send is not even gathered, and the engine's session is partial.
@@ -27,8 +27,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from colocate.lora.merge import merged_weight
 from colocate.rollout.protocol import RolloutEngine
-from colocate.trainer.lora import LoRALinear, merged_weight
+from colocate.trainer.lora import LoRALinear
 
 
 @dataclass

@@ -20,15 +20,17 @@ here fix every choice that decides the order of floating-point operations:
 - `rms_norm`: one program per row (a token, or a token's head for qk-norm), the whole row in one
   block, its sum of squares by one fixed reduction tree; `add_rms_norm` adds the residual in the
   same program first;
-- `silu_mul`: the MLP's SiLU(gate) * up, element-wise, in one kernel;
-- `logsumexp`: the sampler's kernel (colocate/kernels/sampling.py) in the launch the mode's sampler
-  takes too: each row cut into a fixed number of slices whatever the batch, each slice walked in
-  blocks with an online maximum, the slices merged in one fixed order.
+- `silu_mul`: the MLP's SiLU(gate) * up, element-wise, in one kernel.
 
-RMSNorm's gradient is kernels.invariant_ops.rms_norm's plain formula and the log-sum-exp's the
-autograd function's here (the gradient needs no invariance); matrix products get theirs from aten,
-whose derivatives are matrix products again, which run on cuBLAS: inside a backward pass `mm` and
-`addmm` leave the mode's kernel.
+The mode's row log-sum-exp is the sampler's kernel (`invariant_logsumexp` of
+colocate/kernels/sampling.py) in the launch the mode's sampler takes too: each row cut into a fixed
+number of slices whatever the batch, each slice walked in blocks with an online maximum, the slices
+merged in one fixed order.
+
+RMSNorm's gradient is kernels.invariant_ops.rms_norm's plain formula and the log-sum-exp's that of
+its autograd function in sampling.py (the gradient needs no invariance); matrix products get theirs
+from aten, whose derivatives are matrix products again, which run on cuBLAS: inside a backward pass
+`mm` and `addmm` leave the mode's kernel.
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ import functools
 from types import SimpleNamespace
 
 import torch
-
-from colocate.kernels import sampling
 
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 """Columns of K per MMA step of the mode's matmul, one per input dtype: with K_CHUNK, all that
@@ -246,31 +246,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _kernels().silu_mul[(rows, _cdiv(cols, SILU_BLOCK))](gate, up, out, cols, gate.stride(0), up.stride(0),
                                                              BLOCK=SILU_BLOCK, num_warps=4)
     return out
-
-
-class _LogSumExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        lse = sampling.invariant_logsumexp(x)
-        ctx.save_for_backward(x, lse)
-        return lse
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, lse = ctx.saved_tensors
-        return grad[:, None] * torch.exp(x - lse[:, None])
-
-
-def logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """log(sum(exp(x))) of each row of x (B, V) fp32 -> (B,) fp32."""
-    return _LogSumExp.apply(x)
-
-
-def logsumexp_and_entropy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logsumexp`'s values (the same bits) and each row's softmax entropy, in one pass over x (B, V)
-    fp32 (forward only: the trainer's log-prob has its own backward). The entropy needs no
-    invariance; it rides along to spare the full-vocabulary passes of its plain formula."""
-    return sampling.invariant_logsumexp(x, with_entropy=True)
 
 
 @functools.cache

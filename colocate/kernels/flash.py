@@ -13,6 +13,9 @@ block calls them without a graph break and selective recomputation can keep the 
 The backward accumulates key/value gradients across the query heads of a group in any order, so two
 runs differ by rounding unless `torch.use_deterministic_algorithms(True)` is on, which selects the
 kernel's ordered (deterministic) mode.
+
+`fast_packed_attention` is the models' packed attention outside the batch-invariant mode: this
+kernel where `usable`, else torch's varlen flash kernel, else one causal SDPA per sequence.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
 
 @functools.cache
@@ -95,3 +99,41 @@ def _grad(ctx, grad_out, grad_lse):
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
+
+
+def fast_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          max_seqlen: int, scale: float) -> torch.Tensor:
+    """packed_causal_attention's default path: FlashAttention-4, torch's varlen flash kernel, or on
+    CPU one SDPA per sequence. Also the backward of the batch-invariant kernel (gradients need no
+    invariance)."""
+    if usable(q):
+        return attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu_seqlens.to(torch.int32)
+        head_dim = q.shape[-1]
+        pad = -head_dim % 8  # the flash kernel needs a multiple of 8; zero lanes change no score
+        if pad:
+            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+        out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0))
+        return out[..., :head_dim] if pad else out
+    return _per_sequence_sdpa(q, k, v, cu_seqlens, scale)
+
+
+@torch.compiler.disable
+def _per_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One causal SDPA per sequence (a packed block-diagonal mask would be quadratic in N): CPU, and
+    fp32 on CUDA. Left out of compiled blocks: traced with dynamic shapes, the sequences' bounds
+    became sizes that inductor (torch 2.13, CPU) failed to simplify."""
+    return per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: F.scaled_dot_product_attention(
+        qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, scale=scale,
+        enable_gqa=True).transpose(0, 1))
+
+
+def per_sequence(q, k, v, cu_seqlens: torch.Tensor, attend) -> torch.Tensor:
+    """`attend(q, k, v)` on each packed sequence's rows, the outputs concatenated."""
+    bounds = cu_seqlens.tolist()
+    outs = [attend(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs) if outs else q.new_empty(q.shape)

@@ -27,6 +27,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from colocate.kernels import flash
+
 
 @torch.library.custom_op("colocate::invariant_linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,15 +165,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         from colocate.kernels import batch_invariant_cuda, invariant_attention
 
         if batch_invariant_cuda.in_backward():
-            from colocate.models.layers import fast_packed_attention
-
-            return fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+            return flash.fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
         q, k, v = (unit_stride(t) for t in (q, k, v))
         return invariant_attention.packed_attention(q, k, v, cu_seqlens, scale)
     from colocate.kernels import batch_invariant
-    from colocate.models.layers import per_sequence
 
-    return per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: batch_invariant.attention(
+    return flash.per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: batch_invariant.attention(
         qs, ks, vs, torch.arange(qs.shape[0], device=qs.device), scale))
 
 
@@ -198,11 +197,9 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """The gradient of the default packed attention (FlashAttention or SDPA) by autograd, as one
     opaque op: traced into a compiled backward, the CPU's per-sequence split would read the lengths
     on the host, which a trace cannot."""
-    from colocate.models.layers import fast_packed_attention
-
     with _autograd_inside_op(), torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        out = fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        out = flash.fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
         return tuple(g.detach() for g in torch.autograd.grad(out, (q, k, v), grad))
 
 

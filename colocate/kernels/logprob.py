@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from colocate.kernels import batch_invariant
-from colocate.kernels.sampling import row_logsumexp, sampled_logprobs, scale_logits
+from colocate.kernels.sampling import invariant_logsumexp_and_entropy, row_logsumexp, sampled_logprobs, scale_logits
 
 MAX_CHUNK_ELEMENTS = 1 << 26
 """Elements of one (token chunk x vocab chunk) fp32 logits tile: 256 MiB, which with the tile's
@@ -117,9 +117,7 @@ def _invariant_chunk(hidden, weight, targets, temperature, with_entropy):
         scaled = scale_logits(scaled, torch.full((hidden.shape[0],), float(temperature), device=hidden.device))
     entropy = None
     if with_entropy and scaled.is_cuda:  # the sampler's log-sum-exp, the entropy in the same pass
-        from colocate.kernels import batch_invariant_cuda
-
-        lse, entropy = batch_invariant_cuda.logsumexp_and_entropy(scaled)
+        lse, entropy = invariant_logsumexp_and_entropy(scaled)
     else:
         lse = row_logsumexp(scaled)
         if with_entropy:

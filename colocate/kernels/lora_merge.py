@@ -1,6 +1,6 @@
 """The LoRA merge W + scale * B A in one pass over W: one kernel where plain torch takes five.
 
-`colocate.trainer.lora.merged_weight` defines the merge: A and B rounded to W's dtype, their
+`colocate.lora.merge.merged_weight` defines the merge: A and B rounded to W's dtype, their
 product and the sum in fp32, rounded once to the output dtype. Written with torch ops on a 16-bit
 W that is a tensor-core product into an fp32 (out, in) tensor, a scale and an add over it in place,
 and the rounding: about 28 bytes of memory traffic per weight element. The trainer merges every

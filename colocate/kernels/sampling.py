@@ -16,8 +16,9 @@ paths.
 
 The batch-invariant mode (colocate/kernels/batch_invariant.py) launches the same kernels with a
 fixed number of slices per row (INVARIANT_CONFIG, whatever the batch) on logits already divided by
-the temperature: `invariant_gumbel_sample` for the engine, and `invariant_logsumexp` (no sampling,
-optionally the entropy) for the trainer's log-prob, so both subtract the same log-sum-exp bits.
+the temperature: `invariant_gumbel_sample` for the engine, and `invariant_logsumexp` (no sampling;
+`invariant_logsumexp_and_entropy` with the entropy) for the trainer's log-prob, so both subtract the
+same log-sum-exp bits.
 """
 
 from __future__ import annotations
@@ -87,9 +88,7 @@ def sampled_logprobs(scaled: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor 
 def row_logsumexp(scaled: torch.Tensor) -> torch.Tensor:
     """logsumexp of each row of (B, V): in batch-invariant mode CUDA sums each row in one fixed order."""
     if scaled.is_cuda and batch_invariant.enabled():
-        from colocate.kernels import batch_invariant_cuda
-
-        return batch_invariant_cuda.logsumexp(scaled)
+        return invariant_logsumexp(scaled)
     return torch.logsumexp(scaled, dim=-1)
 
 
@@ -178,10 +177,35 @@ def invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids=Non
     return ids, logprobs
 
 
-def invariant_logsumexp(x: torch.Tensor, with_entropy: bool = False):
-    """Each row's log-sum-exp of x (B, V) fp32 (and its softmax entropy, with_entropy) by the
-    sampler's kernel in the mode's fixed launch (INVARIANT_CONFIG): a row's bits depend on the row
-    alone, and equal the log-sum-exp `invariant_gumbel_sample` subtracts."""
+def invariant_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp of x (B, V) fp32 -> (B,) fp32 by the sampler's kernel in the mode's
+    fixed launch (INVARIANT_CONFIG): a row's bits depend on the row alone, and equal the log-sum-exp
+    `invariant_gumbel_sample` subtracts. Its gradient is softmax(x) times the incoming one."""
+    return _InvariantLogSumExp.apply(x)
+
+
+def invariant_logsumexp_and_entropy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`invariant_logsumexp`'s values (the same bits) and each row's softmax entropy, in one pass
+    over x (B, V) fp32 (forward only: the trainer's log-prob has its own backward). The entropy
+    needs no invariance; it rides along to spare the full-vocabulary passes of its plain formula."""
+    return _invariant_launch(x, with_entropy=True)
+
+
+class _InvariantLogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        lse = _invariant_launch(x)
+        ctx.save_for_backward(x, lse)
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse = ctx.saved_tensors
+        return grad[:, None] * torch.exp(x - lse[:, None])
+
+
+def _invariant_launch(x: torch.Tensor, with_entropy: bool = False):
+    """The log-sum-exp (and the entropy, with_entropy) of each row of x in the mode's launch."""
     if x.ndim != 2 or x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError(f"logsumexp: x must be (B, V) fp32 contiguous in V, got {tuple(x.shape)} {x.dtype}")
     _, _, lse, entropy = _launch(x, INVARIANT_CONFIG, None, divide=False, entropy=with_entropy)

@@ -95,42 +95,4 @@ def packed_causal_attention(
     scale = q.shape[-1] ** -0.5
     if batch_invariant.enabled():
         return invariant_ops.attention(q, k, v, cu_seqlens, max_seqlen, scale)
-    return fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
-
-
-def fast_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                          max_seqlen: int, scale: float) -> torch.Tensor:
-    """packed_causal_attention's default path: FlashAttention-4, torch's varlen flash kernel, or on
-    CPU one SDPA per sequence. Also the backward of the batch-invariant kernel (gradients need no
-    invariance)."""
-    if flash.usable(q):
-        return flash.attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        from torch.nn.attention.varlen import varlen_attn
-
-        cu = cu_seqlens.to(torch.int32)
-        head_dim = q.shape[-1]
-        pad = -head_dim % 8  # the flash kernel needs a multiple of 8; zero lanes change no score
-        if pad:
-            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-        out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0))
-        return out[..., :head_dim] if pad else out
-    return _per_sequence_sdpa(q, k, v, cu_seqlens, scale)
-
-
-@torch.compiler.disable
-def _per_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """One causal SDPA per sequence (a packed block-diagonal mask would be quadratic in N): CPU, and
-    fp32 on CUDA. Left out of compiled blocks: traced with dynamic shapes, the sequences' bounds
-    became sizes that inductor (torch 2.13, CPU) failed to simplify."""
-    return per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: F.scaled_dot_product_attention(
-        qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, scale=scale,
-        enable_gqa=True).transpose(0, 1))
-
-
-def per_sequence(q, k, v, cu_seqlens: torch.Tensor, attend) -> torch.Tensor:
-    """`attend(q, k, v)` on each packed sequence's rows, the outputs concatenated."""
-    bounds = cu_seqlens.tolist()
-    outs = [attend(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(outs) if outs else q.new_empty(q.shape)
+    return flash.fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)

@@ -16,10 +16,11 @@ from torch import nn
 
 from colocate.algo import aggregate, value_loss
 from colocate.config import AlgorithmConfig
+from colocate.lora.identity import LoRASpec
 from colocate.models.config import ModelConfig
 from colocate.models.transformer import Backbone, CausalLM
 from colocate.trainer.batch import MicroBatch, RolloutBatch
-from colocate.trainer.lora import LoRASpec, add_adapters
+from colocate.trainer.lora import add_adapters
 from colocate.trainer.memory import StateArrival
 from colocate.trainer.optim import OptimizerStep
 from colocate.trainer.parallelize import local_tensor

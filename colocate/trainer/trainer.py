@@ -23,22 +23,29 @@ from torch.profiler import record_function
 
 from colocate import dist
 from colocate.config import Config
+from colocate.lora.identity import LoRASpec, is_adapter
 from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype
 from colocate.rollout.sample import Sample
 from colocate.sizing import AUTO, MemoryPlan, Shape, cpu_plan, needs_of, plan_memory
+from colocate.timing import timed
 from colocate.trainer.actor import Actor
-from colocate.trainer.global_advantages import compute_advantages, global_masked_mean
 from colocate.trainer.batch import RolloutBatch
-from colocate.trainer.lora import LoRASpec, add_adapters, adapters_disabled, init_adapters_, is_adapter
 from colocate.trainer.critic import Critic, ValueModel, add_critic_adapters, zero_value_head_
+from colocate.trainer.global_advantages import compute_advantages, global_masked_mean
+from colocate.trainer.lora import adapters_disabled, add_adapters, init_adapters_
 from colocate.trainer.memory import (
-    ACTOR_OPTIM, ACTOR_PARAMS, CRITIC_OPTIM, CRITIC_PARAMS, REFERENCE, StateArrival, TrainerMemory,
+    ACTOR_OPTIM,
+    ACTOR_PARAMS,
+    CRITIC_OPTIM,
+    CRITIC_PARAMS,
+    REFERENCE,
+    StateArrival,
+    TrainerMemory,
 )
 from colocate.trainer.optim import LRSchedule, OptimizerStep, init_optimizer_state
 from colocate.trainer.parallelize import ActivationCheckpointing, build_sharded, device_mesh
 from colocate.trainer.passes import pass_parts, plan_steps
 from colocate.trainer.reference import Reference
-from colocate.timing import timed
 
 
 def _summarize(steps: list[dict[str, float]], prefix: str) -> dict[str, float]:
@@ -143,7 +150,8 @@ class Trainer:
         else:
             free, total = torch.cuda.mem_get_info(self.device)
             free = -dist.all_reduce_max(-free, self.device)
-            kv_per_token = 2 * policy_cfg.num_hidden_layers * policy_cfg.num_key_value_heads * policy_cfg.head_dim * itemsize
+            p = policy_cfg
+            kv_per_token = 2 * p.num_hidden_layers * p.num_key_value_heads * p.head_dim * itemsize  # K and V
             shape = Shape.of(policy_cfg, m.lora_rank, tuple(m.lora_target_modules))
             plan = plan_memory(shape, needs, free, total, kv_per_token)
         t.max_tokens_per_gpu = plan.max_tokens_per_gpu

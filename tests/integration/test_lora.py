@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
+from colocate.lora.identity import is_adapter
 from colocate.models import from_pretrained
-from colocate.trainer.lora import is_adapter
 from tests.distributed import run_ranks
 from tests.helpers import capture_grads, write_hf_model
 from tests.integration.test_trainer_fsdp import _config, _samples, plain_grpo_loss
@@ -388,7 +388,8 @@ def test_critic_checkpoint_holds_its_adapters_and_head_and_resumes_exactly(one_r
 def test_exports_give_the_trainer_logits_in_transformers_and_peft(one_rank, model_path, tmp_path):
     import transformers
 
-    from colocate.export import export, main as export_main
+    from colocate.export import export
+    from colocate.export import main as export_main
 
     r = one_rank["resume"]
     ids, expected = r["ids"], r["logits_at_save"]
@@ -432,9 +433,10 @@ def _cuda_rank(rank, world_size, path, keep_adapters):
     offload.keep_adapters, and go to the host and back with the base otherwise."""
     from colocate import dist
     from colocate.colocation.weight_sync import sync_weights
+    from colocate.lora.merge import merged_weight
     from colocate.rollout.native import NativeEngine
     from colocate.trainer import Trainer
-    from colocate.trainer.lora import adapted_modules, adapters_disabled, merged_weight
+    from colocate.trainer.lora import adapted_modules, adapters_disabled
     from colocate.trainer.memory import ACTOR_OPTIM, PARAMS, STATE
 
     info = dist.get_info()

@@ -14,10 +14,9 @@ import torch
 
 from colocate.checkpoint import ModelOptimizerState, load_checkpoint, save_checkpoint
 from colocate.export import export
+from colocate.lora.identity import NUM_SAMPLES, LoRASpec, sampled_ranges, weights_fingerprint
 from colocate.models import from_pretrained
-from colocate.trainer.lora import (
-    NUM_SAMPLES, LoRASpec, adapted_modules, add_adapters, init_adapters_, sampled_ranges, weights_fingerprint,
-)
+from colocate.trainer.lora import adapted_modules, add_adapters, init_adapters_
 from tests.disk import snapshot
 from tests.helpers import write_hf_model
 

@@ -162,7 +162,8 @@ def test_resume_continues_carried_samples_and_every_group_trains_once(tmp_path):
 def _lora_partial_run(rank, world_size, toy, out):
     """A LoRA run that carries samples: the groups it drew and trained, the engine's weights at the
     end and the weights the trainer's adapters merge into (the engine's dtype)."""
-    from colocate.trainer.lora import adapted_modules, merged_weight
+    from colocate.lora.merge import merged_weight
+    from colocate.trainer.lora import adapted_modules
 
     def full(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -185,7 +185,8 @@ def _lora_block_grads(mode: str | None, compiled: bool = False, device: str = "c
     of at least one element per token that its forward saved for backward outside any
     recomputation's own store, less the parameters and the block's inputs: those of a weight's
     shape, and all of them. Compiled by aot_eager on the CPU, by inductor on a GPU."""
-    from colocate.trainer.lora import LoRALinear, LoRASpec
+    from colocate.lora.identity import LoRASpec
+    from colocate.trainer.lora import LoRALinear
 
     torch.manual_seed(0)
     block = DecoderLayer(CFG, 0).to(device=device, dtype=dtype)

@@ -145,7 +145,8 @@ def test_each_offload_switch_moves_only_its_half(offload_train, offload_rollout)
 
 def _lora_trainer(events: Events) -> FakeTrainer:
     """A trainer whose model is a frozen base: one adapted projection and one frozen one."""
-    from colocate.trainer.lora import LoRALinear, LoRASpec
+    from colocate.lora.identity import LoRASpec
+    from colocate.trainer.lora import LoRALinear
 
     trainer = FakeTrainer(events, lora=True)
     model = torch.nn.Module()

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from colocate.kernels import (
-    batch_invariant_cuda, invariant_attention, logprob, lora_merge, paged_attention, rotary, sampling,
+    batch_invariant_cuda,
+    invariant_attention,
+    logprob,
+    lora_merge,
+    paged_attention,
+    rotary,
+    sampling,
 )
 from colocate.kernels.invariant_ops import reference_rms_norm
 from colocate.kernels.paged_attention import DecodeConfig, reference_paged_decode_attention
@@ -123,11 +129,11 @@ def test_invariant_row_reductions_match_torch():
     torch.testing.assert_close(batch_invariant_cuda.silu_mul(gate, up), torch.nn.functional.silu(gate) * up,
                                rtol=1e-5, atol=1e-5)
     z = _randn(9, 3000, seed=2, scale=4)  # three column blocks of the log-sum-exp, the last one partial
-    lse = batch_invariant_cuda.logsumexp(z)
+    lse = sampling.invariant_logsumexp(z)
     torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(batch_invariant_cuda.logsumexp(z[4:5]), lse[4:5], **SAME)
+    torch.testing.assert_close(sampling.invariant_logsumexp(z[4:5]), lse[4:5], **SAME)
     z[2, 7:2000] = float("-inf")  # masked columns carry no probability and no entropy
-    lse, entropy = batch_invariant_cuda.logsumexp_and_entropy(z)
+    lse, entropy = sampling.invariant_logsumexp_and_entropy(z)
     logp = torch.log_softmax(z, -1)
     torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(entropy, -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5, atol=1e-5)
@@ -264,8 +270,8 @@ def test_sampling_kernel_matches_the_reference(config):
 def test_the_modes_sampler_subtracts_the_trainers_log_sum_exp_bit_for_bit(monkeypatch):
     """The mode's sampler (a fixed launch, logits scaled beforehand) draws the reference's ids, and
     each log-prob is exactly the scaled logit minus the trainer's log-sum-exp of that row
-    (`logsumexp`, `logsumexp_and_entropy`, whose entropy matches torch's), with three rows or one
-    beside it; the slices walk two blocks each, the last block part-filled and one slice empty."""
+    (`invariant_logsumexp`, `invariant_logsumexp_and_entropy`, whose entropy matches torch's), with
+    three rows or one beside it; the slices walk two blocks each, the last block part-filled and one slice empty."""
     monkeypatch.setattr(sampling, "INVARIANT_CONFIG", SampleConfig(5, 128, 4))
     vocab = 1000  # 5 slices of 256 columns: the last one holds none
     logits = _randn(6, vocab, scale=3)
@@ -280,9 +286,9 @@ def test_the_modes_sampler_subtracts_the_trainers_log_sum_exp_bit_for_bit(monkey
         want = reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
         assert torch.equal(ids, want[0])
         torch.testing.assert_close(logprobs, want[1], atol=1e-5, rtol=0)
-        lse = batch_invariant_cuda.logsumexp(scaled)
+        lse = sampling.invariant_logsumexp(scaled)
         assert torch.equal(logprobs, scaled.gather(1, ids[:, None]).squeeze(1) - lse)
-        same_lse, entropy = batch_invariant_cuda.logsumexp_and_entropy(scaled)
+        same_lse, entropy = sampling.invariant_logsumexp_and_entropy(scaled)
         assert torch.equal(same_lse, lse)
         logp = torch.log_softmax(scaled, -1)
         torch.testing.assert_close(entropy, -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5,
@@ -292,7 +298,7 @@ def test_the_modes_sampler_subtracts_the_trainers_log_sum_exp_bit_for_bit(monkey
                                                     *(t[rows] if t is not None else None for t in (suppress_ids,
                                                                                                   suppress_left)))
             assert torch.equal(part[0], ids[rows]) and torch.equal(part[1], logprobs[rows])
-            assert torch.equal(batch_invariant_cuda.logsumexp(scaled[rows]), lse[rows])
+            assert torch.equal(sampling.invariant_logsumexp(scaled[rows]), lse[rows])
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])

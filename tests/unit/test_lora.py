@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from colocate.config import load_config
+from colocate.lora.identity import LoRASpec, is_adapter
+from colocate.lora.merge import merged_weight
 from colocate.models import from_pretrained
-from colocate.trainer.lora import (
-    LoRASpec, adapted_modules, adapters_disabled, add_adapters, init_adapters_, is_adapter, merged_weight,
-)
+from colocate.trainer.lora import adapted_modules, adapters_disabled, add_adapters, init_adapters_
 from tests.helpers import write_hf_model
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
