@@ -11,13 +11,12 @@
 
 Medians over --rounds. The process re-executes itself with torch_memory_saver's preload hook (as
 launch.sh runs the loop), so that graph memory is pausable too.
-Run: python bench/colocation.py [--rounds 5]; writes bench/results/colocation.json.
+Run: python -m bench.colocation [--rounds 5]; writes bench/results/colocation.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -26,6 +25,8 @@ import time
 
 import torch
 
+from bench.common import RESULTS_DIR, child_env, machine, module_command, timed, write_result
+from bench.train_plans import model_config
 from colocate import dist
 from colocate.colocation.weight_sync import sync_weights
 from colocate.config import Config
@@ -34,19 +35,9 @@ from colocate.models import CausalLM
 from colocate.rollout.native import NativeEngine
 from colocate.trainer import Trainer
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from train_plans import model_config  # noqa: E402  (the benchmarks' shared model shapes)
-
-RESULTS = pathlib.Path(__file__).parent / "results" / "colocation.json"
+MODULE = "bench.colocation"  # re-executed with the preload hook
+RESULTS = RESULTS_DIR / "colocation.json"
 TAGS = ["weights", "kv_cache", "cuda_graph"]
-
-
-def _timed_ms(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start)
 
 
 def copy_ms(num_bytes: int, rounds: int) -> float:
@@ -88,16 +79,16 @@ def _mismatched(policy: torch.nn.Module, engine: NativeEngine) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="1.5b", help="model shape from bench/train.py")
+    parser = argparse.ArgumentParser(prog="python -m bench.colocation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="1.5b", help="model shape from bench/train_plans.py")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-tokens", type=int, default=1 << 19, help="engine KV-cache capacity")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench/colocation.py needs a CUDA device")
+        raise SystemExit("bench.colocation needs a CUDA device")
     if preload_library() and not preload_active():
-        os.execve(sys.executable, [sys.executable, *sys.argv], with_preload(os.environ))
+        os.execve(sys.executable, module_command(MODULE, *sys.argv[1:]), child_env(env=with_preload(os.environ)))
 
     info = dist.init()
     mcfg = model_config(args.model)
@@ -127,21 +118,21 @@ def main(argv: list[str] | None = None) -> None:
     release, resume, freed = [], [], []
     for _ in range(args.rounds):
         before = torch.cuda.mem_get_info()[0]
-        release.append(_timed_ms(lambda: engine.release_memory(TAGS)))
+        release.append(1e3 * timed(lambda: engine.release_memory(TAGS)))
         freed.append(torch.cuda.mem_get_info()[0] - before)
-        resume.append(_timed_ms(lambda: engine.resume_memory(TAGS)))
+        resume.append(1e3 * timed(lambda: engine.resume_memory(TAGS)))
     rested, after_free = [], []
     for _ in range(args.rounds):
         engine.release_memory(TAGS)
         time.sleep(0.3)
-        rested.append(_timed_ms(lambda: engine.resume_memory(TAGS)))
+        rested.append(1e3 * timed(lambda: engine.resume_memory(TAGS)))
         engine.release_memory(TAGS)
         _train_phase_memory(statistics.median(freed))
-        after_free.append(_timed_ms(lambda: engine.resume_memory(TAGS)))
+        after_free.append(1e3 * timed(lambda: engine.resume_memory(TAGS)))
     engine.shutdown()
 
     results = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+        **machine(), "model": args.model,
         "weight_sync": {"bytes": sync_bytes, "tensors": syncs[-1].num_tensors, "buckets": syncs[-1].num_buckets,
                         "ms": sync_ms, "all_ms": [1e3 * s.seconds for s in syncs],
                         "d2d_copy_ms": copy, "ratio_to_copy": sync_ms / copy},
@@ -153,8 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                            "resume_after_train_memory_ms": statistics.median(after_free),
                            "after_train_memory_all_ms": after_free},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(results, args.out)
     w, r = results["weight_sync"], results["release_resume"]
     print(f"colocation ({args.model}, {results['device']}): weight sync {w['bytes'] / 2**30:.2f} GiB in "
           f"{w['ms']:.1f} ms = {w['ratio_to_copy']:.2f}x a device copy ({w['d2d_copy_ms']:.2f} ms) | release "

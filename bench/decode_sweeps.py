@@ -5,17 +5,16 @@ every shape on batches of equal contexts, and the picked shape on long-tailed co
 from __future__ import annotations
 
 import itertools
-import json
 import random
 
 import torch
 
+from bench.common import RESULTS_DIR, peak_hbm_bytes_per_s, write_result
+from bench.rollout_throughput import TAIL_RUNS, tail_length
 from colocate.kernels import paged_attention
-from kernel_bench import RESULTS
-from rollout import peak_hbm_bytes_per_s
 
-SWEEP_RESULTS = RESULTS.parent / "paged_decode_sweep.json"
-MIXED_RESULTS = RESULTS.parent / "decode_mixed.json"
+SWEEP_RESULTS = RESULTS_DIR / "paged_decode_sweep.json"
+MIXED_RESULTS = RESULTS_DIR / "decode_mixed.json"
 SWEEP_SHAPES = [(256, 256), (256, 384), (256, 1024), (64, 384), (64, 2048), (16, 3072)]
 """(batch, context) pairs: the rollout benchmark's b256, b64 and long cases at mid-generation."""
 
@@ -68,7 +67,7 @@ def sweep_paged_decode(batch, context, num_layers=24, num_q_heads=14, num_kv_hea
 
 
 def decode_sweep() -> None:
-    results = {"device": torch.cuda.get_device_name(), "shapes": []}
+    results = {"shapes": []}
     for batch, context in SWEEP_SHAPES:
         r = sweep_paged_decode(batch, context)
         results["shapes"].append(r)
@@ -77,15 +76,12 @@ def decode_sweep() -> None:
               f"{ {k: r['auto'][k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} } | best "
               f"{best['us']:.1f} us { {k: best[k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} }",
               flush=True)
-    SWEEP_RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    SWEEP_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(results, SWEEP_RESULTS)
 
 
 def tail_contexts(batch: int, seed: int = 0) -> list[int]:
     """Contexts of a decode batch mid-step in the tail run: samples drawn with weight = response
     length (a seat holds a long sample longer), each at a uniform point of its response."""
-    from rollout import TAIL_RUNS, tail_length
-
     run, rng = TAIL_RUNS["4b"], random.Random(seed)
     lengths = [tail_length(key, run["median_tokens"], run["sigma"], run["max_tokens"]) for key in range(8192)]
     drawn = rng.choices(lengths, weights=lengths, k=batch)
@@ -137,15 +133,14 @@ def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, 
     roofline_us = 2 * sum(contexts) * num_kv_heads * head_dim * 2 / peak * 1e6
     longest_first = sorted(contexts, reverse=True)
     cases = {"longest_first": (longest_first, picked), "drawn_order": (contexts, picked), "even": (even, picked)}
-    result = {"device": torch.cuda.get_device_name(),
-              "shape": dict(batch=batch, q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim,
+    result = {"shape": dict(batch=batch, q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim,
                             block_size=block_size, layers=num_layers),
               "contexts": dict(mean=sum(contexts) / batch, max=max(contexts), min=min(contexts)),
               "roofline_us": roofline_us, "hbm_bytes_per_s": peak}
     for name, (lens, config) in cases.items():
         us = time_us(lens, config)
         result[name] = dict(us=us, roofline_share=roofline_us / us, config=vars(config))
-    MIXED_RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, MIXED_RESULTS)
     print(" | ".join(f"{name} {result[name]['us']:.1f} us ({result[name]['roofline_share']:.0%} of the roofline)"
                      for name in cases) + f" | contexts mean {result['contexts']['mean']:.0f}, max "
           f"{result['contexts']['max']} -> {MIXED_RESULTS}")

@@ -39,11 +39,11 @@ launch.sh does). Its result goes into the JSON as soon as the child has written 
 child's exit (a tail run's went on for over 110 s after its last step on an H100); `result_s` and
 `process_s` say when each came.
 
-Run: python bench/e2e.py [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
+Run: python -m bench.e2e [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
                          [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trl-configs A,B] [--trace-dir DIR]
                          [--lora-rank N [--lora-only]] [--shape 0.5b|1.5b|8b]
-     python bench/e2e.py --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
-     python bench/e2e.py --tail [--partial both] [--over-sampling 4] [--cpu-smoke]   (bench/e2e_tail.py: long-tailed
+     python -m bench.e2e --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
+     python -m bench.e2e --tail [--partial both] [--over-sampling 4] [--cpu-smoke]   (bench/e2e_tail.py: long-tailed
                          lengths on a Qwen3-4B shape, partial rollout off and on; no TRL)
 Writes bench/results/e2e.json (--tail: e2e_tail.json; --cpu-smoke: a file in its temporary
 directory unless --out) and prints one summary line. On a cold H200 both of our variants and one
@@ -57,7 +57,6 @@ import argparse
 import collections
 import dataclasses
 import json
-import os
 import platform
 import random
 import shutil
@@ -70,14 +69,13 @@ import threading
 import time
 from pathlib import Path
 
-import e2e_tail
-import e2e_trl
-from e2e_ours import PROGRESS, run_ours
-from e2e_trl import run_trl
+from bench import e2e_tail, e2e_trl
+from bench.common import RESULTS_DIR, child_env, module_command, write_result
+from bench.e2e_ours import PROGRESS, run_ours
+from bench.e2e_trl import run_trl
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "e2e.json"
-HOOKS = Path(__file__).stem  # module name of this file for the config's module:function hooks
+RESULTS = RESULTS_DIR / "e2e.json"
+MODULE = "bench.e2e"  # the workers run it; the config's module:function hooks live in it
 RESULT_WRITTEN = "result written"
 """The end of the progress line an "ours" worker prints once its result file is complete."""
 QWEN2 = dict(model_type="qwen2", tie_word_embeddings=True, attention_bias=True)
@@ -198,7 +196,7 @@ def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name:
         "rollout": {"prompt_data": str(prompts), "max_prompt_len": b["prompt_tokens"],
                     "rollout_batch_size": b["prompts"], "n_samples_per_prompt": b["samples_per_prompt"],
                     "max_response_len": b["response_tokens"], "temperature": 1.0,
-                    "reward": f"{HOOKS}:vowel_reward", "custom_generate": f"{HOOKS}:fixed_length_generate"},
+                    "reward": f"{MODULE}:vowel_reward", "custom_generate": f"{MODULE}:fixed_length_generate"},
         "algorithm": {"advantage_estimator": "grpo"},
         "train": train,
         "offload": {"offload_rollout": offload, "offload_train": offload},
@@ -215,7 +213,7 @@ def _child(args: list[str], env: dict, timeout: float, on_result=None) -> dict:
     cut that off); `result_s` is when that was, `process_s` when the process ended."""
     start = time.perf_counter()
     out = Path(args[args.index("--result") + 1])
-    proc = subprocess.Popen([sys.executable, __file__, *args], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(module_command(MODULE, *args), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace")
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
@@ -241,8 +239,7 @@ def _child(args: list[str], env: dict, timeout: float, on_result=None) -> dict:
 
 
 def _child_env(extra_path: str | None = None, preload: bool = False, cpu: bool = False) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(ROOT), env.get("PYTHONPATH")) if p)
+    env = child_env(extra_path)
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     if preload:
@@ -263,8 +260,7 @@ def _write(results: dict, out: Path) -> None:
     results["ratio_full_over_lora"] = {name: full[name.split("_", 1)[1]] / e["step_median_s"] for name, e in ours.items()
                                        if name.startswith("lora") and full.get(name.split("_", 1)[1])
                                        and e.get("step_median_s")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_result(results, out)
 
 
 def orchestrate(args, out: Path, workdir: Path) -> dict:
@@ -371,7 +367,7 @@ def summary(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --cpu-smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; --cpu-smoke 1)")
     parser.add_argument("--offload", choices=tuple(CHOICES), default="both")

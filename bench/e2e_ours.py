@@ -3,12 +3,11 @@ times after warm-up, and the progress lines the parent echoes while it runs (bui
 
 from __future__ import annotations
 
-import platform
 import time
 from pathlib import Path
 
-import e2e_tail
-from e2e_trl import median
+from bench import e2e_tail
+from bench.common import machine, median
 
 PROGRESS = "e2e progress:"
 """Lines of a worker that start with this are echoed by the parent as they come."""
@@ -118,7 +117,7 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
                     if k.startswith("memory/") and k.endswith(f"/{kind}_gib") and v is not None), default=None)
 
     return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "device": machine()["device"],
         "build_s": build_s,
         "startup_s": startup_phases(rows[0]) if rows else {},
         "steps_s": steps,

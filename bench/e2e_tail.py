@@ -2,7 +2,7 @@
 
 Model: a Qwen3-4B shape (random weights), one GPU, offload on, gradient checkpointing on; 16
 prompts of 256 tokens x 8 samples a step. Every sample's length comes from the lognormal of
-`bench/rollout.py --cases tail` (median 1536, capped at 8192), fixed by its prompt and sample
+`bench/rollout_throughput.py --cases tail` (median 1536, capped at 8192), fixed by its prompt and sample
 index, with ignore_eos: `TailLengths` sits between the rollout manager and the engine and splits
 each request into one request per sample with that sample's max_new_tokens, so a sample continued
 in a later step keeps its length. Partial rollout on keeps 64 groups in flight (four times the
@@ -25,8 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from rollout import TAIL_RUNS, TAIL_SHAPES, tail_length
-
+from bench.rollout_throughput import TAIL_RUNS, TAIL_SHAPES, tail_length
 from colocate.rollout.orchestrator import stable_seed
 from colocate.rollout.protocol import Request, SamplingParams
 

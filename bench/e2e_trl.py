@@ -14,10 +14,11 @@ unless the model is loaded in bf16, which then also trains in bf16 (no fp32 mast
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Callable
+
+from bench.common import median
 
 TRL_MICRO_BATCH = 32
 CONFIGS = {
@@ -29,10 +30,6 @@ CONFIGS = {
 """GRPOConfig settings over the default one: "default" loads fp32 weights (trained as fp32 masters
 under bf16 autocast, generation casting them at every step); the others load bf16 weights, add
 Liger's kernels and, last, torch.compile of the model (TrainingArguments.torch_compile)."""
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def fastest(trl: dict) -> str | None:

@@ -30,38 +30,38 @@ for step in $steps; do
     default) run default 60 python -m colocate.train --config configs/default.yaml \
                --output-dir "$out/default_run" --logging.console False ;;
     engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
-    e2e) run e2e 590 python bench/e2e.py --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
+    e2e) run e2e 590 python -m bench.e2e --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
     # The start-up's sizes (train.max_tokens_per_gpu, the recompute plan and the KV cache all auto)
     # beside hand-picked budgets with nothing recomputed, offload off and on, in one run.
-    sizing) run sizing 590 python bench/e2e.py --skip-trl --steps 3 --warmup 2 \
+    sizing) run sizing 590 python -m bench.e2e --skip-trl --steps 3 --warmup 2 \
               --max-tokens-per-gpu auto,49152:none,32768:none,16384:none --out "$out/e2e_sizing.json" ;;
-    e2e_tail_off) run e2e_tail_off 590 python bench/e2e.py --tail --partial off --steps 2 --warmup 1 \
+    e2e_tail_off) run e2e_tail_off 590 python -m bench.e2e --tail --partial off --steps 2 --warmup 1 \
                     --out "$out/e2e_tail_off.json" ;;
     # Partial rollout reaches its steady state once the first step's 4x groups have drained (about
     # 4 steps): time the steps after 3 warm-up steps.
-    e2e_tail_on) run e2e_tail_on 590 python bench/e2e.py --tail --partial on --steps 3 --warmup 3 \
+    e2e_tail_on) run e2e_tail_on 590 python -m bench.e2e --tail --partial on --steps 3 --warmup 3 \
                    --out "$out/e2e_tail_on.json" ;;
     # LoRA rank 64 against full training at the 1.5B shape, then the 8B shape with LoRA alone (the
     # KV cache that remains is what lora_8b reports; at least 40 GiB needs an H200's memory).
-    lora) run lora 590 python bench/e2e.py --lora-rank 64 --offload on --skip-trl --steps 6 --warmup 2 \
+    lora) run lora 590 python -m bench.e2e --lora-rank 64 --offload on --skip-trl --steps 6 --warmup 2 \
             --out "$out/e2e_lora.json" ;;
-    lora_8b) run lora_8b 590 python bench/e2e.py --shape 8b --lora-rank 64 --lora-only --offload on --skip-trl \
+    lora_8b) run lora_8b 590 python -m bench.e2e --shape 8b --lora-rank 64 --lora-only --offload on --skip-trl \
                --steps 1 --warmup 1 --out "$out/e2e_lora_8b.json" ;;
-    rollout) run rollout 330 python bench/rollout.py --profile "$out/rollout_profile.txt" ;;
-    prefill) run prefill 300 python bench/prefill.py ;;
-    tail) run tail 570 python bench/rollout.py --cases tail ;;
-    colocation) run colocation 150 python bench/colocation.py ;;
-    startup) run startup 560 python bench/startup.py ;;
+    rollout) run rollout 330 python -m bench.rollout_throughput --profile "$out/rollout_profile.txt" ;;
+    prefill) run prefill 300 python -m bench.prefill ;;
+    tail) run tail 570 python -m bench.rollout_throughput --cases tail ;;
+    colocation) run colocation 150 python -m bench.colocation ;;
+    startup) run startup 560 python -m bench.startup ;;
     # Qwen3-4B-shaped start-up (offload on), cold then warm, beside pinning 8 GiB with 1-8 threads.
-    startup_4b) run startup_4b 590 python bench/startup.py --cases pinning,qwen3_4b \
+    startup_4b) run startup_4b 590 python -m bench.startup --cases pinning,qwen3_4b \
                   --out bench/results/startup_4b.json ;;
     on_policy_bits) run on_policy_bits 300 python -m pytest -q -s -rA -m gpu -p no:cacheprovider \
                       tests/unit/test_kernel_batch_invariant.py tests/parity/test_true_on_policy_gpu.py ;;
-    on_policy) run on_policy 580 python bench/true_on_policy.py --profile "$out/on_policy_profile.txt" ;;
-    train) run train 590 python bench/train.py --models 1.5b --budget-s 560 ;;
-    train_small) run train_small 330 python bench/train.py --models 0.5b --budget-s 300 ;;
-    kernels) run kernels 60 python bench/kernel_bench.py ;;
-    invariant_sweep) run invariant_sweep 300 python bench/kernel_bench.py --invariant-sweep ;;
+    on_policy) run on_policy 580 python -m bench.true_on_policy --profile "$out/on_policy_profile.txt" ;;
+    train) run train 590 python -m bench.trainer_throughput --models 1.5b --budget-s 560 ;;
+    train_small) run train_small 330 python -m bench.trainer_throughput --models 0.5b --budget-s 300 ;;
+    kernels) run kernels 60 python -m bench.kernel_bench ;;
+    invariant_sweep) run invariant_sweep 300 python -m bench.kernel_bench --invariant-sweep ;;
     units) run units 500 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/unit tests/integration/test_trainer_gpu.py \
              tests/integration/test_checkpoint.py tests/integration/test_lora.py tests/integration/test_lora_loop.py ;;
     multigpu) run multigpu 560 python -m pytest -q -s -rA -m multigpu -p no:cacheprovider tests/integration/test_multigpu.py \

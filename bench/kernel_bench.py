@@ -20,7 +20,7 @@
   each of the 28 blocks), the kernel's against the torch ops' under inductor, and of the direct
   launches a weight push makes.
 
-Prints one summary line and writes bench/results/kernels.json. Run: python bench/kernel_bench.py
+Prints one summary line and writes bench/results/kernels.json. Run: python -m bench.kernel_bench
 
 `--decode-sweep` instead times every decode-kernel launch shape (tile, splits, warps, stages) on
 engine-like decode batches (it and `--decode-mixed` run bench/decode_sweeps.py): the kernel runs
@@ -39,11 +39,11 @@ tiles hold a kv head's query heads), with tiles of other sizes, beside the defau
 Writes bench/results/invariant_matmul_sweep.json.
 
 `--decode-mixed` times the decode kernel on a decode batch of long-tailed contexts (the 4B shape
-of `bench/rollout.py --cases tail`: 192 rows, the mean decode batch of the partial-rollout tail run,
+of `bench/rollout_throughput.py --cases tail`: 192 rows, the mean decode batch of the partial-rollout tail run,
 each a sample drawn by its length, as seats hold long samples longer, at a uniform point of its
 response), its rows longest context first (as the scheduler hands them) and in drawn order, beside
 the same tokens spread evenly over the rows, over 12 layers' caches in one CUDA graph; against the
-roofline of the K/V read at the device's peak HBM bandwidth (bench/rollout.py's). Writes
+roofline of the K/V read at the device's peak HBM bandwidth (bench/common.py's). Writes
 bench/results/decode_mixed.json.
 
 `--sample-sweep` times every launch shape of the Gumbel-max sampler (programs per SM, block,
@@ -55,23 +55,24 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import pathlib
 
 import torch
 import torch.nn.functional as F
 
+from bench.common import RESULTS_DIR, peak_hbm_bytes_per_s, write_result
+from bench.decode_sweeps import decode_mixed, decode_sweep
+from bench.lora_merge_bench import bench_lora_merge
 from colocate.kernels import (
+    paged_attention,
     paged_decode_attention,
     reference_token_logprobs,
     token_logprobs,
 )
-from colocate.kernels import paged_attention
 from colocate.models.transformer import joint_linear
-from lora_merge_bench import bench_lora_merge
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "kernels.json"
-SAMPLE_SWEEP_RESULTS = RESULTS.parent / "sampling_sweep.json"
+RESULTS = RESULTS_DIR / "kernels.json"
+SAMPLE_SWEEP_RESULTS = RESULTS_DIR / "sampling_sweep.json"
+INVARIANT_SWEEP_RESULTS = RESULTS_DIR / "invariant_matmul_sweep.json"
 
 
 def _peak_extra_bytes(fn) -> int:
@@ -153,7 +154,6 @@ def bench_paged_decode(do_bench, batch=256, context=384, num_q_heads=14, num_kv_
 
 def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
     """Microseconds per call of every sampler launch shape, and of the plain-torch reference."""
-    from rollout import peak_hbm_bytes_per_s
     from triton.testing import do_bench
 
     from colocate.kernels import sampling
@@ -192,7 +192,7 @@ def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
 
 
 def sample_sweep() -> None:
-    results = {"device": torch.cuda.get_device_name(), "shapes": []}
+    results = {"shapes": []}
     for batch in (256, 64, 16):
         r = sweep_sampling(batch)
         results["shapes"].append(r)
@@ -200,8 +200,7 @@ def sample_sweep() -> None:
         print(f"sampler B={batch}: roofline {r['roofline_us']:.1f} us | reference {r['reference_us']:.1f} us | "
               f"auto {r['auto']['us']:.1f} us | best {best['us']:.1f} us "
               f"{ {k: best[k] for k in ('programs_per_sm', 'num_splits', 'block', 'num_warps')} }", flush=True)
-    SAMPLE_SWEEP_RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    SAMPLE_SWEEP_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(results, SAMPLE_SWEEP_RESULTS)
 
 
 INVARIANT_SHAPES = {  # (hidden, intermediate, q/k/v width): each projection's (N, K); lm_head apart
@@ -228,7 +227,7 @@ def invariant_sweep() -> None:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     block_k = bic.BLOCK_K[torch.bfloat16]
-    results = {"device": torch.cuda.get_device_name(), "k_chunk": bic.K_CHUNK, "block_k": block_k, "shapes": {}}
+    results = {"k_chunk": bic.K_CHUNK, "block_k": block_k, "shapes": {}}
     broken = []
     for shape, (hidden, inter, qkv) in INVARIANT_SHAPES.items():
         rows = []
@@ -280,8 +279,7 @@ def invariant_sweep() -> None:
     results["same_block_k_bits_differ"] = broken
     print(f"configs of BLOCK_K {block_k} whose bits differ from the pick's: {broken or 'none'}", flush=True)
     results["attention"] = invariant_attention_sweep(eager_ms, ms)
-    path = RESULTS.parent / "invariant_matmul_sweep.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(results, INVARIANT_SWEEP_RESULTS)
 
 
 def invariant_attention_sweep(eager_ms, graphed_ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_kv_heads=2,
@@ -291,7 +289,7 @@ def invariant_attention_sweep(eager_ms, graphed_ms, num_seqs=8, seq_len=2048, nu
     and whether each gives the bits of the current tile sizes; beside the default packed attention
     (FlashAttention-4 or varlen) and the default paged decode."""
     from colocate.kernels import invariant_attention as ia
-    from colocate.models.layers import fast_packed_attention
+    from colocate.kernels.flash import fast_packed_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = num_seqs * seq_len
@@ -402,7 +400,8 @@ def bench_residual_addmm(do_bench, num_tokens=32768, hidden_size=1536, intermedi
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.kernel_bench",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
     parser.add_argument("--sample-sweep", action="store_true", help="time every sampler launch shape")
     parser.add_argument("--decode-mixed", action="store_true",
@@ -411,31 +410,25 @@ def main() -> None:
                         help="time the true-on-policy matmul's candidate tile configs by (N, K)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernel_bench.py needs a CUDA device")
+        raise SystemExit("bench.kernel_bench needs a CUDA device")
     if args.invariant_sweep:
         return invariant_sweep()
     if args.decode_sweep:
-        from decode_sweeps import decode_sweep
-
         return decode_sweep()
     if args.sample_sweep:
         return sample_sweep()
     if args.decode_mixed:
-        from decode_sweeps import decode_mixed
-
         return decode_mixed()
     from triton.testing import do_bench
 
     results = {
-        "device": torch.cuda.get_device_name(),
         "token_logprobs": bench_logprobs(do_bench),
         "paged_decode": bench_paged_decode(do_bench),
         "joint_linear": bench_joint_linear(do_bench),
         "residual_addmm": bench_residual_addmm(do_bench),
         "lora_merge": bench_lora_merge(do_bench),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(results, RESULTS)
     lp, pd, jl, ra, lm = (results[k] for k in ("token_logprobs", "paged_decode", "joint_linear", "residual_addmm",
                                                 "lora_merge"))
     print(

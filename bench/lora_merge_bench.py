@@ -9,13 +9,14 @@ import time
 
 import torch
 
+from bench.common import peak_hbm_bytes_per_s
+
 
 def bench_lora_merge(do_bench, rank=64, layers=28, hidden_size=1536, kv_size=256, intermediate_size=8960) -> dict:
     """Every adapted projection of the 1.5B shape merged once (a forward's or a weight push's merges):
     the one-pass kernel of merged_weight against the same merge in torch ops (tensor-core product into
     fp32, scale, add, rounding), and the bytes the kernel must move at the device's peak bandwidth."""
     from colocate.kernels.lora_merge import lora_merge
-    from rollout import peak_hbm_bytes_per_s
 
     shapes = [(hidden_size, hidden_size), (kv_size, hidden_size), (kv_size, hidden_size), (hidden_size, hidden_size),
               (intermediate_size, hidden_size), (intermediate_size, hidden_size), (hidden_size, intermediate_size)]

@@ -1,6 +1,6 @@
 """Prefill throughput of the native engine: compiled decoder layers against eager, in one run.
 
-Model: the Qwen3-4B shape of `bench/rollout.py --cases tail` (random bf16 weights), one GPU. Each
+Model: the Qwen3-4B shape of `bench/rollout_throughput.py --cases tail` (random bf16 weights), one GPU. Each
 case is a generate of one new token per prompt, so its time is almost all prefill, under the
 engine's default budget of 16,384 tokens a prefill. Prefills of at least
 `COMPILED_PREFILL_MIN_TOKENS` tokens run their layers compiled by default; the eager runs raise
@@ -14,28 +14,27 @@ on fresh prompts every time (no cached prefix), after one warm-up each (the comp
 Reported: median tokens/s of each, their ratio, the warm-ups' seconds and the graphs compiled.
 Writes JSON (default bench/results/prefill.json). `--cpu-smoke` runs a tiny shape in fp32 on CPU
 (compiled there too).
-Run: python bench/prefill.py [--repeats 3] [--out PATH] [--cpu-smoke]
+Run: python -m bench.prefill [--repeats 3] [--out PATH] [--cpu-smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pathlib
 import random
 import statistics
-import tempfile
 import time
 
 import torch
-from rollout import TAIL_SHAPES
 
+from bench.common import RESULTS_DIR, machine, result_path, sync, write_result
+from bench.rollout_throughput import TAIL_SHAPES
 from colocate.models import ModelConfig, from_config
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.protocol import SamplingParams
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "prefill.json"
+RESULTS = RESULTS_DIR / "prefill.json"
 EAGER = 1 << 62
 """A compiled-prefill threshold that no prefill reaches."""
 
@@ -49,11 +48,10 @@ def case_lengths(case: str, scale: float, rng: random.Random) -> list[int]:
 
 def timed(engine: NativeEngine, lengths: list[int], vocab: int, rng: random.Random) -> float:
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    sync()
+    sync(engine.device)
     start = time.perf_counter()
     engine.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
-    sync()
+    sync(engine.device)
     return time.perf_counter() - start
 
 
@@ -71,8 +69,8 @@ def run(device: torch.device, repeats: int, smoke: bool) -> dict:
         runner.compiled_prefill_min_tokens = threshold = 256  # the tiny prefills reach it
     rng = random.Random(0)
     vocab = shape["vocab_size"] - 1
-    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "shape": shape, "dtype": str(dtype), "compiled_prefill_min_tokens": threshold, "repeats": repeats, "cases": {}}
+    out = {**machine(device), "shape": shape, "dtype": str(dtype), "compiled_prefill_min_tokens": threshold,
+           "repeats": repeats, "cases": {}}
     for case in ("prompts", "carried"):
         lengths = case_lengths(case, scale, rng)
         seconds = {"compiled": [], "eager": []}
@@ -101,7 +99,7 @@ def run(device: torch.device, repeats: int, smoke: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each variant per case")
     parser.add_argument("--out", type=pathlib.Path, default=None, help=f"JSON path (default {RESULTS})")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on CPU")
@@ -109,10 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1:
         raise ValueError(f"--repeats={args.repeats} must be >= 1")
     result = run(torch.device("cpu" if args.cpu_smoke else "cuda"), args.repeats, args.cpu_smoke)
-    out = args.out or (pathlib.Path(tempfile.mkdtemp(prefix="prefill_")) / "prefill.json" if args.cpu_smoke
-                       else RESULTS)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = result_path(args.out, RESULTS, args.cpu_smoke)
+    write_result(result, out)
     print(f"wrote {out}")
 
 

@@ -30,39 +30,30 @@ batch 256 with 2k context and at batch 8 with 8k context; and the phase's HBM fl
 samples read more KV per token than the same tokens in equal lengths, so even a batch kept full
 to the end cannot reach the full batch's tok/s: the floors' ratio is the ceiling of utilization.
 `--cpu-smoke` runs it on a tiny shape on CPU.
-Run: python bench/rollout.py [--cases b256,b64,long,shared] [--peers plain,static] [--long-hf]
-     python bench/rollout.py --cases tail [--cpu-smoke] [--out PATH]
+Run: python -m bench.rollout_throughput [--cases b256,b64,long,shared] [--peers plain,static] [--long-hf]
+     python -m bench.rollout_throughput --cases tail [--cpu-smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pathlib
 import random
 import statistics
-import tempfile
 import time
 
 import torch
 
+from bench.common import RESULTS_DIR, machine, peak_hbm_bytes_per_s, result_path, sync, write_result
 from colocate.models import ModelConfig, from_config, load_weights
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.protocol import SamplingParams
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "rollout.json"
-TAIL_RESULTS = RESULTS.with_name("rollout_tail.json")
-PEAK_HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
-"""Peak HBM bandwidth by device (the tail case's roofline); any other device counts as an H200."""
+RESULTS = RESULTS_DIR / "rollout.json"
+TAIL_RESULTS = RESULTS_DIR / "rollout_tail.json"
 ACHIEVABLE_HBM = 0.9
 """The share of the peak a streaming copy reaches (4.3 of the H200's 4.8 TB/s): the cases' roofline."""
-
-
-def peak_hbm_bytes_per_s() -> float:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    return next((v for k, v in PEAK_HBM_BYTES_PER_S.items() if k in name), PEAK_HBM_BYTES_PER_S["H200"])
-
 
 CASES = {
     # name: (prompts, samples per prompt, prompt tokens, output tokens)
@@ -159,15 +150,10 @@ def roofline_fraction(engine: NativeEngine, batch: int, prompt_len: int, output_
     return ideal_decode_step_s(engine, batch, prompt_len + output_len / 2, bandwidth) / step_s
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_generate(engine: NativeEngine, prompts: list[list[int]], sampling: list[SamplingParams]) -> dict:
     """Wall time, output tokens and the engine's decode counters of one generate call."""
     before = dict(engine.stats)
-    _sync(engine.device)
+    sync(engine.device)
     start = time.perf_counter()
     outs = engine.generate(prompts, sampling)
     seconds = time.perf_counter() - start
@@ -300,18 +286,15 @@ def tail_summary(r: dict) -> str:
 
 def main_tail(args) -> None:
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              **run_tail("tiny" if args.cpu_smoke else "4b", device)}
-    out = args.out or (pathlib.Path(tempfile.mkdtemp(prefix="rollout_tail_")) / "rollout_tail.json"
-                       if args.cpu_smoke else TAIL_RESULTS)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    result = {**machine(device), **run_tail("tiny" if args.cpu_smoke else "4b", device)}
+    out = result_path(args.out, TAIL_RESULTS, args.cpu_smoke)
+    write_result(result, out)
     print(tail_summary(result))
     print(f"wrote {out}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.rollout_throughput", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="b256,b64,long,shared",
                         help="comma-separated subset of " + ",".join(CASES) + "; or tail, alone")
     parser.add_argument("--peers", default="plain,static", help="transformers runs for b256/b64: plain,static or none")
@@ -350,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in engine.startup_seconds.items())
     print(f"engine ready: init {init_s:.1f} s ({parts}), warm-up {warmup_s:.1f} s", flush=True)
     results = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": HF_CONFIG,
+        **machine(), "model": HF_CONFIG,
         "engine": {"init_seconds": init_s, "init_parts_seconds": engine.startup_seconds,
                    "warmup_seconds": warmup_s, "memory": engine.memory_stats(),
                    "max_decode_steps": args.max_decode_steps, "compile_decode": not args.no_compile_decode},
@@ -373,9 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, static in runs:
             results["cases"][case][name] = run_hf(hf, case, static)
             print(f"{case} {name}: {results['cases'][case][name]}", flush=True)
-    out = args.out or RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_result(results, args.out or RESULTS)
 
     parts = []
     for case, r in results["cases"].items():

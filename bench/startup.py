@@ -1,7 +1,7 @@
 """Start-up time, cold and warm: the 1-GPU smoke run and offline generation, each a fresh process.
 
-    python bench/startup.py [--cases toy,generate,generate_compiled,rollout_engine] [--out PATH] [--cpu-smoke]
-    python bench/startup.py --cases pinning,qwen3_4b --out bench/results/startup_4b.json
+    python -m bench.startup [--cases toy,generate,generate_compiled,rollout_engine] [--out PATH] [--cpu-smoke]
+    python -m bench.startup --cases pinning,qwen3_4b --out bench/results/startup_4b.json
 
 Cases:
   toy       `python -m colocate.train` on configs/default.yaml for 10 steps (`./launch.sh test-gpu`'s
@@ -10,10 +10,10 @@ Cases:
             of 128 token ids x 256 new tokens (ignore_eos): wall time and its start-up line. Its
             default --compile-decode auto leaves this short job's decode uncompiled;
   generate_compiled  the same with --compile-decode on, for the compile's cost beside it.
-  rollout_engine  `bench/rollout.py --cases b256 --peers none`: the engine of its rollout figures
-            (0.5B shape, decode compiled, CUDA graphs up to 256): its init time and parts, wall
-            time, and b256 tok/s (start-up must not cost steady-state speed). With --cpu-smoke
-            its tail case on a tiny shape instead.
+  rollout_engine  `python -m bench.rollout_throughput --cases b256 --peers none`: the engine of
+            its rollout figures (0.5B shape, decode compiled, CUDA graphs up to 256): its init time
+            and parts, wall time, and b256 tok/s (start-up must not cost steady-state speed). With
+            --cpu-smoke its tail case on a tiny shape instead.
 Cases run only when named:
   qwen3_4b  `python -m colocate.train` on a Qwen3-4B shape (random bf16 weights, bench/e2e.py's "4b"),
             full fine-tuning with offload on, 32 prompts x 8 samples (the decode graphs of the
@@ -43,10 +43,14 @@ import sys
 import tempfile
 import time
 
+import torch
+
+from bench import e2e
+from bench.common import RESULTS_DIR, ROOT, child_env, machine, module_command, write_result
+from bench.rollout_throughput import HF_CONFIG, make_prompts
 from colocate.metrics import read_metrics, split_startup, startup_phases
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "startup.json"
+RESULTS = RESULTS_DIR / "startup.json"
 TOY_STEPS = 10
 GENERATE = dict(prompts=256, prompt_tokens=128, new_tokens=256)
 SMOKE_GENERATE = dict(prompts=8, prompt_tokens=16, new_tokens=8)
@@ -101,7 +105,7 @@ def timed_run(cmd: list[str], env: dict, log: pathlib.Path, timeout: float = 550
 
 def memory_saver_preload(config: pathlib.Path, env: dict) -> dict:
     """The LD_PRELOAD that launch.sh sets on a GPU machine (the engine's pausable CUDA graphs)."""
-    out = subprocess.run([sys.executable, "-m", "colocate.memory_saver", str(config)], env=env, cwd=ROOT,
+    out = subprocess.run(module_command("colocate.memory_saver", str(config)), env=env, cwd=ROOT,
                          capture_output=True, text=True)
     preload = out.stdout.strip()
     return {**env, "LD_PRELOAD": preload} if out.returncode == 0 and preload else env
@@ -115,8 +119,8 @@ def run_loop(work: pathlib.Path, env: dict, name: str, config: pathlib.Path, ste
              timeout: float = 550) -> dict:
     """`python -m colocate.train` on this config for `steps` steps: wall time, start-up phases."""
     out_dir = work / name
-    cmd = [sys.executable, "-m", "colocate.train", "--config", str(config), "--output-dir", str(out_dir),
-           "--train.num_rollout", str(steps), "--logging.console", "False"]
+    cmd = module_command("colocate.train", "--config", str(config), "--output-dir", str(out_dir),
+                         "--train.num_rollout", str(steps), "--logging.console", "False")
     env = memory_saver_preload(config, env)  # before the clock starts: it runs a process of its own
     start = time.time()
     wall = timed_run(cmd, env, work / f"{name}.log", timeout)
@@ -139,8 +143,6 @@ def run_loop(work: pathlib.Path, env: dict, name: str, config: pathlib.Path, ste
 def write_4b_inputs(work: pathlib.Path, smoke: bool) -> pathlib.Path:
     """bench/e2e.py's random-weight model (its "4b" shape, or "tiny" for the smoke) with its byte
     tokenizer, prompts, and a config for one step of full fine-tuning with offload on."""
-    import e2e
-    import torch
     import yaml
 
     shape, batch = ("tiny", SMOKE_BATCH_4B) if smoke else ("4b", BATCH_4B)
@@ -159,9 +161,7 @@ def write_4b_inputs(work: pathlib.Path, smoke: bool) -> pathlib.Path:
 
 def run_4b(work: pathlib.Path, env: dict, label: str, config: pathlib.Path) -> dict:
     # The config's hooks (reward, fixed-length generation) live in bench/e2e.py.
-    env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "bench"), str(ROOT), env.get("PYTHONPATH"))
-                                                 if p)}
-    return run_loop(work, env, f"qwen3_4b_{label}", config, 1, RUN_4B_TIMEOUT_S)
+    return run_loop(work, child_env(env=env), f"qwen3_4b_{label}", config, 1, RUN_4B_TIMEOUT_S)
 
 
 def run_pinning() -> dict:
@@ -180,9 +180,6 @@ def run_pinning() -> dict:
 
 def write_generate_inputs(work: pathlib.Path, smoke: bool) -> tuple[pathlib.Path, pathlib.Path]:
     """A random bf16 model directory (no tokenizer) and a JSONL of token-id prompts."""
-    import torch
-    from rollout import HF_CONFIG, make_prompts
-
     from colocate.models import ModelConfig, from_config, save_pretrained
 
     torch.manual_seed(0)
@@ -200,9 +197,9 @@ def write_generate_inputs(work: pathlib.Path, smoke: bool) -> tuple[pathlib.Path
 
 def run_generate(work: pathlib.Path, env: dict, label: str, inputs, new_tokens: int, compile_decode: str) -> dict:
     model_dir, prompts = inputs
-    cmd = [sys.executable, "-m", "colocate.generate", "--model", str(model_dir), "--prompts", str(prompts),
-           "--out", str(work / f"generate_{label}.jsonl"), "--max-new-tokens", str(new_tokens), "--ignore-eos",
-           "--compile-decode", compile_decode]
+    cmd = module_command("colocate.generate", "--model", str(model_dir), "--prompts", str(prompts),
+                         "--out", str(work / f"generate_{label}.jsonl"), "--max-new-tokens", str(new_tokens),
+                         "--ignore-eos", "--compile-decode", compile_decode)
     log = work / f"generate_{label}.log"
     wall = timed_run(cmd, env, log)
     rows = [json.loads(line) for line in (work / f"generate_{label}.jsonl").read_text().splitlines()]
@@ -216,8 +213,8 @@ def run_generate(work: pathlib.Path, env: dict, label: str, inputs, new_tokens: 
 def run_rollout_engine(work: pathlib.Path, env: dict, label: str, smoke: bool) -> dict:
     out = work / f"rollout_{label}.json"
     cases = ["--cases", "tail", "--cpu-smoke"] if smoke else ["--cases", "b256", "--peers", "none"]
-    cmd = [sys.executable, str(ROOT / "bench" / "rollout.py"), *cases, "--out", str(out)]
-    wall = timed_run(cmd, env, work / f"rollout_{label}.log")
+    cmd = module_command("bench.rollout_throughput", *cases, "--out", str(out))
+    wall = timed_run(cmd, child_env(env=env), work / f"rollout_{label}.log")
     r = json.loads(out.read_text())
     speed = r["tail"] if smoke else r["cases"]["b256"]["ours"]
     return {"wall_s": wall, "init_s": r["engine"]["init_seconds"], "init_parts_s": r["engine"]["init_parts_seconds"],
@@ -225,7 +222,8 @@ def run_rollout_engine(work: pathlib.Path, env: dict, label: str, smoke: bool) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.startup",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated subset of {','.join(CASES + NAMED_CASES)}")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
@@ -234,14 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     cases = [c for c in args.cases.split(",") if c]
     if unknown := [c for c in cases if c not in CASES + NAMED_CASES]:
         raise ValueError(f"--cases: unknown {unknown}; choose from {list(CASES + NAMED_CASES)}")
-    import torch
-
     if not torch.cuda.is_available() and not args.cpu_smoke:
-        raise SystemExit("bench/startup.py: no CUDA device here; --cpu-smoke runs the tiny shapes on CPU")
+        raise SystemExit("bench.startup: no CUDA device here; --cpu-smoke runs the tiny shapes on CPU")
     if "pinning" in cases and args.cpu_smoke:
-        raise SystemExit("bench/startup.py: the pinning case needs CUDA (no --cpu-smoke)")
-    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "torch": torch.__version__, "toy_steps": TOY_STEPS,
+        raise SystemExit("bench.startup: the pinning case needs CUDA (no --cpu-smoke)")
+    result = {**machine(), "toy_steps": TOY_STEPS,
               "generate": SMOKE_GENERATE if args.cpu_smoke else GENERATE}
     if "qwen3_4b" in cases:
         result["qwen3_4b_batch"] = SMOKE_BATCH_4B if args.cpu_smoke else BATCH_4B
@@ -253,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         for case in cases:
             if case == "pinning":
                 result["pinning"] = run_pinning()
-                write(result, args.out)
+                write_result(result, args.out)
                 continue
             env = cache_env(work / "caches" / case)
             for label in ("cold", "warm"):
@@ -270,14 +265,9 @@ def main(argv: list[str] | None = None) -> None:
                 parts = {**r.get("init_parts_s", {}), **(r["phases_s"] if case == "qwen3_4b" else {})}
                 shown = {k: v for k, v in {**r, **parts}.items() if isinstance(v, float)}
                 print(f"{case} {label} -> " + ", ".join(f"{k} {v:.1f}" for k, v in shown.items()), flush=True)
-                write(result, args.out)  # after each run: a run cut short keeps what it measured
-    write(result, args.out)
+                write_result(result, args.out)  # after each run: a run cut short keeps what it measured
+    write_result(result, args.out)
     print(f"wrote {args.out}")
-
-
-def write(result: dict, out: pathlib.Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where a profiled trainer step's device time goes, from a torch.profiler trace: device busy and
 idle time, idle time per trainer phase, the largest idle gaps with what the host was doing, device time per
-kernel category, and the matmuls by input shape (used by bench/train.py --profile)."""
+kernel category, and the matmuls by input shape (used by bench/trainer_throughput.py --profile)."""
 
 from __future__ import annotations
 

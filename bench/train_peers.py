@@ -1,4 +1,4 @@
-"""The peers of bench/train.py: transformers' Qwen2 (sdpa) + FSDP2 trained on padded batches of
+"""The peers of bench/trainer_throughput.py: transformers' Qwen2 (sdpa) + FSDP2 trained on padded batches of
 random tokens, the same tokens a step as ours. The default peer is the plain recipe (eager
 layers, every position's logits in fp32, 8 x 2048 micro-batches); the tuned peer is the same
 model given a plan grid of its own, as ours is: activation checkpointing of every decoder layer
@@ -12,15 +12,15 @@ torchtitan itself is not a peer: TORCHTITAN says why.
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.common import timed
+from bench.train_plans import model_flops
 from colocate.models import ModelConfig
-from train_plans import model_flops
 
 TORCHTITAN = ("torchtitan 0.3.0 has no Qwen2 model: its only dense Qwen (qwen3) always adds q/k RMSNorm and "
               "has no q/k/v bias, so it cannot build the Qwen2.5 shapes trained here")
@@ -63,7 +63,7 @@ GRID = {
 SMOKE_SHAPE = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                           rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, attention_bias=True)
-"""`bench/train.py --cpu-smoke`: the peers on a tiny Qwen2 in fp32 on CPU, 512 tokens a step."""
+"""`bench/trainer_throughput.py --cpu-smoke`: the peers on a tiny Qwen2 in fp32 on CPU, 512 tokens a step."""
 SMOKE_DEFAULT = DEFAULT._replace(sequence_length=64)
 SMOKE_GRID = [PeerPlan(False, 8, False, sequence_length=64), PeerPlan(True, 8, True, sequence_length=64),
               PeerPlan(True, 4, False, sequence_length=64)]
@@ -175,15 +175,6 @@ def parallelize(lm: nn.Module, plan: PeerPlan, compute_dtype: torch.dtype, devic
     return fully_shard(loss, mp_policy=mp)
 
 
-def _timed(fn, device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
-
-
 def bench_peer(mcfg: ModelConfig, plan: PeerPlan, steps: int, step_tokens: int, peak_tflops: float,
                device: torch.device, compute_dtype: torch.dtype = torch.bfloat16, chunk_rows: int = CHUNK_ROWS) -> dict:
     """Steps of step_tokens / (num_sequences x sequence_length) accumulated micro-batches of
@@ -209,10 +200,10 @@ def bench_peer(mcfg: ModelConfig, plan: PeerPlan, steps: int, step_tokens: int, 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    warmup_s = sum(_timed(step, device) for _ in range(2))
+    warmup_s = sum(timed(step, device) for _ in range(2))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    seconds = sum(_timed(step, device) for _ in range(steps))
+    seconds = sum(timed(step, device) for _ in range(steps))
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
     # Logits are formed at every position for the fp32 loss, at all but the last for the fused one.
     num_logits = ids.numel() - (plan.num_sequences if plan.fused_loss else 0)

@@ -1,5 +1,6 @@
-"""What bench/train.py measures: the model shapes, the plans tried on each, the FLOPs that MFU
-counts, and the rollout-like batches the steps train on (bench/colocation.py shares the shapes)."""
+"""What bench/trainer_throughput.py measures: the model shapes, the plans tried on each, the trainer
+config of a plan, the FLOPs that MFU counts, and the rollout-like batches the steps train on
+(bench/colocation.py shares the shapes, bench/true_on_policy.py the plans and batches)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import NamedTuple
 
 import torch
 
+from colocate.config import Config
 from colocate.models import CausalLM, ModelConfig
 from colocate.rollout.sample import Sample
 
 GROUP = 4
+STEP_TOKENS = 131072
+"""Tokens of one optimizer step: an RL rollout batch, e.g. 32 samples of up to 4k tokens."""
 SHAPES = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864),
@@ -62,6 +66,26 @@ GRID = {
              Plan(0.25, "ops", True, 26624, offload=True), Plan(0.46, "ops", True, 32768, offload=True)],
     "0.5b": [Plan(0.0, "none", False, 32768), Plan(0.0, "none", False, 16384)],
 }
+
+
+def trainer_config(num_samples: int, plan: Plan, method: str, compiled: bool) -> Config:
+    """The trainer's config for steps of `num_samples` samples under `plan`, offloading by `method`."""
+    cfg = Config()
+    cfg.train.keep_gathered = plan.keep_gathered
+    cfg.model.compile = compiled
+    cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size = GROUP, num_samples // GROUP
+    cfg.train.max_tokens_per_gpu, cfg.train.lr, cfg.train.num_rollout = plan.max_tokens, 1e-6, 1000
+    cfg.offload.method = method
+    return cfg
+
+
+def best_plan(entry: dict) -> dict | None:
+    """Of one model's entry in the results, the fastest plan within the memory limit (any plan when
+    the model has no limit)."""
+    runs = [r for r in entry["ours"] if "mfu" in r]
+    if entry.get("memory_limit_gib") is not None:
+        runs = [r for r in runs if r["fits"]]
+    return max(runs, key=lambda r: r["mfu"]) if runs else None
 
 
 def model_config(name: str) -> ModelConfig:

@@ -27,9 +27,9 @@ last with the fused loss); attention as PaLM,
 convention), or half that (`mfu_causal`, what a causal kernel computes); 989 TFLOP/s bf16 peak.
 Peak memory: max_memory_allocated over the measured steps. Warm-up (compilation) is never timed.
 
-Run: python bench/train.py [--models 1.5b,0.5b] [--plans 0,4] [--peer-plans 0,1] [--steps 3]
+Run: python -m bench.trainer_throughput [--models 1.5b,0.5b] [--plans 0,4] [--peer-plans 0,1] [--steps 3]
 [--step-tokens 131072] [--profile] [--trace DIR] [--budget-s 420]
-     python bench/train.py --cpu-smoke [--out PATH]   (the peers only, on a tiny shape in fp32 on CPU)
+     python -m bench.trainer_throughput --cpu-smoke [--out PATH]   (the peers only, on a tiny shape in fp32 on CPU)
 Writes bench/results/train.json (entries of models not run are kept) and, with --profile,
 train_profile.txt; prints one summary line per model.
 """
@@ -43,26 +43,35 @@ import json
 import pathlib
 import random
 import statistics
-import tempfile
 import time
 
 import torch
 
+from bench import train_peers
+from bench.common import RESULTS_DIR, free_memory, guarded, machine, result_path, timed, write_result
+from bench.trace_report import PHASES, busy_us, device_spans, matmul_shapes, timeline, trace_events
+from bench.train_plans import (
+    GRID,
+    SHAPES,
+    STEP_TOKENS,
+    Plan,
+    best_plan,
+    make_samples,
+    model_config,
+    model_flops,
+    num_params,
+    trainer_config,
+)
 from colocate import dist
-from colocate.config import Config
 from colocate.kernels import flash
 from colocate.trainer.memory import PARAMS, STATE
 from colocate.trainer.packing import pack_micro_batches
 from colocate.trainer.parallelize import ActivationCheckpointing
-from trace_report import PHASES, busy_us, device_spans, matmul_shapes, timeline, trace_events
-from train_plans import GRID, GROUP, SHAPES, Plan, make_samples, model_config, model_flops, num_params
-import train_peers
 
 START = time.monotonic()
-RESULTS = pathlib.Path(__file__).parent / "results" / "train.json"
-PROFILE = RESULTS.with_name("train_profile.txt")
+RESULTS = RESULTS_DIR / "train.json"
+PROFILE = RESULTS_DIR / "train_profile.txt"
 PEAK_TFLOPS = 989.0
-STEP_TOKENS = 131072
 MEMORY_FRACTION = 0.4
 MEMORY_TARGET = ("1.5b",)
 """Models whose plans must fit in MEMORY_FRACTION of the baseline's peak (the others: speed only)."""
@@ -75,29 +84,6 @@ much is left beyond what our plans and the models still to run are given."""
 
 def _mfu(flops: float, seconds: float) -> float:
     return flops / seconds / (PEAK_TFLOPS * 1e12)
-
-
-def _config(num_samples: int, plan: Plan, method: str, compiled: bool) -> Config:
-    cfg = Config()
-    cfg.train.keep_gathered = plan.keep_gathered
-    cfg.model.compile = compiled
-    cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size = GROUP, num_samples // GROUP
-    cfg.train.max_tokens_per_gpu, cfg.train.lr, cfg.train.num_rollout = plan.max_tokens, 1e-6, 1000
-    cfg.offload.method = method
-    return cfg
-
-
-def _free():
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def _timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 class _GcClock:
@@ -131,7 +117,7 @@ def _graphs() -> tuple[int, int]:
 def _trainer(name: str, plan: Plan, info, num_samples: int, method: str = "pinned", compiled: bool = True):
     from colocate.trainer import Trainer
 
-    return Trainer(_config(num_samples, plan, method, compiled), info, model_config=model_config(name),
+    return Trainer(trainer_config(num_samples, plan, method, compiled), info, model_config=model_config(name),
                    checkpointing=ActivationCheckpointing(plan.full, plan.rest, plan.keep_attention))
 
 
@@ -152,11 +138,11 @@ def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None,
 
     def offload():
         if plan.offload:
-            offload_s.append(_timed(lambda: trainer.memory.offload(*STATE)))
+            offload_s.append(timed(lambda: trainer.memory.offload(*STATE)))
 
     warmup_s = 0.0
     for batch in batches[:2]:
-        warmup_s += _timed(lambda b=batch: step(b))
+        warmup_s += timed(lambda b=batch: step(b))
         offload()
     offload_s.clear()
     warm_graphs = _graphs()
@@ -165,7 +151,7 @@ def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None,
     for batch in batches[2:]:
         lengths = [len(s.tokens) for s in batch]
         with _GcClock() as clock:
-            times.append(_timed(lambda b=batch: step(b)))
+            times.append(timed(lambda b=batch: step(b)))
         gc_s.append(clock.seconds)
         offload()
         tokens += sum(lengths)
@@ -201,8 +187,8 @@ def bench_pinned_copy(num_bytes: int, rounds: int = 3) -> dict:
     buffer and back, median of `rounds` (the offload target is a fraction of it)."""
     device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    to_host = statistics.median(_timed(lambda: host.copy_(device, non_blocking=True)) for _ in range(rounds))
-    to_device = statistics.median(_timed(lambda: device.copy_(host, non_blocking=True)) for _ in range(rounds))
+    to_host = statistics.median(timed(lambda: host.copy_(device, non_blocking=True)) for _ in range(rounds))
+    to_device = statistics.median(timed(lambda: device.copy_(host, non_blocking=True)) for _ in range(rounds))
     return dict(gib=num_bytes / 2**30, d2h_gb_per_s=num_bytes / to_host / 1e9,
                 h2d_gb_per_s=num_bytes / to_device / 1e9)
 
@@ -212,16 +198,6 @@ def _tms_offload(name: str, info) -> list[dict]:
     trainer = _trainer(name, Plan(1.0, "none", False, 16384), info, len(batch), method="tms", compiled=False)
     trainer.train(batch, 0)
     return bench_offload(trainer)
-
-
-def _guarded(fn, *args):
-    """Run one measurement; a failure (e.g. out of memory, a compile error) is recorded, not fatal."""
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and moves on
-        error = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    _free()  # after the except block, which drops the traceback (and the tensors its frames hold)
-    return error
 
 
 def profile_plan(name: str, plan: Plan, info, trace_dir: str | None, step_tokens: int) -> tuple[str, dict]:
@@ -239,12 +215,12 @@ def profile_plan(name: str, plan: Plan, info, trace_dir: str | None, step_tokens
     light_walls = []  # device activity only: close to an unprofiled step's timing
     with profile(activities=[ProfilerActivity.CUDA]) as light:
         for batch in batches[1:]:
-            light_walls.append(_timed(lambda b=batch: trainer.train(b, 1)))
+            light_walls.append(timed(lambda b=batch: trainer.train(b, 1)))
     light_busy = busy_us(device_spans(trace_events(light))) / 1e6
     walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for batch in batches[1:]:
-            walls.append(_timed(lambda b=batch: trainer.train(b, 1)))
+            walls.append(timed(lambda b=batch: trainer.train(b, 1)))
     events = trace_events(prof)
     if trace_dir:
         (pathlib.Path(trace_dir) / f"train_trace_{name}.json.gz").write_bytes(
@@ -283,7 +259,7 @@ def run_peers(label: str, mcfg, plans: list, args, device: torch.device, dtype: 
         if k and _time_left(args.budget_s) < reserve_s + SECONDS_PER_PEER_PLAN:
             peers.append(dict(record, skipped="time budget"))
             continue
-        run = _guarded(train_peers.bench_peer, mcfg, plan, args.steps, args.step_tokens, PEAK_TFLOPS, device,
+        run = guarded(train_peers.bench_peer, mcfg, plan, args.steps, args.step_tokens, PEAK_TFLOPS, device,
                        dtype, chunk_rows)
         peers.append({**record, **run})
         if "mfu" in run:
@@ -291,7 +267,7 @@ def run_peers(label: str, mcfg, plans: list, args, device: torch.device, dtype: 
                   f"{run['tokens_per_s'] / 1e3:.1f}k tok/s"
                   + ("" if run["peak_gib"] is None else f", {run['peak_gib']:.1f} GiB"),
                   flush=True)
-        _free()
+        free_memory()
     return peers
 
 
@@ -311,7 +287,7 @@ def run_model(name: str, args, info, entry: dict) -> None:
         if k and _time_left(args.budget_s) < reserve + SECONDS_PER_PLAN:
             entry["ours"].append(dict(plan.fields(), skipped="time budget"))
             continue
-        out = _guarded(bench_ours, name, plan, args.steps, info, limit, args.step_tokens)
+        out = guarded(bench_ours, name, plan, args.steps, info, limit, args.step_tokens)
         run, trainer = out if isinstance(out, tuple) else (out, None)
         entry["ours"].append(run)
         if "mfu" in run:
@@ -323,34 +299,26 @@ def run_model(name: str, args, info, entry: dict) -> None:
                      if run["offload_s"] else ""), flush=True)
         if trainer is not None and name == "0.5b" and "offload_pinned" not in entry:
             entry["offload_pinned_reserve_s"] = trainer.memory.reserve()
-            entry["offload_pinned"] = _guarded(bench_offload, trainer)
+            entry["offload_pinned"] = guarded(bench_offload, trainer)
             if isinstance(entry["offload_pinned"], list):
                 num_bytes = round(entry["offload_pinned"][-1]["gib"] * 2**30)
-                entry["pinned_copy"] = _guarded(bench_pinned_copy, num_bytes)
+                entry["pinned_copy"] = guarded(bench_pinned_copy, num_bytes)
         del trainer
-        _free()
+        free_memory()
     if name == "0.5b" and _time_left(args.budget_s) > 20 + reserve:
-        entry["offload_tms"] = _guarded(_tms_offload, name, info)
-        _free()
+        entry["offload_tms"] = guarded(_tms_offload, name, info)
+        free_memory()
     runs = [r for r in entry["ours"] if "mfu" in r]
-    best = _best(entry) or max(runs, key=lambda r: r["mfu"], default=None)
+    best = best_plan(entry) or max(runs, key=lambda r: r["mfu"], default=None)
     if args.profile and best is not None and _time_left(args.budget_s) > 20 + later:
-        out = _guarded(profile_plan, name, Plan.of(best), info, args.trace, args.step_tokens)
+        out = guarded(profile_plan, name, Plan.of(best), info, args.trace, args.step_tokens)
         if isinstance(out, tuple):
             text, entry["profile"] = out
             with PROFILE.open("a") as f:
                 f.write(text + "\n\n")
         else:
             entry["profile"] = out
-        _free()
-
-
-def _best(entry: dict) -> dict | None:
-    """The fastest plan within the memory limit (any plan when the model has no limit)."""
-    runs = [r for r in entry["ours"] if "mfu" in r]
-    if entry.get("memory_limit_gib") is not None:
-        runs = [r for r in runs if r["fits"]]
-    return max(runs, key=lambda r: r["mfu"]) if runs else None
+        free_memory()
 
 
 def _peer(run: dict) -> str:
@@ -375,7 +343,7 @@ def _ratios(ours: dict, peer: dict, which: str) -> str:
 
 
 def _summary(name: str, entry: dict) -> str:
-    peers, best = entry["peers"], _best(entry)
+    peers, best = entry["peers"], best_plan(entry)
     runs = [r for r in entry["ours"] if "mfu" in r]
     best_peer = train_peers.best(peers)
     if not runs or best_peer is None:
@@ -403,7 +371,7 @@ def _summary(name: str, entry: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.trainer_throughput", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1.5b,0.5b", help="comma-separated, from: " + ", ".join(SHAPES))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
@@ -429,12 +397,11 @@ def main(argv: list[str] | None = None) -> None:
     probe = torch.empty(1, 1, 128, device="cuda", dtype=torch.bfloat16)
     attention = "flash-attn-4" if flash.usable(probe) else "torch varlen (flash-attn 2)"
     print(f"our attention kernel: {attention}", flush=True)
-    results = {"device": torch.cuda.get_device_name(), "peak_tflops": PEAK_TFLOPS, "attention": attention,
+    results = {**machine(), "peak_tflops": PEAK_TFLOPS, "attention": attention,
                "torchtitan": f"not run: {train_peers.TORCHTITAN}", "models": {}}
     out = args.out or RESULTS
     if out.exists():  # a run over some models keeps the other models' last entries
         results["models"] = json.loads(out.read_text()).get("models", {})
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.profile:
         PROFILE.write_text("")
     for name in args.models.split(","):
@@ -443,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         run_model(name, args, info, entry)
         entry["elapsed_s"] = time.monotonic() - START
         print(_summary(name, entry), flush=True)
-        out.write_text(json.dumps(results, indent=2))  # after each model: a cut-short run keeps its data
+        write_result(results, out)  # after each model: a cut-short run keeps its data
     dist.destroy()
 
 
@@ -455,9 +422,9 @@ def _cpu_smoke(args) -> None:
     peers = run_peers("tiny", train_peers.SMOKE_SHAPE, [train_peers.SMOKE_DEFAULT, *train_peers.SMOKE_GRID], args,
                       torch.device("cpu"), torch.float32, reserve_s=0.0, chunk_rows=train_peers.SMOKE_CHUNK_ROWS)
     dist.destroy()
-    out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="colocate_train_")) / "train.json"
-    out.write_text(json.dumps({"device": "cpu", "torchtitan": f"not run: {train_peers.TORCHTITAN}",
-                               "models": {"tiny": {"step_tokens": args.step_tokens, "peers": peers}}}, indent=2))
+    out = result_path(args.out, RESULTS, smoke=True)
+    write_result({**machine(torch.device("cpu")), "torchtitan": f"not run: {train_peers.TORCHTITAN}",
+                  "models": {"tiny": {"step_tokens": args.step_tokens, "peers": peers}}}, out)
     print(f"tiny (cpu): {_peers_summary(peers)}", flush=True)
     print(f"wrote {out}")
 

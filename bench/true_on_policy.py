@@ -3,14 +3,14 @@ on one GPU: rollout and trainer throughput with the mode off and on, in one run,
 engine's log-probs equal the trainer's bit for bit with it on.
 
 Per shape (bench/train_plans.py's Qwen2.5-0.5B / -1.5B shapes, random bf16 weights):
-- rollout: the native engine on bench/rollout.py's b256 case (256 prompts x 128 tokens in, 256 out,
+- rollout: the native engine on bench/rollout_throughput.py's b256 case (256 prompts x 128 tokens in, 256 out,
   temperature 1, ignore_eos). Off: its default GPU settings (CUDA graphs, compiled decode), as
-  bench/rollout.py builds it; on: batch_invariant.enable before the engine is built, decode
+  bench/rollout_throughput.py builds it; on: batch_invariant.enable before the engine is built, decode
   uncompiled, CUDA graphs on. One warm-up generate, then the median output tok/s of --reps.
 - bitwise_equal_frac: of the mode-on warm-up generate's sampled tokens, the fraction whose engine
   log-prob equals the trainer's forward's (fp32, bit for bit), as tests/parity/test_true_on_policy_gpu.py
   compares them.
-- train: optimizer steps of --step-tokens tokens (prompt + response, bench/train.py's steps on its
+- train: optimizer steps of --step-tokens tokens (prompt + response, bench/trainer_throughput.py's steps on its
   rollout-like samples), one plan per shape (the best of bench/results/train.json, else the grid's
   first; the optimizer state stays resident; --max-tokens-per-gpu overrides its micro-batch, for a
   GPU with less memory than the one train.json was measured on): off and on, each compiled (the
@@ -19,9 +19,9 @@ Per shape (bench/train_plans.py's Qwen2.5-0.5B / -1.5B shapes, random bf16 weigh
   rollout ones: an engine's CUDA-graph pools stay reserved in its process after shutdown.
 Slowdowns are off / on tok/s; targets: rollout <= 1.3, train <= 1.15 (both compiled).
 
-Run: python bench/true_on_policy.py [--models 0.5b,1.5b] [--reps 3] [--step-tokens 131072] [--out PATH]
+Run: python -m bench.true_on_policy [--models 0.5b,1.5b] [--reps 3] [--step-tokens 131072] [--out PATH]
                                     [--max-tokens-per-gpu N] [--profile PATH]   (op tables of every case)
-     python bench/true_on_policy.py --cpu-smoke [--out PATH]   (a tiny shape in fp32 on CPU)
+     python -m bench.true_on_policy --cpu-smoke [--out PATH]   (a tiny shape in fp32 on CPU)
 Each shape runs in a process of its own (an engine's CUDA-graph and memory-saver pools stay reserved in
 its process after shutdown). Writes bench/results/true_on_policy.json (after each shape); prints one
 summary line per shape.
@@ -37,12 +37,25 @@ import pathlib
 import random
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 
 import torch
 
+from bench.common import (
+    RESULTS_DIR,
+    child_env,
+    free_memory,
+    guarded,
+    machine,
+    module_command,
+    result_path,
+    sync,
+    write_result,
+)
+from bench.rollout_throughput import CASES, make_prompts, timed_generate
+from bench.train_peers import SMOKE_SHAPE
+from bench.train_plans import GRID, SHAPES, STEP_TOKENS, Plan, best_plan, make_samples, model_config, trainer_config
+from bench.trainer_throughput import RESULTS as TRAIN_RESULTS
 from colocate import dist
 from colocate.kernels import batch_invariant
 from colocate.models import from_config
@@ -54,12 +67,9 @@ from colocate.trainer.actor import response_logprobs
 from colocate.trainer.batch import RolloutBatch, build_micro_batch
 from colocate.trainer.packing import pack_micro_batches
 from colocate.trainer.parallelize import ActivationCheckpointing
-from rollout import CASES, _sync, make_prompts, timed_generate
-from train import RESULTS as TRAIN_RESULTS, STEP_TOKENS, _best, _config, _free, _guarded
-from train_peers import SMOKE_SHAPE
-from train_plans import GRID, SHAPES, Plan, make_samples, model_config
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "true_on_policy.json"
+MODULE = "bench.true_on_policy"  # each shape's process runs it
+RESULTS = RESULTS_DIR / "true_on_policy.json"
 TARGETS = {"rollout_slowdown": 1.3, "train_slowdown": 1.15}
 WARMUP_STEPS = 2
 LOGPROB_TOKENS = 8192
@@ -84,10 +94,10 @@ def mode(on: bool, device: torch.device):
 
 
 def pick_plan(name: str) -> tuple[Plan, str]:
-    """The fastest plan within the memory limit of the last bench/train.py run of `name`, else the
+    """The fastest plan within the memory limit of the last bench/trainer_throughput.py run of `name`, else the
     grid's first; either way without optimizer-state offload between steps."""
     try:
-        best = _best(json.loads(TRAIN_RESULTS.read_text())["models"][name])
+        best = best_plan(json.loads(TRAIN_RESULTS.read_text())["models"][name])
     except (OSError, ValueError, KeyError):
         best = None
     if best is None:
@@ -118,7 +128,7 @@ def kernel_table(fn, device: torch.device, label: str, tables: list[str] | None)
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
-        _sync(device)
+        sync(device)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     tables.append(f"== {label}\n" + prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90))
 
@@ -127,7 +137,7 @@ def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtyp
                 tables: list[str] | None = None) -> dict:
     prompts = make_prompts(run["prompts"], run["prompt_tokens"], vocab_size=mcfg.vocab_size)
     sp = SamplingParams(temperature=1.0, max_new_tokens=run["new_tokens"], ignore_eos=True, seed=0)
-    sampling = [sp] * len(prompts)  # as bench/rollout.py's run_ours
+    sampling = [sp] * len(prompts)  # as bench/rollout_throughput.py's run_ours
     cuda = device.type == "cuda"
     with mode(on, device):
         torch.manual_seed(0)
@@ -147,7 +157,7 @@ def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtyp
         if on:
             result["bitwise_equal_frac"] = bitwise_equal_frac(model, prompts, outs, device)
         del model, outs
-    _free()
+    free_memory()
     return result
 
 
@@ -155,7 +165,7 @@ def run_train(mcfg, plan: Plan, on: bool, compiled: bool, info, batches: list[li
               tables: list[str] | None = None) -> dict:
     device = info.device
     with mode(on, device):
-        cfg = _config(len(batches[0]), plan, "pinned", compiled)
+        cfg = trainer_config(len(batches[0]), plan, "pinned", compiled)
         cfg.algorithm.true_on_policy = on
         trainer = Trainer(cfg, info, model_config=mcfg,
                           checkpointing=ActivationCheckpointing(plan.full, plan.rest, plan.keep_attention))
@@ -163,16 +173,16 @@ def run_train(mcfg, plan: Plan, on: bool, compiled: bool, info, batches: list[li
             torch.cuda.reset_peak_memory_stats()
         times = []
         for batch in batches:
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             trainer.train(batch, 1)
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - start)
         kernel_table(functools.partial(trainer.train, batches[-1], 1), device,
                      f"train step, mode {'on' if on else 'off'}, {'compiled' if compiled else 'uncompiled'}", tables)
         del trainer
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    _free()
+    free_memory()
     tokens = [sum(len(s.tokens) for s in b) for b in batches[WARMUP_STEPS:]]
     return {"compile": compiled, "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times[WARMUP_STEPS:])),
             "step_s": times[WARMUP_STEPS:], "warmup_s": sum(times[:WARMUP_STEPS]), "step_tokens": tokens,
@@ -197,7 +207,7 @@ def run_shape(name: str, mcfg, plan: Plan, source: str, args, info) -> dict:
     batches = train_batches(mcfg.vocab_size, args.step_tokens, args.reps, smoke)
     cases = {"off": (False, not smoke), "off_uncompiled": (False, False), "on": (True, not smoke),
              "on_uncompiled": (True, False)}  # a case that fails (out of memory, say) is recorded, not fatal
-    train = {case: _guarded(run_train, mcfg, plan, on, compiled, info, batches, tables)
+    train = {case: guarded(run_train, mcfg, plan, on, compiled, info, batches, tables)
              for case, (on, compiled) in cases.items()}
     off = run_rollout(mcfg, False, run, args.reps, device, dtype, tables)
     on = run_rollout(mcfg, True, run, args.reps, device, dtype, tables)
@@ -238,7 +248,7 @@ def summary(name: str, r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.true_on_policy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="0.5b,1.5b", help="comma-separated, from: " + ", ".join(SHAPES))
     parser.add_argument("--reps", type=int, default=3, help="timed generates and timed train steps per case")
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help="tokens of one optimizer step")
@@ -253,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu_smoke:
         args.step_tokens = SMOKE_STEP_TOKENS
         shapes = {"tiny": (SMOKE_SHAPE, GRID["0.5b"][0], "first plan of the 0.5b grid (smoke)")}
-        out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="true_on_policy_")) / "true_on_policy.json"
+        out = result_path(args.out, RESULTS, smoke=True)
     else:
         unknown = [m for m in args.models.split(",") if m not in SHAPES]
         if unknown:
@@ -267,13 +277,10 @@ def main(argv: list[str] | None = None) -> None:
         run_each(list(shapes), args, out)
         return
     info = dist.init()
-    cuda = info.device.type == "cuda"
-    results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-               "reps": args.reps, "step_tokens": args.step_tokens, "models": {}}
-    out.parent.mkdir(parents=True, exist_ok=True)
+    results = {**machine(info.device), "reps": args.reps, "step_tokens": args.step_tokens, "models": {}}
     for name, (mcfg, plan, source) in shapes.items():
         results["models"][name] = run_shape(name, mcfg, plan, source, args, info)
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        write_result(results, out)
         print(summary(name, results["models"][name]), flush=True)
     dist.destroy()
     print(f"wrote {out}")
@@ -284,18 +291,18 @@ def run_each(names: list[str], args, out: pathlib.Path) -> None:
     results = None
     for name in names:
         part = out.with_name(f"{out.stem}.{name}.json")
-        cmd = [sys.executable, __file__, "--models", name, "--reps", str(args.reps),
-               "--step-tokens", str(args.step_tokens), "--out", str(part)]
+        cmd = module_command(MODULE, "--models", name, "--reps", str(args.reps),
+                             "--step-tokens", str(args.step_tokens), "--out", str(part))
         if args.max_tokens_per_gpu is not None:
             cmd += ["--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
         if args.profile:
             cmd += ["--profile", str(args.profile)]
-        if subprocess.run(cmd).returncode != 0:
+        if subprocess.run(cmd, env=child_env()).returncode != 0:
             raise SystemExit(f"{name}: the bench failed (its output is above)")
         done = json.loads(part.read_text())
         part.unlink()
         results = done if results is None else {**results, "models": {**results["models"], **done["models"]}}
-        out.write_text(json.dumps(results, indent=2) + "\n")  # a cut-short run keeps its data
+        write_result(results, out)  # a cut-short run keeps its data
     print(f"wrote {out}")
 
 

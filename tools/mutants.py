@@ -11,7 +11,7 @@ make every kill meaningless.
 
 Prints killed/survived per mutant and a summary line; writes bench/results/mutants.json; exits 1
 if a mutant survived. About 30 minutes on 2 CPU cores; run by hand:
-    python bench/mutants.py [--only NAME ...] [--no-baseline]
+    python -m tools.mutants [--only NAME ...] [--no-baseline]
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ MUTANTS = [
     Mutant("dapo_overlong_penalty_from_the_cap", "colocate/algo/advantages.py",
            "excess = response_lengths.float() - (max_response_len - buffer_len)",
            "excess = response_lengths.float() - max_response_len", ADVANTAGES),
-    Mutant("lora_merge_drops_the_scale", "colocate/trainer/lora.py", "merged.mul_(scale).add_(weight)",
+    Mutant("lora_merge_drops_the_scale", "colocate/lora/merge.py", "merged.mul_(scale).add_(weight)",
            "merged.add_(weight)", LORA_MERGE),
     Mutant("lora_merge_kernel_drops_the_scale", "colocate/kernels/lora_merge.py",
            "scaled = acc * scale\n", "scaled = acc\n", LORA_MERGE_KERNEL),
@@ -423,7 +423,7 @@ def run_mutant(m: Mutant) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.mutants", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run of the unmutated copy")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)

@@ -16,28 +16,29 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bench import true_on_policy
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench(tmp_path, *args: str, timeout: float = 240) -> tuple[dict, subprocess.CompletedProcess]:
-    """Python with `args` (a bench script and its flags) and `--out` a JSON file: the results it
-    wrote and the finished process."""
+def _bench(tmp_path, name: str, *args: str, timeout: float = 240) -> tuple[dict, subprocess.CompletedProcess]:
+    """`python -m bench.<name>` with `args` and `--out` a JSON file, from the repository root: the
+    results it wrote, which name the machine they came from, and the finished process."""
     out = tmp_path / "results.json"
-    done = subprocess.run([sys.executable, *args, "--out", str(out)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-m", f"bench.{name}", *args, "--out", str(out)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return json.loads(out.read_text()), done
-
-
-def _script(name: str) -> str:
-    return str(ROOT / "bench" / name)
+    results = json.loads(out.read_text())
+    machine = results.get("machine", results)
+    assert machine["device"] == "cpu" and machine["host"] and machine["torch"], machine
+    return results, done
 
 
 def _e2e_smoke(tmp_path, *flags: str) -> tuple[dict, str]:
-    """bench/e2e.py --cpu-smoke with these flags: its JSON results and its stdout. Each variant's
+    """`python -m bench.e2e --cpu-smoke` with these flags: its JSON results and its stdout. Each variant's
     progress (built, every step, closed, result written) reaches stderr as it runs, and the result
     is taken before the process ends."""
-    results, done = _bench(tmp_path, _script("e2e.py"), "--cpu-smoke", "--skip-trl", *flags)
+    results, done = _bench(tmp_path, "e2e", "--cpu-smoke", "--skip-trl", *flags)
     progress = [line.split()[2:4] for line in done.stderr.splitlines() if line.startswith("e2e progress:")]
     steps = results["warmup_steps"] + results["timed_steps"]
     each = [["built"]] + [["step"]] * steps + [["closed"], ["result"]]
@@ -61,7 +62,7 @@ def test_e2e_bench_cpu_smoke_writes_every_variant(tmp_path):
 
 @pytest.mark.slow
 def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(tmp_path):
-    r, done = _bench(tmp_path, _script("rollout.py"), "--cases", "tail", "--cpu-smoke")
+    r, done = _bench(tmp_path, "rollout_throughput", "--cases", "tail", "--cpu-smoke")
     # 16 lognormal lengths (median 16, capped at 64), fixed by their seeds: one reaches the cap.
     assert r["lengths"] == {"mean": 17.875, "median": 14.5, "max": 64, "at_cap": 1, "total": 286}
     assert r["tail"]["output_tokens"] == 286 and r["tail"]["decode_steps"] == 63  # the longest sample's
@@ -85,7 +86,7 @@ def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(t
 
 @pytest.mark.slow
 def test_prefill_bench_cpu_smoke_times_compiled_and_eager_prefills(tmp_path):
-    r, done = _bench(tmp_path, _script("prefill.py"), "--cpu-smoke", "--repeats", "2")
+    r, done = _bench(tmp_path, "prefill", "--cpu-smoke", "--repeats", "2")
     assert r["compiled_graphs"] == 1  # the prefill layer every layer shares; one token each, so no decode
     prompts, carried = r["cases"]["prompts"], r["cases"]["carried"]
     assert (prompts["prompts"], prompts["tokens"]) == (512, 512 * 16)
@@ -99,7 +100,7 @@ def test_prefill_bench_cpu_smoke_times_compiled_and_eager_prefills(tmp_path):
 
 @pytest.mark.slow
 def test_startup_bench_cpu_smoke_times_every_case_cold_and_warm(tmp_path):
-    r = _bench(tmp_path, _script("startup.py"), "--cpu-smoke", timeout=300)[0]
+    r = _bench(tmp_path, "startup", "--cpu-smoke", timeout=300)[0]
     for label in ("cold", "warm"):
         toy, gen = r[f"toy_{label}"], r[f"generate_{label}"]
         assert toy["steps"] == r["toy_steps"] == 10
@@ -120,7 +121,7 @@ def test_startup_bench_cpu_smoke_times_every_case_cold_and_warm(tmp_path):
 
 @pytest.mark.slow
 def test_startup_bench_4b_case_cpu_smoke_logs_the_start_up_of_one_step_cold_and_warm(tmp_path):
-    r = _bench(tmp_path, _script("startup.py"), "--cases", "qwen3_4b", "--cpu-smoke", timeout=300)[0]
+    r = _bench(tmp_path, "startup", "--cases", "qwen3_4b", "--cpu-smoke", timeout=300)[0]
     assert r["device"] == "cpu" and r["qwen3_4b_batch"]["prompts"] == 4
     for label in ("cold", "warm"):
         run = r[f"qwen3_4b_{label}"]
@@ -130,7 +131,7 @@ def test_startup_bench_4b_case_cpu_smoke_logs_the_start_up_of_one_step_cold_and_
 
 @pytest.mark.slow
 def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(tmp_path):
-    results = _bench(tmp_path, _script("e2e.py"), "--tail", "--cpu-smoke", "--over-sampling", "3", timeout=400)[0]
+    results = _bench(tmp_path, "e2e", "--tail", "--cpu-smoke", "--over-sampling", "3", timeout=400)[0]
     ours = results["ours"]
     assert set(ours) == {"offload_on_partial_on", "offload_on_partial_off"} and results["trl"] == {"skipped": True}
     for name, run in ours.items():
@@ -171,10 +172,7 @@ def test_e2e_bench_cpu_smoke_runs_full_and_lora_side_by_side(tmp_path):
 
 @pytest.mark.slow
 def test_train_bench_cpu_smoke_tuned_peers_match_the_default_peers_loss(tmp_path):
-    # bench/ goes last on the path: its kernels.py would shadow the hub-kernels package that
-    # transformers imports where it is installed.
-    code = "import sys; sys.path.append('bench'); import train; train.main(sys.argv[1:])"
-    results, done = _bench(tmp_path, "-c", code, "--cpu-smoke")
+    results, done = _bench(tmp_path, "trainer_throughput", "--cpu-smoke")
     assert results["torchtitan"].startswith("not run: torchtitan 0.3.0 has no Qwen2 model")
     peers = results["models"]["tiny"]["peers"]
     assert [(p["peer"], p["recompute"], p["num_sequences"], p["compile"], p["fused_loss"], p["loss_kind"])
@@ -196,7 +194,7 @@ def test_train_bench_cpu_smoke_tuned_peers_match_the_default_peers_loss(tmp_path
 
 @pytest.mark.slow
 def test_true_on_policy_bench_cpu_smoke_reports_both_modes_and_bitwise_equal_logprobs(tmp_path):
-    results, done = _bench(tmp_path, _script("true_on_policy.py"), "--cpu-smoke", "--profile",
+    results, done = _bench(tmp_path, "true_on_policy", "--cpu-smoke", "--profile",
                            str(tmp_path / "profile.txt"), "--max-tokens-per-gpu", "4096")
     assert results["device"] == "cpu" and results["torch"]
     r = results["models"]["tiny"]
@@ -223,9 +221,6 @@ def test_true_on_policy_bench_cpu_smoke_reports_both_modes_and_bitwise_equal_log
 
 
 def test_true_on_policy_bench_reports_a_failed_training_case_and_keeps_the_others(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import true_on_policy
-
     ran = []
 
     def run_train(mcfg, plan, on, compiled, *rest):

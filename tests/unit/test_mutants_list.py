@@ -1,25 +1,16 @@
-"""bench/mutants.py's list follows the code: every mutant's fragment occurs exactly once in its
+"""tools/mutants.py's list follows the code: every mutant's fragment occurs exactly once in its
 file, and every test it names exists (a stale entry would only show when the slow check is run)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from tools import mutants
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _mutants_module():
-    spec = importlib.util.spec_from_file_location("bench_mutants", ROOT / "bench" / "mutants.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_fragment_occurs_once_and_every_named_test_exists():
-    mutants = _mutants_module()
     mutants.check_fragments(mutants.MUTANTS)  # SystemExit naming the stale entries
     for m in mutants.MUTANTS:
         for test in m.tests:
