@@ -35,7 +35,7 @@ MAX_NUM_SEQS = 256
 COMPILE_DECODE_MIN_STEPS = 8192
 """--compile-decode auto compiles the decode forward (CUDA only) for jobs of at least this many
 decode steps. On an H200 at the 0.5B shape the engine with its decode compiled took 23 s to start
-with warm caches and 111 s cold (bench/rollout.py), mostly compiling and capturing, and compiling
+with warm caches and 111 s cold (bench/rollout_throughput.py), mostly compiling and capturing, and compiling
 saves at most ~2.5 ms a step there (b256: 1.99 ms compiled; 4.56 ms for the uncompiled, slower still
 batch-invariant path): a shorter job cannot win the compile back."""
 

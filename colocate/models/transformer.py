@@ -12,7 +12,7 @@ q/k/v and gate/up then live in one packed tensor each (their parameters become v
 names and loading are unchanged), no copy is made, and gate/up run as one GEMM too, which at decode
 batch sizes costs little more than one of the parts. Training keeps gate and up apart: their GEMMs
 are already wide, and a joint one slows the compiled SiLU backward (measured by bench/kernel_bench.py;
-figures in README.md).
+figures in docs/benchmarks/2026-12-kernels.md).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colocate.models.config import ModelConfig
 from colocate.kernels import batch_invariant
 from colocate.kernels.rotary import reference_rotate, rotate
+from colocate.models.config import ModelConfig
 from colocate.models.layers import Linear, RMSNorm, Rotary, linear, packed_causal_attention, silu_mul
 
 AttnFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

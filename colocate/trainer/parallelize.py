@@ -44,7 +44,7 @@ class ActivationCheckpointing:
     which is a few percent of a block's time but about a third of what it would keep; "mlp" is
     "ops" but for the gate and up projections, whose outputs it recomputes with the element-wise
     work: most of what "ops" keeps, for a little over half of the block's forward GEMMs. What each
-    plan costs and saves is measured by bench/train.py (README.md).
+    plan costs and saves is measured by bench/trainer_throughput.py (docs/benchmarks/2026-12-trainer.md).
     """
 
     full_fraction: float = 0.0

@@ -27,7 +27,7 @@ def _toy_run(tmp_path, *flags: str) -> dict:
 
 
 def _check_learns(rows: dict) -> None:
-    """Reward and greedy eval accuracy rise as in the full run (README: 0.15 -> 0.67, eval 0.03 ->
+    """Reward and greedy eval accuracy rise as in the full run (docs/lora.md: 0.15 -> 0.67, eval 0.03 ->
     1.0 at lr 4e-3), and every push after the first sends the 2 blocks' 7 merged projections."""
     rewards = [rows[s]["rollout/raw_reward"] for s in sorted(rows)]
     fifth = len(rewards) // 5
