@@ -23,7 +23,8 @@ from typing import Any, Literal
 import tyro
 import yaml
 
-from colocate.config_checks import LORA_TARGET_MODULES, Origin, validate
+from colocate import lora
+from colocate.config_checks import Origin, validate
 from colocate.config_mapping import from_mapping
 
 
@@ -59,7 +60,8 @@ class ModelConfig:
     critic_path: str | None = None
     """HF model directory or Hub id the critic starts from (None = model.path); used by gae only."""
     ref_path: str | None = None
-    """HF model directory or Hub id of the frozen reference policy (None = model.path)."""
+    """HF model directory or Hub id of the frozen reference policy (None = model.path; must be unset
+    with model.lora_rank > 0, where the reference is the base with the adapters off)."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in backward to trade compute for memory (the same as
     recompute_fraction 1.0)."""
@@ -86,10 +88,11 @@ class ModelConfig:
     """LoRA scaling numerator: the update is (lora_alpha / lora_rank) B A. A fixed alpha (rather
     than one that grows with the rank) keeps the best learning rate nearly the same across ranks."""
     lora_dropout: float = _ranged(0.0, "[0, 1)")
-    """Dropout on the adapters' input in the training forward (not in the log-prob passes)."""
-    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
-    """Projections of each block that get adapters (default: every linear projection of attention
-    and MLP)."""
+    """Dropout on the adapters' input in the training forward (not in the log-prob passes); must be 0
+    with algorithm.true_on_policy."""
+    lora_target_modules: list[str] = field(default_factory=lambda: list(lora.TARGET_MODULES))
+    """Projections of each block that get adapters, each named once (default: every linear projection
+    of attention and MLP); read with model.lora_rank > 0."""
 
     @property
     def full_recompute_fraction(self) -> float:
@@ -117,7 +120,8 @@ class RolloutConfig:
     """System message before each prompt with apply_chat_template (None: the template's own
     default); a prompt whose messages begin with a system message keeps its own."""
     chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
-    """Extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3."""
+    """Extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3; needs
+    rollout.apply_chat_template."""
     max_prompt_len: int = _ranged(1024, ">= 1")
     """Prompts longer than this many tokens are dropped (and counted) when the data is loaded."""
     rollout_batch_size: int = _ranged(16, ">= 1")
@@ -125,13 +129,15 @@ class RolloutConfig:
     n_samples_per_prompt: int = _ranged(8, ">= 1")
     """Completions sampled per prompt (the group size of group-relative estimators)."""
     over_sampling_batch_size: int | None = None
-    """Prompts sampled per round when dynamic sampling refills, or groups in flight per step with
-    partial_rollout (None = rollout_batch_size)."""
+    """Prompts sampled per round when rollout.dynamic_sampling refills, or groups in flight per step
+    with rollout.partial_rollout, where it must be set, at most (rollout.max_staleness + 1) x
+    rollout_batch_size (None = rollout_batch_size; read by nothing else)."""
     partial_rollout: bool = False
     """End a step's generation once rollout_batch_size groups are complete (of the
     over_sampling_batch_size in flight); unfinished samples are aborted, kept with their tokens,
     log-probs and weight versions, and continued first in the next step. A group trains once all
-    its samples are complete."""
+    its samples are complete. Native engine only (rollout.engine), and not with
+    rollout.custom_generate or rollout.dynamic_sampling."""
     max_staleness: int = _ranged(1, ">= 1")
     """With partial_rollout: most weight versions a carried sample may lag behind the engine's
     (current version minus that of its oldest token); an older one restarts from its prompt,
@@ -140,11 +146,13 @@ class RolloutConfig:
     """With partial_rollout: leave tokens sampled by older weight versions out of the loss; off:
     train on them, their own rollout log-probs in the importance weights (algorithm.use_tis/use_mis)."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards all agree (no learning signal) and sample more to refill."""
+    """Drop groups whose rewards all agree (no learning signal) and sample more to refill; needs
+    rollout.n_samples_per_prompt >= 2."""
     max_sampling_rounds: int = _ranged(4, ">= 1")
     """Cap on sampling rounds per step when dynamic sampling refills; a short batch trains as is."""
     temperature: float = _ranged(1.0, ">= 0")
-    """Sampling temperature; 0 is greedy."""
+    """Sampling temperature; 0 is greedy, which a group-relative algorithm.advantage_estimator
+    refuses (identical samples: every advantage 0)."""
     top_p: float = _ranged(1.0, "(0, 1]")
     """Nucleus sampling mass."""
     top_k: int = -1
@@ -192,7 +200,8 @@ class AlgorithmConfig:
     advantage_estimator: Literal[
         "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"
     ] = "grpo"
-    """How advantages are computed from rewards (gae trains a critic)."""
+    """How advantages are computed from rewards (gae trains a critic); all but reinforce_plus_plus
+    and gae need rollout.n_samples_per_prompt >= 2."""
     normalize_advantage_std: bool = True
     """Divide group-relative advantages by the group's reward std (GRPO); off: Dr. GRPO-style."""
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
@@ -238,11 +247,12 @@ class AlgorithmConfig:
     value_clip: float = _ranged(0.2, "> 0")
     """Clip range of the critic's value update around its old value."""
     num_critic_only_steps: int = _ranged(0, ">= 0")
-    """Rollout steps at the start that train the critic only (gae)."""
+    """Rollout steps at the start that train the critic only (algorithm.advantage_estimator gae)."""
     true_on_policy: bool = False
     """Batch-invariant numerics in the engine and the trainer, so that every sampled token's
-    rollout log-prob equals the trainer's bit for bit (CPU fp32, CUDA bf16; slower). Needs the
-    native engine and model.compile off; the engine's decode then runs uncompiled."""
+    rollout log-prob equals the trainer's bit for bit (CPU fp32, CUDA bf16; slower). Needs
+    rollout.engine native; the trainer may be compiled (model.compile), and the engine's decode
+    runs uncompiled."""
 
     @property
     def use_critic(self) -> bool:
@@ -256,7 +266,7 @@ class AlgorithmConfig:
 @dataclass
 class TrainConfig:
     num_rollout: int = _ranged(40, ">= 0")
-    """Rollout steps to train for; 0 with eval on is an eval-only run."""
+    """Rollout steps to train for; 0 is an eval-only run, which needs eval.interval and eval.datasets."""
     lr: float = _ranged(5e-3, "> 0")
     """Peak learning rate of the policy."""
     critic_lr: float = _ranged(1e-5, "> 0")
@@ -278,7 +288,8 @@ class TrainConfig:
     grad_clip: float = _ranged(1.0, "> 0")
     """Clip the global gradient norm to this value."""
     max_tokens_per_gpu: int | Literal["auto"] = _ranged("auto", ">= 1")
-    """Token budget of one packed micro-batch on one GPU; "auto": the rank's tokens of one optimizer
+    """Token budget of one packed micro-batch on one GPU, at least one full sample
+    (rollout.max_prompt_len + rollout.max_response_len); "auto": the rank's tokens of one optimizer
     step at full length, or as many as the GPU's free memory holds beside everything else the run
     keeps there (colocate/sizing.py; logged at start); 16384 at most without a GPU."""
     keep_gathered: bool | None = None
@@ -288,7 +299,8 @@ class TrainConfig:
     and full-size fp32 gradients on every rank. None: on with one rank (whose shards are already
     the full model), off with several."""
     global_batch_size: int | None = _ranged(None, ">= 1")
-    """Samples per optimizer step across ranks (None = the rollout batch: one step per rollout)."""
+    """Samples per optimizer step across ranks, dividing rollout.rollout_batch_size x
+    rollout.n_samples_per_prompt (None = that whole rollout batch: one step per rollout)."""
     seed: int = 1
     """Seed of the trainer (initialisation of new heads, dropout-free otherwise)."""
     strict: bool = False

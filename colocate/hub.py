@@ -61,7 +61,10 @@ def snapshot(repo_id: str, revision: str | None, repo_type: str, field: str, loc
     is gated, has no such revision, or is neither reachable nor cached."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
-        GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
 
     key = (constants.HF_HUB_CACHE, repo_type, repo_id, revision)

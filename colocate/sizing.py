@@ -15,8 +15,9 @@ will hold, from the model's shape and the run's settings:
 
 The KV cache gets what one sampling round's sequences need at their full length (the rollout or
 over-sampling batch's samples, up to rollout.max_running_requests, times prompt + response tokens)
-with KV_SLACK, or less when the device has less; an eval set with more sequences runs in waves. The micro-batch gets the rank's tokens of one optimizer step when
-they fit, so that a step is one forward and one backward; with the recompute plan left to choose,
+with KV_SLACK, or less when the device has less; an eval set with more sequences runs in waves.
+The micro-batch gets the rank's tokens of one optimizer step when they fit, so that a step is one
+forward and one backward; with the recompute plan left to choose,
 it recomputes as little as lets that whole step fit (none, then "ops", then "mlp"), and otherwise
 recomputes "mlp" and takes as many tokens as fit. HEADROOM of the device stays unplanned for the
 allocator's fragmentation, cuBLAS and NCCL workspaces and CUDA graphs.

@@ -22,6 +22,7 @@ import sys
 
 from colocate import dist
 
+
 class StopSignals:
     def __init__(self, is_main: bool = True):
         self.is_main = is_main

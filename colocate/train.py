@@ -330,8 +330,8 @@ def stop_line(loop: Loop, signal_name: str) -> str:
 
     step = loop.stopped_after
     if step in loop.saved:
-        return (f"stopped by {signal_name} after step {step}: checkpoint {checkpoint_dir(loop.cfg.checkpoint_dir, step)}; "
-                "run the same command to resume from it")
+        path = checkpoint_dir(loop.cfg.checkpoint_dir, step)
+        return f"stopped by {signal_name} after step {step}: checkpoint {path}; run the same command to resume from it"
     if step < loop.start_rollout_id:
         when, why = f"before step {loop.start_rollout_id}", "no step trained in this run"
     else:

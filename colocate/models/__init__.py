@@ -2,7 +2,12 @@
 
 from colocate.models.config import ARCHITECTURES, ModelConfig
 from colocate.models.loading import (
-    from_config, from_pretrained, iter_safetensors, load_weights, resolve_dtype, save_pretrained,
+    from_config,
+    from_pretrained,
+    iter_safetensors,
+    load_weights,
+    resolve_dtype,
+    save_pretrained,
 )
 from colocate.models.transformer import CausalLM, packing_from_lengths
 

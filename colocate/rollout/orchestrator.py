@@ -18,8 +18,19 @@ from typing import Callable, Sequence
 from colocate import dist
 from colocate.config import RolloutConfig
 from colocate.rollout.partial import (
-    ABORT, STALENESS_BUCKETS, InFlightGroup, by_urgency, group_staleness, group_state, load_group, restart_stale,
-    schedulable, split_trained, stale_tokens, staleness, staleness_counts,
+    ABORT,
+    STALENESS_BUCKETS,
+    InFlightGroup,
+    by_urgency,
+    group_staleness,
+    group_state,
+    load_group,
+    restart_stale,
+    schedulable,
+    split_trained,
+    stale_tokens,
+    staleness,
+    staleness_counts,
 )
 from colocate.rollout.protocol import Completion, Request, RolloutEngine, SamplingParams
 from colocate.rollout.rewards import RewardFn, RewardInput, compute_rewards
@@ -117,8 +128,9 @@ class RolloutManager:
                                f"the weights changed during generation")
 
     def _apply_overlong(self, samples: list[Sample]):
-        from colocate.algo.advantages import dapo_overlong_penalty
         import torch
+
+        from colocate.algo.advantages import dapo_overlong_penalty
 
         buffer_len, factor = self.overlong
         lengths = torch.tensor([s.response_len for s in samples], dtype=torch.float32)

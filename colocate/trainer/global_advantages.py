@@ -12,7 +12,14 @@ import torch
 
 from colocate import dist
 from colocate.algo import (
-    broadcast_to_tokens, discounted_returns, dr_grpo, gae, grpo, kl_estimate, rloo, token_rewards,
+    broadcast_to_tokens,
+    discounted_returns,
+    dr_grpo,
+    gae,
+    grpo,
+    kl_estimate,
+    rloo,
+    token_rewards,
 )
 from colocate.algo.advantages import WHITEN_EPS
 from colocate.config import AlgorithmConfig

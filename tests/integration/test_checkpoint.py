@@ -17,7 +17,8 @@ import colocate.checkpoint as ckpt_mod
 from colocate import dist as cdist
 from colocate.checkpoint import ModelOptimizerState, load_checkpoint, save_checkpoint
 from colocate.checkpoint_manifest import latest_checkpoint
-from colocate.export import export, main as export_main
+from colocate.export import export
+from colocate.export import main as export_main
 from colocate.models import ModelConfig, from_config, from_pretrained, load_weights
 from tests.helpers import write_hf_model
 

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint import filesystem
 import colocate.checkpoint as ckpt_mod
 from colocate.checkpoint import ModelOptimizerState, load_checkpoint, save_checkpoint
 from colocate.checkpoint_manifest import latest_checkpoint
-from colocate.export import export, main as export_main
+from colocate.export import export
+from colocate.export import main as export_main
 from colocate.models import from_pretrained
 from colocate.output_dir import MARKER
 from tests.disk import snapshot

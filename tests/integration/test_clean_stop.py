@@ -146,8 +146,9 @@ def test_two_process_run_stops_cleanly(tmp_path, sig, code):
     steps = _steps(out)
     assert steps == list(range(len(steps))) and _checkpoints(out) == [steps[-1]]
     log = (out / "log.txt").read_text().strip().splitlines()
-    assert log[-1].endswith(f"stopped by {sig} after step {steps[-1]}: checkpoint "
-                            f"{out / 'checkpoints' / f'rollout_{steps[-1]:06d}'}; run the same command to resume from it")
+    path = out / "checkpoints" / f"rollout_{steps[-1]:06d}"
+    assert log[-1].endswith(f"stopped by {sig} after step {steps[-1]}: checkpoint {path}; "
+                            "run the same command to resume from it")
 
 
 @pytest.mark.slow

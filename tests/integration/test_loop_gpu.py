@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from colocate.metrics import read_metrics
-from tests.integration.test_loop import toy_config, torchrun
+from tests.integration.test_loop import torchrun, toy_config
 
 pytestmark = pytest.mark.gpu
 

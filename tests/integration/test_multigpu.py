@@ -14,8 +14,14 @@ import torch
 from colocate.metrics import read_metrics
 from tests.distributed import run_ranks
 from tests.helpers import write_hf_model
-from tests.integration.test_loop import (DETERMINISTIC, assert_every_step_logged, by_step, kill_after_first_checkpoint,
-                                         toy_config, torchrun)
+from tests.integration.test_loop import (
+    DETERMINISTIC,
+    assert_every_step_logged,
+    by_step,
+    kill_after_first_checkpoint,
+    torchrun,
+    toy_config,
+)
 
 NPROC = torch.cuda.device_count()
 pytestmark = [pytest.mark.multigpu,

@@ -13,8 +13,8 @@ from colocate.rollout.data import PromptDataset, PromptSampler
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.orchestrator import RolloutManager
 from colocate.rollout.rewards import load_reward_fn
-from colocate.user_code import load_function
 from colocate.toy import ensure_toy
+from colocate.user_code import load_function
 from tests.multiturn_hook import TOOL_REPLY
 
 

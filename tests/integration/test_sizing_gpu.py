@@ -46,7 +46,8 @@ def test_forecast_covers_the_measured_training_peak(info, rest, tmp_path):
     cfg.model.path = str(tmp_path)  # unused: the model is built from SHAPE with random weights
     cfg.model.recompute_rest = rest
     r = cfg.rollout
-    r.rollout_batch_size, r.n_samples_per_prompt, r.max_prompt_len, r.max_response_len = NUM_GROUPS, GROUP, PROMPT, RESPONSE
+    r.rollout_batch_size, r.n_samples_per_prompt = NUM_GROUPS, GROUP
+    r.max_prompt_len, r.max_response_len = PROMPT, RESPONSE
     cfg.offload.offload_rollout = True  # no engine beside the trainer in the forecast either
     cfg.train.lr, cfg.train.num_rollout = 1e-5, 1
     torch.cuda.empty_cache()

@@ -416,8 +416,8 @@ def test_every_estimator_and_loss_variant_trains(one_rank):
 
 def test_advantages_match_the_algo_estimators():
     from colocate import algo
-    from colocate.trainer.global_advantages import compute_advantages
     from colocate.trainer.batch import RolloutBatch
+    from colocate.trainer.global_advantages import compute_advantages
 
     cfg = _config("unused").algorithm
     batch = RolloutBatch.from_samples(_samples(vocab=101, num_groups=3), torch.device("cpu"))

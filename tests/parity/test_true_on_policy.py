@@ -1,5 +1,6 @@
-"""True on-policy mode (CPU fp32; tests/parity/test_true_on_policy_gpu.py has CUDA bf16): the engine's log-prob of every sampled token equals, bit for bit,
-the trainer's, whatever the batch, the packing, prefix sharing or preemption."""
+"""True on-policy mode (CPU fp32; tests/parity/test_true_on_policy_gpu.py has CUDA bf16): the
+engine's log-prob of every sampled token equals, bit for bit, the trainer's, whatever the batch,
+the packing, prefix sharing or preemption."""
 
 from __future__ import annotations
 

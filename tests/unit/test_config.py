@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from colocate.config import Config, load_config, save_yaml, use_compile_cache, validate

@@ -15,8 +15,8 @@ from rich.console import Console
 
 from colocate import metrics as metrics_mod
 from colocate.metrics import MetricsLogger, read_metrics, run_summary
-from colocate.plot import main as plot_main
 from colocate.plot import _draw_startup, collect_series, latest_startup, merge_by_step, plot
+from colocate.plot import main as plot_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

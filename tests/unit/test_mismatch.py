@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from colocate.algo import aggregate
+from colocate.trainer import passes
 from colocate.trainer.actor import _mismatch
 from colocate.trainer.memory import TrainerMemory
 from colocate.trainer.optim import LRSchedule, OptimizerStep
-from colocate.trainer import passes
 from colocate.trainer.passes import StepPlan, gradient_step
 
 

@@ -13,8 +13,16 @@ from colocate.config import Config
 from colocate.config_checks import validate
 from colocate.rollout.data import PromptSample
 from colocate.rollout.partial import (
-    InFlightGroup, by_urgency, group_state, load_group, restart_stale, schedulable, split_trained, stale_tokens,
-    staleness, staleness_counts,
+    InFlightGroup,
+    by_urgency,
+    group_state,
+    load_group,
+    restart_stale,
+    schedulable,
+    split_trained,
+    stale_tokens,
+    staleness,
+    staleness_counts,
 )
 from colocate.rollout.sample import Sample
 from colocate.trainer.batch import RolloutBatch

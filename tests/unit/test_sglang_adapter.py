@@ -17,12 +17,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from colocate.rollout.sglang import engine as sglang_engine, weights as sglang_weights
 from colocate.rollout.protocol import SamplingParams
+from colocate.rollout.sglang import engine as sglang_engine
+from colocate.rollout.sglang import weights as sglang_weights
 from colocate.rollout.sglang.api import SAMPLING_KEYS, SERVER_ARG_NAMES, engine_kwargs
 from colocate.rollout.sglang.engine import SGLangEngine
 from colocate.rollout.sglang.process import (
-    check_allocator_env, check_ports_free, child_env, engine_ports, visible_device_index,
+    check_allocator_env,
+    check_ports_free,
+    child_env,
+    engine_ports,
+    visible_device_index,
 )
 from colocate.rollout.sglang.weights import BUCKET_KEYS
 from tests import fake_sglang

@@ -10,7 +10,15 @@ import yaml
 from colocate.config import Config, load_config
 from colocate.models import CausalLM, ModelConfig
 from colocate.sizing import (
-    CPU_MAX_TOKENS, GIB, HEADROOM, KV_SLACK, LOGPROB_WORKSPACE, Shape, cpu_plan, needs_of, plan_memory,
+    CPU_MAX_TOKENS,
+    GIB,
+    HEADROOM,
+    KV_SLACK,
+    LOGPROB_WORKSPACE,
+    Shape,
+    cpu_plan,
+    needs_of,
+    plan_memory,
 )
 
 # Qwen2.5-0.5B's shape, and the GRPO batch of bench/e2e.py: 16 prompts x 8 samples x (128 + 256) tokens.
@@ -67,8 +75,8 @@ def test_tighter_memory_recomputes_more_before_splitting_the_step():
 
 def test_no_room_for_a_kv_cache_is_one_line_naming_the_settings():
     needs = needs_of(_cfg(offload=False), 1, 2, True, None)
-    with pytest.raises(ValueError, match=r"^rollout.gpu_memory_fraction auto: 12.0 GiB free leave no room for a KV cache .* "
-                                         r"turn on offload.offload_train, use more GPUs, or set "
+    with pytest.raises(ValueError, match=r"^rollout.gpu_memory_fraction auto: 12.0 GiB free leave no room for a "
+                                         r"KV cache .* turn on offload.offload_train, use more GPUs, or set "
                                          r"rollout.gpu_memory_fraction$"):
         plan_memory(Shape.of(QWEN_05B), needs, 12 * GIB, 80 * GIB, KV_PER_TOKEN)
 

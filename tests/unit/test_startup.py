@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from colocate.config import Config
-from colocate.metrics import split_startup, startup_line as startup_line_of, startup_phases
 from colocate.generate import COMPILE_DECODE_MIN_STEPS, compile_decode, decode_steps, startup_line
+from colocate.metrics import split_startup, startup_phases
+from colocate.metrics import startup_line as startup_line_of
 from colocate.rollout.factory import reachable_batch_size
 
 

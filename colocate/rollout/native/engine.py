@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence as SequenceType
+from typing import Callable, Iterable
+from typing import Sequence as SequenceType
 
 import torch
 

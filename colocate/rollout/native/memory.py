@@ -16,7 +16,8 @@ import importlib.util
 
 import torch
 
-from colocate.memory_saver import handle as memory_saver_handle, preload_active
+from colocate.memory_saver import handle as memory_saver_handle
+from colocate.memory_saver import preload_active
 
 
 class DeviceMemory:

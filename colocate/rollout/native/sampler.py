@@ -19,6 +19,7 @@ import torch
 from colocate.kernels.sampling import gumbel_sample, reference_gumbel_sample, suppress
 from colocate.rollout.protocol import SamplingParams
 
+
 def sample_tokens(
     logits: torch.Tensor,  # (B, V) fp32
     temperature: torch.Tensor,  # (B,) fp32, 0 = greedy

@@ -26,15 +26,30 @@ import torch
 
 from colocate.rollout.protocol import Completion, SamplingParams, check_tags
 from colocate.rollout.sglang.api import (
-    completion_from_output, engine_kwargs, import_sglang, sampling_request,
+    completion_from_output,
+    engine_kwargs,
+    import_sglang,
+    sampling_request,
 )
 from colocate.rollout.sglang.process import (
-    DEFAULT_BASE_PORT, ProcessState, check_allocator_env, check_ports_free, child_env,
-    engine_ports, engine_process_guard, kill_process_trees, visible_device_index,
+    DEFAULT_BASE_PORT,
+    ProcessState,
+    check_allocator_env,
+    check_ports_free,
+    child_env,
+    engine_ports,
+    engine_process_guard,
+    kill_process_trees,
+    visible_device_index,
 )
 from colocate.rollout.sglang.weights import (
-    FLATTENED_BUCKET_FORMAT, TIED_HEAD, check_buffer, checkpoint_parameter_names, group_by_dtype,
-    serialize_bucket, ties_word_embeddings,
+    FLATTENED_BUCKET_FORMAT,
+    TIED_HEAD,
+    check_buffer,
+    checkpoint_parameter_names,
+    group_by_dtype,
+    serialize_bucket,
+    ties_word_embeddings,
 )
 
 logger = logging.getLogger(__name__)
