@@ -154,11 +154,11 @@ def write_inputs(workdir: Path, shape: str, num_prompts: int) -> tuple[Path, Pat
     The weights are drawn on the GPU when there is one: an 8B shape takes minutes on CPU."""
     import torch
 
-    from colocate.models import ModelConfig, from_config, save_pretrained
+    from colocate.models import ArchConfig, from_config, save_pretrained
 
     s = SHAPES[shape]
     eos = s["vocab_size"] - 1
-    mcfg = ModelConfig(**{"rms_norm_eps": 1e-6, "rope_theta": 1e6, **s}, bos_token_id=eos, eos_token_id=eos)
+    mcfg = ArchConfig(**{"rms_norm_eps": 1e-6, "rope_theta": 1e6, **s}, bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = save_pretrained(from_config(mcfg, torch.bfloat16, device, init=True), workdir / "model")

@@ -30,7 +30,7 @@ import torch
 
 from bench.common import RESULTS_DIR, machine, result_path, sync, write_result
 from bench.rollout_throughput import TAIL_SHAPES
-from colocate.models import ModelConfig, from_config
+from colocate.models import ArchConfig, from_config
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.protocol import SamplingParams
 
@@ -59,7 +59,7 @@ def run(device: torch.device, repeats: int, smoke: bool) -> dict:
     shape = TAIL_SHAPES["tiny" if smoke else "4b"]
     torch.manual_seed(0)
     dtype = torch.float32 if smoke else torch.bfloat16
-    model = from_config(ModelConfig(**shape, eos_token_id=shape["vocab_size"] - 1), dtype, device, init=True)
+    model = from_config(ArchConfig(**shape, eos_token_id=shape["vocab_size"] - 1), dtype, device, init=True)
     engine = NativeEngine(model, device=device, max_num_seqs=256, max_kv_tokens=300_000 if not smoke else 1 << 16,
                           compile_decode=True)
     del model

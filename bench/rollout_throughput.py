@@ -46,7 +46,7 @@ import time
 import torch
 
 from bench.common import RESULTS_DIR, machine, peak_hbm_bytes_per_s, result_path, sync, write_result
-from colocate.models import ModelConfig, from_config, load_weights
+from colocate.models import ArchConfig, from_config, load_weights
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.protocol import SamplingParams
 
@@ -100,7 +100,7 @@ def build_models():
     config = transformers.Qwen2Config(**HF_CONFIG)
     with torch.device("cuda"):
         hf = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
-    ours = from_config(ModelConfig.from_hf_dict(config.to_dict()), torch.bfloat16, "cuda")
+    ours = from_config(ArchConfig.from_hf_dict(config.to_dict()), torch.bfloat16, "cuda")
     load_weights(ours, hf.state_dict().items(), source="transformers model")
     return hf, ours
 
@@ -233,7 +233,7 @@ def run_tail(shape: str, device: torch.device) -> dict:
     cfg = TAIL_SHAPES[shape]
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = from_config(ModelConfig(**cfg, eos_token_id=cfg["vocab_size"] - 1), dtype, device, init=True)
+    model = from_config(ArchConfig(**cfg, eos_token_id=cfg["vocab_size"] - 1), dtype, device, init=True)
     start = time.perf_counter()
     engine = NativeEngine(model, device=device, max_num_seqs=n, max_kv_tokens=kv_tokens + 64 * 16,
                           cuda_graph_max_bs=n)

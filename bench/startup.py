@@ -180,12 +180,12 @@ def run_pinning() -> dict:
 
 def write_generate_inputs(work: pathlib.Path, smoke: bool) -> tuple[pathlib.Path, pathlib.Path]:
     """A random bf16 model directory (no tokenizer) and a JSONL of token-id prompts."""
-    from colocate.models import ModelConfig, from_config, save_pretrained
+    from colocate.models import ArchConfig, from_config, save_pretrained
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = {**HF_CONFIG, "model_type": "qwen2", **(SMOKE_SHAPE if smoke else {})}
-    model = from_config(ModelConfig.from_hf_dict(shape), torch.bfloat16, device, init=True)
+    model = from_config(ArchConfig.from_hf_dict(shape), torch.bfloat16, device, init=True)
     model_dir = save_pretrained(model, work / "model")
     del model
     prompts = work / "prompts.jsonl"

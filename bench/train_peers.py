@@ -20,7 +20,7 @@ from torch import nn
 
 from bench.common import timed
 from bench.train_plans import model_flops
-from colocate.models import ModelConfig
+from colocate.models import ArchConfig
 
 TORCHTITAN = ("torchtitan 0.3.0 has no Qwen2 model: its only dense Qwen (qwen3) always adds q/k RMSNorm and "
               "has no q/k/v bias, so it cannot build the Qwen2.5 shapes trained here")
@@ -60,7 +60,7 @@ GRID = {
     "1.5b": [PeerPlan(False, 8, True), PeerPlan(True, 16, True), PeerPlan(False, 4, True), PeerPlan(False, 8, False)],
     "0.5b": [PeerPlan(False, 8, True), PeerPlan(False, 16, True), PeerPlan(True, 16, True)],
 }
-SMOKE_SHAPE = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
+SMOKE_SHAPE = ArchConfig(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                           rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, attention_bias=True)
 """`bench/trainer_throughput.py --cpu-smoke`: the peers on a tiny Qwen2 in fp32 on CPU, 512 tokens a step."""
@@ -142,7 +142,7 @@ class _CausalLoss(nn.Module):
         return chunked_linear_cross_entropy(hidden, weight, targets, self.chunk_rows)
 
 
-def hf_model(mcfg: ModelConfig, device: torch.device) -> nn.Module:
+def hf_model(mcfg: ArchConfig, device: torch.device) -> nn.Module:
     """transformers' Qwen2 of this shape, sdpa attention, fp32 weights, seeded random init."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -175,7 +175,7 @@ def parallelize(lm: nn.Module, plan: PeerPlan, compute_dtype: torch.dtype, devic
     return fully_shard(loss, mp_policy=mp)
 
 
-def bench_peer(mcfg: ModelConfig, plan: PeerPlan, steps: int, step_tokens: int, peak_tflops: float,
+def bench_peer(mcfg: ArchConfig, plan: PeerPlan, steps: int, step_tokens: int, peak_tflops: float,
                device: torch.device, compute_dtype: torch.dtype = torch.bfloat16, chunk_rows: int = CHUNK_ROWS) -> dict:
     """Steps of step_tokens / (num_sequences x sequence_length) accumulated micro-batches of
     random tokens, after 2 untimed ones; the first micro-batch's loss and the first step's

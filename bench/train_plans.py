@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from colocate.config import Config
-from colocate.models import CausalLM, ModelConfig
+from colocate.models import ArchConfig, CausalLM
 from colocate.rollout.sample import Sample
 
 GROUP = 4
@@ -88,18 +88,18 @@ def best_plan(entry: dict) -> dict | None:
     return max(runs, key=lambda r: r["mfu"]) if runs else None
 
 
-def model_config(name: str) -> ModelConfig:
+def model_config(name: str) -> ArchConfig:
     s = SHAPES[name]
-    return ModelConfig(model_type="qwen2", vocab_size=151936, head_dim=s["hidden_size"] // s["num_attention_heads"],
+    return ArchConfig(model_type="qwen2", vocab_size=151936, head_dim=s["hidden_size"] // s["num_attention_heads"],
                        rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, attention_bias=True, **s)
 
 
-def num_params(cfg: ModelConfig) -> int:
+def num_params(cfg: ArchConfig) -> int:
     with torch.device("meta"):
         return sum(p.numel() for p in CausalLM(cfg).parameters())
 
 
-def model_flops(cfg: ModelConfig, seq_lengths: list[int], num_logits: int) -> tuple[float, float]:
+def model_flops(cfg: ArchConfig, seq_lengths: list[int], num_logits: int) -> tuple[float, float]:
     """(PaLM FLOPs, causal FLOPs) of one forward + backward over these sequences."""
     head = cfg.vocab_size * cfg.hidden_size
     tables = head * (1 if cfg.tie_word_embeddings else 2)

@@ -44,7 +44,7 @@ from colocate.cli import DEBUG_HELP, entry_point
 from colocate.lora import peft_format
 from colocate.lora.identity import config_sha256, same_base_weights, weights_fingerprint
 from colocate.lora.merge import merged_weight
-from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype, save_pretrained
+from colocate.models import ArchConfig, CausalLM, iter_safetensors, resolve_dtype, save_pretrained
 from colocate.output_dir import check_output_dir, replacing_dir
 
 # Keys of the actor weights inside a checkpoint: `model.model.<HF name>`; optimizer and scheduler
@@ -67,7 +67,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def _weight_entries(ckpt: Path, config: ModelConfig) -> list[tuple[str, TensorStorageMetadata]]:
+def _weight_entries(ckpt: Path, config: ArchConfig) -> list[tuple[str, TensorStorageMetadata]]:
     """DCP keys and metadata of the actor's weights, checked against the model config's names."""
     stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     entries = [(key, md) for key, md in stored.items()
@@ -88,7 +88,7 @@ def _weight_entries(ckpt: Path, config: ModelConfig) -> list[tuple[str, TensorSt
     return [(key, md) for key, md in entries if key[len(WEIGHT_PREFIX):] not in optional]
 
 
-def iter_actor_weights(ckpt: Path, config: ModelConfig, dtype: torch.dtype,
+def iter_actor_weights(ckpt: Path, config: ArchConfig, dtype: torch.dtype,
                        bucket_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full CPU tensor in `dtype`) for the actor's weights, one bucket per DCP read."""
     return _read_entries(ckpt, _weight_entries(ckpt, config), dtype, bucket_bytes)
@@ -111,7 +111,7 @@ def _read_entries(ckpt: Path, entries: list[tuple[str, TensorStorageMetadata]], 
             bucket, size = {}, 0
 
 
-def _adapters(ckpt: Path, config: ModelConfig, lora: dict) -> dict[str, torch.Tensor]:
+def _adapters(ckpt: Path, config: ArchConfig, lora: dict) -> dict[str, torch.Tensor]:
     """The checkpoint's fp32 adapters by parameter name, checked against the base's shapes."""
     stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     entries = [(key, md) for key, md in stored.items()
@@ -188,7 +188,7 @@ def export(ckpt: str | Path, out: str | Path, dtype: str = "bfloat16", overwrite
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"checkpoint {ckpt} has no {HF_DIR}/config.json "
                          "(it was saved without model_dir, so the model config is unknown)")
-    config = ModelConfig.from_dir(hf_dir)
+    config = ArchConfig.from_dir(hf_dir)
     torch_dtype = resolve_dtype(dtype, "cpu")
     lora = read_adapters(ckpt, ACTOR_STATE)
     if lora is None:

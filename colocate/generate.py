@@ -51,7 +51,7 @@ def load_tokenizer(model_dir: Path):
 
 def read_prompts(path: Path, tokenizer, chat: bool = False) -> list[tuple[int, list[int]]]:
     """(line number, token ids) per non-blank line; errors name file:line."""
-    from colocate.rollout.data import render_chat
+    from colocate.rollout.prompts import render_chat
 
     out = []
     with open(path) as f:

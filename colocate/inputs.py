@@ -12,8 +12,8 @@ from colocate.dist import DistInfo
 from colocate.rollout.rewards import RewardFn
 
 if TYPE_CHECKING:
-    from colocate.models import ModelConfig
-    from colocate.rollout.data import PromptDataset
+    from colocate.models import ArchConfig
+    from colocate.rollout.prompts import PromptDataset
 
 
 def _prepare_toy(cfg: Config, info: DistInfo):
@@ -62,7 +62,7 @@ def _check_tokenizer_files(model_dir: str) -> None:
                          "copy the model's tokenizer into it")
 
 
-def _projection_shapes(mc: ModelConfig) -> dict[str, tuple[int, int]]:
+def _projection_shapes(mc: ArchConfig) -> dict[str, tuple[int, int]]:
     """(in features, out features) of each projection of a block that can carry LoRA adapters."""
     q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
     h, i = mc.hidden_size, mc.intermediate_size
@@ -70,7 +70,7 @@ def _projection_shapes(mc: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def _check_model_fit(cfg: Config, field: str, mc: ModelConfig) -> None:
+def _check_model_fit(cfg: Config, field: str, mc: ArchConfig) -> None:
     """Settings that depend on the model's shape: the stop ids must be tokens of its vocabulary,
     and a LoRA rank above an adapted projection's smaller side adds parameters but no rank."""
     where = f"{getattr(cfg.model, field)}/config.json"
@@ -115,7 +115,7 @@ class RunInputs:
     def load(cls, cfg: Config, info: DistInfo) -> "RunInputs":
         from colocate.models.config import load_tokenizer, stop_token_ids
         from colocate.models.loading import read_model_config
-        from colocate.rollout.data import PromptDataset, PromptSampler
+        from colocate.rollout.prompts import PromptDataset, PromptSampler
         from colocate.rollout.rewards import load_reward_fn
         from colocate.user_code import load_function
 

@@ -1,6 +1,6 @@
 """Plain-torch model families with HF parameter names, shared by the trainer and the native engine."""
 
-from colocate.models.config import ARCHITECTURES, ModelConfig
+from colocate.models.config import ARCHITECTURES, ArchConfig
 from colocate.models.loading import (
     from_config,
     from_pretrained,
@@ -12,6 +12,6 @@ from colocate.models.loading import (
 from colocate.models.transformer import CausalLM, packing_from_lengths
 
 __all__ = [
-    "ARCHITECTURES", "CausalLM", "ModelConfig", "from_config", "from_pretrained", "iter_safetensors",
+    "ARCHITECTURES", "CausalLM", "ArchConfig", "from_config", "from_pretrained", "iter_safetensors",
     "load_weights", "packing_from_lengths", "resolve_dtype", "save_pretrained",
 ]

@@ -15,7 +15,7 @@ ARCHITECTURES = {
 
 
 @dataclass
-class ModelConfig:
+class ArchConfig:
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -45,7 +45,7 @@ class ModelConfig:
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
     @classmethod
-    def from_hf_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict, source: str = "config.json") -> "ArchConfig":
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type")
         known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
@@ -92,7 +92,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> "ArchConfig":
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory)")
@@ -159,7 +159,7 @@ def stop_token_ids(model_dir: str | Path, tokenizer=None) -> list[int]:
     beside the base model's end of text) and the tokenizer's eos token when a tokenizer is given.
     Training rollouts, evaluation and offline generation all stop by this one rule.
     """
-    ids = set(ModelConfig.from_dir(model_dir).eos_token_ids)
+    ids = set(ArchConfig.from_dir(model_dir).eos_token_ids)
     generation = Path(model_dir) / "generation_config.json"
     if generation.is_file():
         try:

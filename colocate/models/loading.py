@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from colocate.models.config import ModelConfig
+from colocate.models.config import ArchConfig
 from colocate.models.layers import rope_inv_freq
 from colocate.models.transformer import CausalLM
 from colocate.output_dir import replacing_dir
@@ -32,12 +32,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
     return DTYPES[dtype]
 
 
-def read_model_config(path: str | Path, field: str = "model.path") -> ModelConfig:
-    """ModelConfig.from_dir, with a config.json that is not UTF-8 JSON, not an object, or lacks a
+def read_model_config(path: str | Path, field: str = "model.path") -> ArchConfig:
+    """ArchConfig.from_dir, with a config.json that is not UTF-8 JSON, not an object, or lacks a
     required key reported as ValueError naming the file and `field` (the setting naming the directory)."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        return ModelConfig.from_dir(path)  # its error says what a model directory needs
+        return ArchConfig.from_dir(path)  # its error says what a model directory needs
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -47,7 +47,7 @@ def read_model_config(path: str | Path, field: str = "model.path") -> ModelConfi
     if not isinstance(raw, dict):
         raise ValueError(f"{field}: {file} must hold a JSON object, got {type(raw).__name__}")
     try:
-        return ModelConfig.from_hf_dict(raw, source=str(file))
+        return ArchConfig.from_hf_dict(raw, source=str(file))
     except KeyError as e:
         raise ValueError(f"{field}: {file} has no {e}") from None
 
@@ -124,7 +124,7 @@ def load_weights(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]], sou
         raise ValueError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def from_config(cfg: ModelConfig, dtype=torch.float32, device="cpu", init: bool = False) -> CausalLM:
+def from_config(cfg: ArchConfig, dtype=torch.float32, device="cpu", init: bool = False) -> CausalLM:
     """A model with this config on `device`; parameters uninitialised unless `init` (then random
     normal(0, 0.02) weights and unit norms, for tests and new models)."""
     with torch.device("meta"):
@@ -147,14 +147,14 @@ def from_config(cfg: ModelConfig, dtype=torch.float32, device="cpu", init: bool 
 
 def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu") -> CausalLM:
     """Load an HF model directory (Llama, Qwen2 or Qwen3) into our plain-torch definition."""
-    cfg = ModelConfig.from_dir(path)
+    cfg = ArchConfig.from_dir(path)
     model = from_config(cfg, resolve_dtype(dtype, device), device)
     load_weights(model, iter_safetensors(path), source=str(path))
     return model
 
 
 def save_pretrained(
-    model: CausalLM | None, out: str | Path, *, config: ModelConfig | None = None,
+    model: CausalLM | None, out: str | Path, *, config: ArchConfig | None = None,
     state: Iterable[tuple[str, torch.Tensor]] | None = None, tokenizer_dir: str | Path | None = None,
     max_shard_bytes: int = 4 << 30, overwrite: bool = False,
 ) -> Path:
@@ -171,7 +171,7 @@ def save_pretrained(
     return Path(out)
 
 
-def _write_hf_dir(tmp: Path, config: ModelConfig, named: Iterable[tuple[str, torch.Tensor]],
+def _write_hf_dir(tmp: Path, config: ArchConfig, named: Iterable[tuple[str, torch.Tensor]],
                   tokenizer_dir: str | Path | None, max_shard_bytes: int) -> None:
     shards, current, size = [], {}, 0
     for name, t in named:

@@ -25,14 +25,14 @@ from torch import nn
 
 from colocate.kernels import batch_invariant
 from colocate.kernels.rotary import reference_rotate, rotate
-from colocate.models.config import ModelConfig
+from colocate.models.config import ArchConfig
 from colocate.models.layers import Linear, RMSNorm, Rotary, linear, packed_causal_attention, silu_mul
 
 AttnFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ArchConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -79,7 +79,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -129,7 +129,7 @@ def pack_parameters(params: list[nn.Parameter], keep_values: bool) -> torch.Tens
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ArchConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp = MLP(cfg)
@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """HF's `model.` prefix: embeddings, layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
@@ -163,7 +163,7 @@ def packing_from_lengths(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)

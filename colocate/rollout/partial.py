@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from colocate.rollout.data import PromptSample
+from colocate.rollout.prompts import PromptSample
 from colocate.rollout.sample import Sample
 
 ABORT = "abort"

@@ -17,7 +17,7 @@ from torch import nn
 from colocate.algo import aggregate, value_loss
 from colocate.config import AlgorithmConfig
 from colocate.lora.identity import LoRASpec
-from colocate.models.config import ModelConfig
+from colocate.models.config import ArchConfig
 from colocate.models.transformer import Backbone, CausalLM
 from colocate.trainer.batch import MicroBatch, RolloutBatch
 from colocate.trainer.lora import add_adapters
@@ -33,7 +33,7 @@ class ValueModel(nn.Module):
     hidden_states = CausalLM.hidden_states
     """The policy's packed forward up to the final norm; it only reads `self.model`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)

@@ -24,7 +24,7 @@ from torch.profiler import record_function
 from colocate import dist
 from colocate.config import Config
 from colocate.lora.identity import LoRASpec, is_adapter
-from colocate.models import CausalLM, ModelConfig, iter_safetensors, resolve_dtype
+from colocate.models import ArchConfig, CausalLM, iter_safetensors, resolve_dtype
 from colocate.rollout.sample import Sample
 from colocate.sizing import AUTO, MemoryPlan, Shape, cpu_plan, needs_of, plan_memory
 from colocate.timing import timed
@@ -70,7 +70,7 @@ class Trainer:
     threads (`TrainerMemory.reserve`), so that no offload during training pays for pinning host
     memory and the start-up does not stop for it."""
 
-    def __init__(self, cfg: Config, info: dist.DistInfo, *, model_config: ModelConfig | None = None,
+    def __init__(self, cfg: Config, info: dist.DistInfo, *, model_config: ArchConfig | None = None,
                  checkpointing: ActivationCheckpointing | None = None):
         self.cfg, self.info = cfg, info
         m, t, a, r = cfg.model, cfg.train, cfg.algorithm, cfg.rollout
@@ -80,7 +80,7 @@ class Trainer:
         self.memory = TrainerMemory(cfg.offload.method, self.device)
         self.random_config = model_config
         self.keep_gathered = info.world_size == 1 if t.keep_gathered is None else t.keep_gathered
-        policy_cfg = model_config or ModelConfig.from_dir(m.path)
+        policy_cfg = model_config or ArchConfig.from_dir(m.path)
         self.memory_plan = self._plan_memory(policy_cfg, checkpointing)
         self.checkpointing = checkpointing or ActivationCheckpointing(m.full_recompute_fraction, m.recompute_rest,
                                                                       m.recompute_keeps_attention)
@@ -112,7 +112,7 @@ class Trainer:
         elif a.needs_ref:
             ref_path = m.ref_path or m.path
             with timed(self.startup_seconds, "reference", self.device):
-                ref_model = self._build(lambda: CausalLM(model_config or ModelConfig.from_dir(ref_path)),
+                ref_model = self._build(lambda: CausalLM(model_config or ArchConfig.from_dir(ref_path)),
                                         ref_path, REFERENCE, train=False)
                 self.reference = Reference(ref_model, self.memory, REFERENCE, temperature=r.temperature)
                 self.memory.offload(REFERENCE)
@@ -120,7 +120,7 @@ class Trainer:
         self.critic = None
         if a.use_critic:
             critic_path = m.critic_path or m.path
-            critic_cfg = model_config or ModelConfig.from_dir(critic_path)
+            critic_cfg = model_config or ArchConfig.from_dir(critic_path)
             with timed(self.startup_seconds, "critic", self.device):
                 critic_model = self._build(lambda: ValueModel(critic_cfg), critic_path, CRITIC_PARAMS,
                                            train=True, skip=("lm_head.",), new=("value_head.",),
@@ -132,7 +132,7 @@ class Trainer:
         if self.critic is not None and cfg.offload.offload_train:
             self.startup_seconds["pinned_buffers"] += self.memory.reserve(CRITIC_PARAMS, CRITIC_OPTIM)
 
-    def _plan_memory(self, policy_cfg: ModelConfig, checkpointing: ActivationCheckpointing | None) -> MemoryPlan:
+    def _plan_memory(self, policy_cfg: ArchConfig, checkpointing: ActivationCheckpointing | None) -> MemoryPlan:
         """Resolve cfg's `auto` sizes in place from the device's free memory (colocate/sizing.py),
         before anything is loaded; every rank plans for the one with the least free memory."""
         m, t = self.cfg.model, self.cfg.train

@@ -19,7 +19,7 @@ from colocate.checkpoint import ModelOptimizerState, load_checkpoint, save_check
 from colocate.checkpoint_manifest import latest_checkpoint
 from colocate.export import export
 from colocate.export import main as export_main
-from colocate.models import ModelConfig, from_config, from_pretrained, load_weights
+from colocate.models import ArchConfig, from_config, from_pretrained, load_weights
 from tests.helpers import write_hf_model
 
 VOCAB = 101
@@ -29,7 +29,7 @@ def _build(model_dir, shard: bool, fresh: bool, device="cpu"):
     """The tiny model (the HF weights, or a different random init when `fresh`), AdamW and a warmup."""
     if fresh:
         torch.manual_seed(1234)
-        model = from_config(ModelConfig.from_dir(model_dir), device=device, init=True)
+        model = from_config(ArchConfig.from_dir(model_dir), device=device, init=True)
     else:
         model = from_pretrained(model_dir, dtype="float32", device=device)
     if shard:
@@ -258,7 +258,7 @@ def test_export_loads_in_transformers_with_equal_logits(world1_run, tmp_path):
 
     root, (at_save, *_) = world1_run
     out = export(root, tmp_path / "hf_fp32", dtype="float32")  # a root: its newest checkpoint
-    ours = from_config(ModelConfig.from_dir(out))
+    ours = from_config(ArchConfig.from_dir(out))
     load_weights(ours, at_save.items())
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))

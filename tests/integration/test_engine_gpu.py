@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from colocate.models import ModelConfig, from_config, from_pretrained
+from colocate.models import ArchConfig, from_config, from_pretrained
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.native.sampler import SamplingBatch, sample_tokens
 from colocate.rollout.protocol import SamplingParams
@@ -16,11 +16,11 @@ from tests.tolerances import assert_within_noise, error_stats, release_expectati
 
 pytestmark = pytest.mark.gpu
 
-QWEN25_05B = ModelConfig(
+QWEN25_05B = ArchConfig(
     model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
     num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
     tie_word_embeddings=True, attention_bias=True, eos_token_id=151643)
-SMALL = ModelConfig(
+SMALL = ArchConfig(
     model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
     num_attention_heads=8, num_key_value_heads=2, head_dim=32, qk_norm=True, eos_token_id=1)
 # transformers models for the log-prob tests. N(0, 0.08) weights, as random_model's: peaked

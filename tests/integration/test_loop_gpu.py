@@ -21,10 +21,10 @@ def _half_billion_model(tmp_path, toy_model_dir):
     """A Qwen2.5-0.5B-shaped random model that speaks the toy tokenizer (its ids are a subset)."""
     from transformers import Qwen2Config
 
-    from colocate.models import ModelConfig, from_config, save_pretrained
+    from colocate.models import ArchConfig, from_config, save_pretrained
 
     hf = Qwen2Config(**QWEN25_05B, eos_token_id=0, bos_token_id=0, max_position_embeddings=4096)
-    cfg = ModelConfig.from_hf_dict({**hf.to_dict(), "architectures": ["Qwen2ForCausalLM"]})
+    cfg = ArchConfig.from_hf_dict({**hf.to_dict(), "architectures": ["Qwen2ForCausalLM"]})
     model = from_config(cfg, torch.float32, "cuda", init=True)
     out = save_pretrained(model, tmp_path / "model05b")
     for f in toy_model_dir.iterdir():

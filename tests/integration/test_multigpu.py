@@ -57,10 +57,10 @@ def _qwen15b(tmp_path, toy_model_dir):
 
     from transformers import Qwen2Config
 
-    from colocate.models import ModelConfig, from_config, save_pretrained
+    from colocate.models import ArchConfig, from_config, save_pretrained
 
     hf = Qwen2Config(**QWEN25_15B, eos_token_id=0, bos_token_id=0, max_position_embeddings=4096)
-    cfg = ModelConfig.from_hf_dict({**hf.to_dict(), "architectures": ["Qwen2ForCausalLM"]})
+    cfg = ArchConfig.from_hf_dict({**hf.to_dict(), "architectures": ["Qwen2ForCausalLM"]})
     out = save_pretrained(from_config(cfg, torch.float32, "cuda", init=True), tmp_path / "model15b")
     for f in toy_model_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoTokenizer
 
 from colocate import dist
-from colocate.rollout.data import PromptDataset, PromptSampler
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.orchestrator import RolloutManager
+from colocate.rollout.prompts import PromptDataset, PromptSampler
 from colocate.rollout.rewards import load_reward_fn
 from colocate.toy import ensure_toy
 from colocate.user_code import load_function

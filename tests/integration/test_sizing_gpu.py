@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from colocate.config import Config
-from colocate.models import ModelConfig
+from colocate.models import ArchConfig
 from colocate.rollout.sample import Sample
 from colocate.sizing import GIB
 
 pytestmark = pytest.mark.gpu
 
 GROUP, NUM_GROUPS, PROMPT, RESPONSE = 4, 10, 128, 256
-SHAPE = ModelConfig(model_type="qwen2", vocab_size=32768, hidden_size=1024, intermediate_size=2816,
+SHAPE = ArchConfig(model_type="qwen2", vocab_size=32768, hidden_size=1024, intermediate_size=2816,
                     num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                     tie_word_embeddings=True, attention_bias=True)
 

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from colocate.models import ModelConfig, from_pretrained, packing_from_lengths, save_pretrained
+from colocate.models import ArchConfig, from_pretrained, packing_from_lengths, save_pretrained
 from tests.helpers import FAMILIES, write_hf_model
 
 
@@ -90,7 +90,7 @@ def test_save_load_round_trip(tmp_path, family):
 def test_unsupported_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
-        ModelConfig.from_dir(tmp_path)
+        ArchConfig.from_dir(tmp_path)
 
 
 def test_missing_and_misshapen_tensors_are_named(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from colocate.kernels import batch_invariant
-from colocate.models import ModelConfig, from_config
+from colocate.models import ArchConfig, from_config
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.protocol import SamplingParams
 from colocate.rollout.sample import Sample
@@ -21,7 +21,7 @@ from tests.parity.test_true_on_policy import assert_toy_run_has_no_mismatch
 
 pytestmark = pytest.mark.gpu
 
-QWEN25_15B = ModelConfig(
+QWEN25_15B = ArchConfig(
     model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
     num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
     tie_word_embeddings=True, attention_bias=True, eos_token_id=151643)
@@ -34,7 +34,7 @@ def invariant():
     batch_invariant.disable()
 
 
-def _random_model(cfg: ModelConfig) -> torch.nn.Module:
+def _random_model(cfg: ArchConfig) -> torch.nn.Module:
     torch.manual_seed(0)
     model = from_config(cfg, torch.bfloat16, "cuda", init=True)
     with torch.no_grad():  # peaked distributions, as a trained model's are

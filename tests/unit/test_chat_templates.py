@@ -8,7 +8,7 @@ import json
 import pytest
 
 from colocate.config import load_config
-from colocate.rollout.data import PromptDataset
+from colocate.rollout.prompts import PromptDataset
 from tests.real_models import FAMILIES, chat_tokenizer
 
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from colocate.models import ModelConfig
+from colocate.models import ArchConfig
 from colocate.models.layers import Rotary
 from colocate.models.transformer import DecoderLayer
 from colocate.trainer.parallelize import ActivationCheckpointing, _attention_ops, _checkpointed, _compiled_blocks
@@ -59,7 +59,7 @@ class _Ops(TorchDispatchMode):
         return sum(f in funcs and (shape is None or s == shape) for f, s in self.ops)
 
 
-CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=256, intermediate_size=320, num_hidden_layers=1,
+CFG = ArchConfig(model_type="qwen2", vocab_size=64, hidden_size=256, intermediate_size=320, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=128, attention_bias=True)
 LENGTHS = [5, 11]
 
@@ -97,7 +97,7 @@ def _mixing_stand_in(q, k, v, cu_seqlens, max_seqlen):
     return q * k + v
 
 
-def _matmul_counts(ops: _Ops, cfg: ModelConfig, n: int) -> tuple[int, int]:
+def _matmul_counts(ops: _Ops, cfg: ArchConfig, n: int) -> tuple[int, int]:
     """Matmuls run in a backward with a (tokens, intermediate) and a (tokens, q+k+v) output."""
     matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.colocate.invariant_linear.default}
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from colocate.rollout.data import PromptDataset, PromptSampler
+from colocate.rollout.prompts import PromptDataset, PromptSampler
 from colocate.toy import build_toy_tokenizer
 
 

@@ -11,7 +11,6 @@ import torch
 
 from colocate.config import Config
 from colocate.config_checks import validate
-from colocate.rollout.data import PromptSample
 from colocate.rollout.partial import (
     InFlightGroup,
     by_urgency,
@@ -24,6 +23,7 @@ from colocate.rollout.partial import (
     staleness,
     staleness_counts,
 )
+from colocate.rollout.prompts import PromptSample
 from colocate.rollout.sample import Sample
 from colocate.trainer.batch import RolloutBatch
 

@@ -12,7 +12,7 @@ import pytest
 datasets = pytest.importorskip("datasets")  # a dependency of colocate, missing on some GPU images
 
 from colocate.data import BOXED, main, prepare, raw_rows, read_rows
-from colocate.rollout.data import PromptDataset
+from colocate.rollout.prompts import PromptDataset
 from colocate.toy import build_toy_tokenizer
 from tests.real_models import lay_out_hub_repo, offline_hub
 

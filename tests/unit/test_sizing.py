@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from colocate.config import Config, load_config
-from colocate.models import CausalLM, ModelConfig
+from colocate.models import ArchConfig, CausalLM
 from colocate.sizing import (
     CPU_MAX_TOKENS,
     GIB,
@@ -22,7 +22,7 @@ from colocate.sizing import (
 )
 
 # Qwen2.5-0.5B's shape, and the GRPO batch of bench/e2e.py: 16 prompts x 8 samples x (128 + 256) tokens.
-QWEN_05B = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+QWEN_05B = ArchConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
                        tie_word_embeddings=True, attention_bias=True)
 KV_PER_TOKEN = 2 * 24 * 2 * 64 * 2  # K and V, layers, KV heads, head_dim, bf16
@@ -44,7 +44,7 @@ def _cfg(offload: bool = False, **rollout) -> Config:
     dict(model_type="llama", tie_word_embeddings=False),
 ])
 def test_shape_counts_the_models_parameters(family):
-    mcfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
+    mcfg = ArchConfig(vocab_size=97, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, **family)
     with torch.device("meta"):
         model = CausalLM(mcfg)
