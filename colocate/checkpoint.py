@@ -30,21 +30,18 @@ import contextlib
 import io
 import json
 import os
-import pickle
 import random
 import re
 import shutil
 import warnings
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -54,13 +51,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from colocate import dist as cdist
+from colocate.checkpoint_integrity import (
+    ChecksummingWriter,
+    FiniteLoadPlanner,
+    FiniteSavePlanner,
+    first_non_finite,
+    raise_damaged,
+)
 from colocate.checkpoint_manifest import (
     FORMAT,
     META_FILE,
-    ChecksummingStream,
     DamagedCheckpoint,
     checkpoint_dir,
     checkpoint_dirs,
@@ -185,119 +187,6 @@ def quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, keeping the size and CRC-32 of each file written (`records`, by
-    name) from the bytes as they go out."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: dict[str, dict] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            stream = ChecksummingStream(raw)
-            yield stream
-        self.records[Path(path).name] = stream.record()
-
-    def rename(self, path, new_path) -> None:
-        # DCP writes .metadata under a temporary name, then renames it.
-        super().rename(path, new_path)
-        self.records[Path(new_path).name] = self.records.pop(Path(path).name)
-
-
-class _ChecksummingWriter(FileSystemWriter):
-    """DCP's file writer, writing through _ChecksummingFileSystem."""
-
-    def __init__(self, path: Path):
-        super().__init__(path)
-        self.fs = _ChecksummingFileSystem()
-
-
-def _non_finite(named: Iterable[tuple[str, Any]]) -> str | None:
-    """The first key (sorted) whose floating tensor holds NaN or inf on this rank (its shard, for a
-    DTensor), or None. The flags are reduced on each tensor's device: one host sync per device."""
-    flags = defaultdict(list)
-    for key, value in named:
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if isinstance(local, torch.Tensor) and local.is_floating_point() and local.numel():
-            flags[local.device].append((key, torch.isfinite(local).all()))
-    bad = []
-    for pairs in flags.values():
-        finite = torch.stack([flag for _, flag in pairs]).tolist()
-        bad += [key for (key, _), ok in zip(pairs, finite) if not ok]
-    return min(bad, default=None)
-
-
-class _FiniteSavePlanner(DefaultSavePlanner):
-    """DCP's save planner, noting the first tensor to be saved that holds NaN or inf (`non_finite`)."""
-
-    non_finite: str | None = None
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self.non_finite = _non_finite(self.state_dict.items())
-
-
-class _FiniteLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, keeping every tensor read with its key (`read`) to check it is finite."""
-
-    def __init__(self):
-        super().__init__()
-        self.read: list[tuple[str, torch.Tensor]] = []
-
-    def commit_tensor(self, read_item, tensor) -> None:
-        super().commit_tensor(read_item, tensor)
-        self.read.append((read_item.dest_index.fqn, tensor))
-
-
-# What bytes that do not deserialise raise: DCP wraps each rank's error in a CheckpointException
-# (a BaseException), torch.load and pickle raise their own.
-_UNREADABLE = (CheckpointException, pickle.UnpicklingError, EOFError, RuntimeError)
-# Errors that are the device's or the process group's, not the files': raised, not fallen back from.
-_NOT_DAMAGE = (torch.OutOfMemoryError, dist.DistBackendError)
-
-
-def _unreadable(error: BaseException) -> str:
-    """One line saying why stored bytes did not load (the first failing rank's error, for DCP)."""
-    cause = error
-    if isinstance(error, CheckpointException):
-        failure = next(iter(error.failures.values()))
-        cause = failure[0] if isinstance(failure, tuple) else failure
-    if isinstance(cause, _NOT_DAMAGE):
-        raise cause
-    first_line = next(iter(str(cause).splitlines()), "")
-    return f"unreadable ({type(cause).__name__}: {first_line})"
-
-
-def _raise_damaged(path: Path, step: Callable[[], str | None]) -> None:
-    """Run one check or read of a checkpoint on this rank; DamagedCheckpoint on every rank when
-    any rank found a problem (the first rank's), so all ranks fall back together. Every rank
-    reaches the gather, whatever it raised: any other error (a mismatch of the states, or one of
-    _NOT_DAMAGE) then ends the load on every rank."""
-    problem, fatal = None, None
-    try:
-        problem = step()
-    except _UNREADABLE as e:
-        try:
-            problem = _unreadable(e)
-        except _NOT_DAMAGE as error:
-            fatal = error
-    except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
-        fatal = e
-    found = cdist.all_gather_object((problem, fatal is not None))
-    if fatal is not None:
-        raise fatal
-    if any(failed for _, failed in found):
-        raise RuntimeError(f"checkpoint {path}: another rank failed while loading it")
-    problem = next((p for p, _ in found if p is not None), None)
-    if problem is not None:
-        raise DamagedCheckpoint(path, problem)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -435,7 +324,7 @@ def save_checkpoint(
     root = Path(root)
     tmp, final = root / f".tmp-rollout_{rollout_id:06d}", checkpoint_dir(root, rollout_id)
 
-    writer, planner = _ChecksummingWriter(tmp), _FiniteSavePlanner()
+    writer, planner = ChecksummingWriter(tmp), FiniteSavePlanner()
     records: dict[str, dict] = {}  # this rank's files: name -> size and CRC-32
     non_finite = None
 
@@ -536,23 +425,23 @@ def load_checkpoint(path: str | Path, states: dict[str, Stateful], *, load_rng: 
     path = Path(path)
     meta = read_meta(path)
     rank, world = _rank_world()
-    _raise_damaged(path, lambda: checksum_problem(path, rank, world))
-    _raise_damaged(path, lambda: _check_adapters(path, states))  # it reads a shard (unchecked in format v2)
+    raise_damaged(path, lambda: checksum_problem(path, rank, world))
+    raise_damaged(path, lambda: _check_adapters(path, states))  # it reads a shard (unchecked in format v2)
     wanted = {}
     for name, state in states.items():
         wanted.update(_flat_keys(state.state_dict(), name))
     _check_compatible(path, wanted)
-    planner = _FiniteLoadPlanner()
+    planner = FiniteLoadPlanner()
 
     def read() -> str | None:
         with quiet_single_process():
             dcp.load(states, checkpoint_id=path, planner=planner, no_dist=not dist.is_initialized())
         if load_rng:
             _load_rng(path, meta["world_size"])
-        bad = _non_finite(planner.read)
+        bad = first_non_finite(planner.read)
         return None if bad is None else f"{bad} holds NaN or inf"
 
-    _raise_damaged(path, read)
+    raise_damaged(path, read)
     return meta["extra"]
 
 
