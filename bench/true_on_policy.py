@@ -5,7 +5,7 @@ engine's log-probs equal the trainer's bit for bit with it on.
 Per shape (bench/train_plans.py's Qwen2.5-0.5B / -1.5B shapes, random bf16 weights):
 - rollout: the native engine on bench/rollout_throughput.py's b256 case (256 prompts x 128 tokens in, 256 out,
   temperature 1, ignore_eos). Off: its default GPU settings (CUDA graphs, compiled decode), as
-  bench/rollout_throughput.py builds it; on: batch_invariant.enable before the engine is built, decode
+  bench/rollout_throughput.py builds it; on: the mode's table (Ops.true_on_policy) handed to the model, decode
   uncompiled, CUDA graphs on. One warm-up generate, then the median output tok/s of --reps.
 - bitwise_equal_frac: of the mode-on warm-up generate's sampled tokens, the fraction whose engine
   log-prob equals the trainer's forward's (fp32, bit for bit), as tests/parity/test_true_on_policy_gpu.py
@@ -58,6 +58,7 @@ from bench.train_plans import GRID, SHAPES, STEP_TOKENS, Plan, best_plan, make_s
 from bench.trainer_throughput import RESULTS as TRAIN_RESULTS
 from colocate import dist
 from colocate.kernels import batch_invariant
+from colocate.kernels.ops import Ops
 from colocate.models import from_config
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.protocol import SamplingParams
@@ -83,12 +84,11 @@ SMOKE_STEP_TOKENS, SMOKE_RESPONSE_TOKENS = 16384, 16
 
 @contextlib.contextmanager
 def mode(on: bool, device: torch.device):
-    """Batch-invariant numerics inside the block when `on`; off after it (and in it otherwise)."""
+    """The table of operations to compute with inside the block: the mode's when `on` (its aten
+    kernels switched on), else the standard one; aten's own kernels after it."""
     batch_invariant.disable()
-    if on:
-        batch_invariant.enable(device)
     try:
-        yield
+        yield Ops.true_on_policy(device) if on else Ops.standard()
     finally:
         batch_invariant.disable()
 
@@ -139,11 +139,12 @@ def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtyp
     sp = SamplingParams(temperature=1.0, max_new_tokens=run["new_tokens"], ignore_eos=True, seed=0)
     sampling = [sp] * len(prompts)  # as bench/rollout_throughput.py's run_ours
     cuda = device.type == "cuda"
-    with mode(on, device):
+    with mode(on, device) as ops:
         torch.manual_seed(0)
         model = from_config(mcfg, dtype, device, init=True).eval()
+        model.set_ops(ops)
         engine = NativeEngine(model, device=device, max_kv_tokens=1 << 20 if cuda else 4096,
-                              max_num_seqs=len(prompts), cuda_graph=True, compile_decode=cuda and not on)
+                              max_num_seqs=len(prompts), cuda_graph=True, compile_decode=cuda and not on, ops=ops)
         outs = engine.generate(prompts, sampling)  # warm-up
         runs = [timed_generate(engine, prompts, sampling) for _ in range(reps)]
         kernel_table(functools.partial(engine.generate, prompts, sampling), device,
@@ -164,10 +165,10 @@ def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtyp
 def run_train(mcfg, plan: Plan, on: bool, compiled: bool, info, batches: list[list[Sample]],
               tables: list[str] | None = None) -> dict:
     device = info.device
-    with mode(on, device):
+    with mode(on, device) as ops:
         cfg = trainer_config(len(batches[0]), plan, "pinned", compiled)
         cfg.algorithm.true_on_policy = on
-        trainer = Trainer(cfg, info, model_config=mcfg,
+        trainer = Trainer(cfg, info, ops=ops, model_config=mcfg,
                           checkpointing=ActivationCheckpointing(plan.full, plan.rest, plan.keep_attention))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

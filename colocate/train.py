@@ -97,6 +97,7 @@ class Loop:
 
     def build(self):
         from colocate.colocation.handoff import Colocation
+        from colocate.kernels.ops import Ops
         from colocate.metrics import startup_line, startup_phases
         from colocate.models import resolve_dtype
         from colocate.rollout.factory import build_engine, reachable_batch_size
@@ -104,15 +105,16 @@ class Loop:
         from colocate.trainer import Trainer
 
         cfg, info, startup = self.cfg, self.info, self.startup
-        if cfg.algorithm.true_on_policy:  # before any model runs: engine and trainer alike
-            from colocate.kernels import batch_invariant
-
-            batch_invariant.enable(info.device)
+        # The run's operations, chosen once, before any model runs: the trainer's models and the
+        # engine compute with this table.
+        ops = Ops.standard()
+        if cfg.algorithm.true_on_policy:
+            ops = Ops.true_on_policy(info.device)
             if cfg.rollout.compile_decode and info.device.type == "cuda":
                 self.log.info("algorithm.true_on_policy: the engine's decode runs uncompiled "
                               "(rollout.compile_decode is ignored in the mode)")
         with timed(startup, "perf/startup/trainer_s", info.device):  # load, shard, reserve pinned buffers
-            self.trainer = Trainer(cfg, info)
+            self.trainer = Trainer(cfg, info, ops=ops)
         _add_parts(startup, "trainer", self.trainer.startup_seconds)
         if self.trainer.memory_plan.summary():
             self.log.info(self.trainer.memory_plan.summary())
@@ -129,7 +131,7 @@ class Loop:
         with timed(startup, "perf/startup/engine_s", info.device):
             self.engine = build_engine(cfg, info, self.inputs.eos_token_ids,
                                        reachable_batch_size(cfg, info.world_size, eval_prompts),
-                                       self.trainer.memory_plan)
+                                       self.trainer.memory_plan, ops=ops)
         _add_parts(startup, "engine", getattr(self.engine, "startup_seconds", {}))
         self.rollout = RolloutManager(
             self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,

@@ -173,7 +173,7 @@ MUTANTS = [
     Mutant("rope_llama3_wavelength", "colocate/models/layers.py", "wavelen = 2 * math.pi / inv",
            "wavelen = math.pi / inv", LOGITS),
     Mutant("on_policy_lora_adds_its_terms_beside_the_base", "colocate/trainer/lora.py",
-           "if self.dropout and self.training and torch.is_grad_enabled() and not batch_invariant.enabled():",
+           "if self.dropout and self.training and torch.is_grad_enabled() and not self.ops.invariant:",
            "if True:", ON_POLICY_LORA),
     Mutant("lora_input_gradient_skips_the_adapters", "colocate/trainer/lora.py",
            "grad_x = torch.addmm(flat_grad @ _joined(weights), grad_low, downs)",

@@ -11,7 +11,8 @@ tensors go to the engine as they are when the engine casts while it copies
 units fill buckets together, so a bucket is one large multi-tensor copy rather than one per block.
 
 LoRA (colocate/trainer/lora.py): the engine holds merged weights. An adapted module's weight goes
-out as W + (alpha / rank) B A in the engine dtype (colocate/lora/merge.py), its adapters never. Frozen
+out as W + (alpha / rank) B A in the engine dtype (colocate/lora/merge.py, with the module's table of
+operations: the trainer's forward multiplies the same bits), its adapters never. Frozen
 parameters cannot change between pushes: when the engine still holds the previous push
 (`since_last`), only what can have changed goes out (with LoRA: the adapted modules' merged
 weights), a unit with nothing to send is not even gathered, and the engine's session is partial.
@@ -27,6 +28,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from colocate.kernels.ops import Ops
 from colocate.lora.merge import merged_weight
 from colocate.rollout.protocol import RolloutEngine
 from colocate.trainer.lora import LoRALinear
@@ -85,7 +87,7 @@ class _Unit:
     names: list[tuple[str, str]]  # (full name, name within the unit)
     params: list[nn.Parameter]  # the unit's own parameters, as registered between forwards (sharded)
     whole: bool  # every one of them holds the full tensor on this rank: nothing to gather
-    merges: dict[str, tuple[str, str, float]]  # weight -> (its lora_A, its lora_B, scale), names within
+    merges: dict[str, tuple[str, str, float, Ops]]  # weight -> (its lora_A, its lora_B, scale, table), names within
     adapters: frozenset[str]  # names within the unit of adapter parameters (never sent)
     changing: frozenset[str]  # names within the unit of what a push since the last one sends
 
@@ -93,12 +95,13 @@ class _Unit:
         return local not in self.adapters and (not since_last or local in self.changing)
 
 
-def _merges(unit: nn.Module, own: set[str]) -> dict[str, tuple[str, str, float]]:
-    """The unit's LoRA modules whose weight the unit owns, by weight name within the unit."""
+def _merges(unit: nn.Module, own: set[str]) -> dict[str, tuple[str, str, float, Ops]]:
+    """The unit's LoRA modules whose weight the unit owns, by weight name within the unit, with
+    what merges it: the adapters' names, the scale and the module's table of operations."""
     out = {}
     for prefix, m in unit.named_modules():
         if isinstance(m, LoRALinear) and f"{prefix}.weight" in own:
-            out[f"{prefix}.weight"] = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight", m.scale)
+            out[f"{prefix}.weight"] = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight", m.scale, m.ops)
     return out
 
 
@@ -115,7 +118,7 @@ def _plan(model: nn.Module) -> list[_Unit]:
             params = dict(unit.named_parameters())
             own = [params[local] for _, local in names]
             merges = _merges(unit, {local for _, local in names})
-            adapters = frozenset(n for a, b, _ in merges.values() for n in (a, b))
+            adapters = frozenset(n for a, b, _, _ in merges.values() for n in (a, b))
             changing = frozenset(local for _, local in names if params[local].requires_grad or local in merges)
             plan.append(_Unit(unit, names, own, all(_is_whole(p) for p in own), merges, adapters, changing))
         _PLANS[model] = plan
@@ -147,8 +150,8 @@ def _unit_tensors(unit: _Unit, tensors: dict[str, torch.Tensor], dtype: torch.dt
         if not unit.sends(local, since_last):
             continue
         if local in unit.merges:
-            a, b, scale = unit.merges[local]
-            yield full, merged_weight(tensors[local], tensors[a], tensors[b], scale, dtype)
+            a, b, scale, ops = unit.merges[local]
+            yield full, merged_weight(tensors[local], tensors[a], tensors[b], scale, dtype, ops)
         else:
             t = tensors[local]
             yield full, (t if not cast or t.dtype == dtype else t.to(dtype))

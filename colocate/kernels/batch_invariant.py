@@ -37,6 +37,12 @@ through opaque custom ops (kernels/invariant_ops.py), so the trainer's compiled 
 (`model.compile`) run the same kernels as eager code. The engine's decode is not compiled in the
 mode: it would compute the rotary tables with inductor's own cos/sin, which the trainer computes
 eagerly.
+
+The mode is chosen once at start: `kernels.ops.Ops.true_on_policy(device)` calls `enable` (the aten
+overrides and inductor's precision-cast emulation, which are process-wide by nature) and returns the
+table of the mode's implementations that the run hands to its models, trainer and engine. No code
+path asks `enabled()`, which only reports whether the overrides are installed (`disable` removes
+them, for tests).
 """
 
 from __future__ import annotations
@@ -56,11 +62,13 @@ _casts_before: bool = False
 
 
 def enabled() -> bool:
+    """Whether `enable` has switched aten's kernels (for tests: code takes its table, kernels.ops)."""
     return _library is not None
 
 
 def enable(device: torch.device) -> None:
-    """Switch this process to batch-invariant numerics (idempotent)."""
+    """Switch this process's aten::mm, addmm and SiLU kernels (and inductor's precision-cast emulation)
+    to the mode's (idempotent). Called by `kernels.ops.Ops.true_on_policy`, which builds the rest."""
     global _library, _casts_before
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"algorithm.true_on_policy: bitwise-equal log-probs are implemented for the CPU "
@@ -104,6 +112,27 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         return batch_invariant_cuda.logits(hidden, weight)
     return torch.nn.functional.linear(hidden, weight).float()
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The engine's decode attention in the mode: one query per sequence, q (B, Hq, D), at position
+    context_lens - 1 over its keys in the paged cache (num_blocks, block_size, Hk, D). On CUDA the
+    mode's Triton kernel (kernels/invariant_attention.py); elsewhere the fixed chunk order of
+    `attention`, a row at a time (rows with no context stay zero)."""
+    if q.is_cuda:
+        from colocate.kernels import invariant_attention
+
+        return invariant_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = torch.zeros_like(q)  # (B, Hq, D)
+    block_size = k_cache.shape[1]
+    for row, ctx in enumerate(context_lens.tolist()):
+        if ctx == 0:
+            continue
+        blocks = block_tables[row, : -(-ctx // block_size)].long()
+        keys, values = (c[blocks].flatten(0, 1)[:ctx] for c in (k_cache, v_cache))  # (ctx, Hk, D)
+        out[row] = attention(q[row:row + 1], keys, values, torch.tensor([ctx - 1], device=q.device), scale)[0]
+    return out
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

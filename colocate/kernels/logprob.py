@@ -28,7 +28,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from colocate.kernels import batch_invariant
-from colocate.kernels.sampling import invariant_logsumexp_and_entropy, row_logsumexp, sampled_logprobs, scale_logits
+from colocate.kernels.sampling import (
+    invariant_logsumexp_and_entropy,
+    invariant_row_logsumexp,
+    sampled_logprobs,
+    scale_logits,
+)
 
 MAX_CHUNK_ELEMENTS = 1 << 26
 """Elements of one (token chunk x vocab chunk) fp32 logits tile: 256 MiB, which with the tile's
@@ -72,19 +77,21 @@ def token_logprobs(
     *,
     with_entropy: bool = False,
     chunk_size: int = 8192,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of `targets` (and the entropy) under softmax((hidden @ weight.T) / temperature).
 
     Returns fp32 (T,) log-probs and fp32 (T,) entropy (None unless `with_entropy`); both are
     differentiable w.r.t. `hidden` and `weight`. `chunk_size` is the vocabulary chunk; the token
     chunk follows from MAX_CHUNK_ELEMENTS. Targets are range-checked, which reads one flag back
-    from the device.
+    from the device. `invariant`: the true on-policy mode's forward, the engine's computation
+    (the mode's table, kernels/ops.py, binds it).
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     vocab_chunk = min(chunk_size, weight.shape[0])
     token_chunk = max(1, MAX_CHUNK_ELEMENTS // vocab_chunk)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
-    if batch_invariant.enabled():
+    if invariant:
         logprobs, entropy = _InvariantTokenLogprobs.apply(
             hidden, weight, targets.contiguous(), inv_temp, with_entropy, vocab_chunk, token_chunk, temperature
         )
@@ -119,7 +126,7 @@ def _invariant_chunk(hidden, weight, targets, temperature, with_entropy):
     if with_entropy and scaled.is_cuda:  # the sampler's log-sum-exp, the entropy in the same pass
         lse, entropy = invariant_logsumexp_and_entropy(scaled)
     else:
-        lse = row_logsumexp(scaled)
+        lse = invariant_row_logsumexp(scaled)
         if with_entropy:
             logp = scaled - lse[:, None]
             entropy = -(logp.exp() * logp).sum(-1)

@@ -18,7 +18,8 @@ The batch-invariant mode (colocate/kernels/batch_invariant.py) launches the same
 fixed number of slices per row (INVARIANT_CONFIG, whatever the batch) on logits already divided by
 the temperature: `invariant_gumbel_sample` for the engine, and `invariant_logsumexp` (no sampling;
 `invariant_logsumexp_and_entropy` with the entropy) for the trainer's log-prob, so both subtract the
-same log-sum-exp bits.
+same log-sum-exp bits. The mode's table (kernels/ops.py) holds `invariant_sample` and
+`invariant_row_logsumexp` where the default one holds `gumbel_sample` and `row_logsumexp`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-
-from colocate.kernels import batch_invariant
 
 MASK32 = 0xFFFFFFFF
 VOCAB_SALT = 0x9E3779B9
@@ -62,6 +61,7 @@ def reference_gumbel_sample(
     suppress_ids: torch.Tensor | None = None,  # (B, S) int64
     suppress_left: torch.Tensor | None = None,  # (B,) int64
     exclude: torch.Tensor | None = None,  # (B, V) bool: also left out of the argmax (truncation)
+    logsumexp=None,  # the log-prob's row log-sum-exp (the table's row_logsumexp); None: row_logsumexp
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled ids (B,) int64 and their log-probs (B,) fp32, with (B, V) intermediates."""
     greedy = temperature == 0
@@ -71,7 +71,7 @@ def reference_gumbel_sample(
         masked = masked.masked_fill(exclude, float("-inf"))
     noise = gumbel_noise(seed, counter, logits.shape[-1]) * (~greedy)[:, None]  # (B, V)
     ids = (masked + noise).argmax(dim=-1)  # (B,)
-    return ids, sampled_logprobs(scaled, ids)
+    return ids, sampled_logprobs(scaled, ids, None if logsumexp is None else logsumexp(scaled))
 
 
 def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -81,13 +81,19 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
 
 def sampled_logprobs(scaled: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
     """log_softmax(scaled)[id] per row: the protocol's log-prob, as the sampler computes it (and
-    the trainer too, in batch-invariant mode). `lse`: `row_logsumexp(scaled)` if the caller has it."""
+    the trainer too, in batch-invariant mode). `lse`: each row's log-sum-exp of `scaled` (the
+    table's `row_logsumexp`: the mode's passes `invariant_row_logsumexp`); None: `row_logsumexp`."""
     return scaled.gather(1, ids[:, None]).squeeze(1) - (row_logsumexp(scaled) if lse is None else lse)
 
 
 def row_logsumexp(scaled: torch.Tensor) -> torch.Tensor:
-    """logsumexp of each row of (B, V): in batch-invariant mode CUDA sums each row in one fixed order."""
-    if scaled.is_cuda and batch_invariant.enabled():
+    """logsumexp of each row of (B, V)."""
+    return torch.logsumexp(scaled, dim=-1)
+
+
+def invariant_row_logsumexp(scaled: torch.Tensor) -> torch.Tensor:
+    """`row_logsumexp` in batch-invariant mode: CUDA sums each row in one fixed order (`invariant_logsumexp`)."""
+    if scaled.is_cuda:
         return invariant_logsumexp(scaled)
     return torch.logsumexp(scaled, dim=-1)
 
@@ -109,12 +115,22 @@ def gumbel_sample(logits, temperature, seed, counter, suppress_ids=None, suppres
     _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left)
     if not logits.is_cuda:
         return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
-    if batch_invariant.enabled():  # a launch fixed whatever the batch: the trainer's log-sum-exp, bit for bit
-        # Division by 1 is exact: at unit temperatures the (B, V) quotient is skipped, not its bits.
-        scaled = logits if unit_temperature else scale_logits(logits, temperature)
-        return invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids, suppress_left)
     return _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left,
                                  sample_config(logits.shape[0], logits.shape[1], logits.device))
+
+
+def invariant_sample(logits, temperature, seed, counter, suppress_ids=None, suppress_left=None, unit_temperature=False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gumbel_sample` in batch-invariant mode (its signature): on CUDA a launch fixed whatever the
+    batch (`invariant_gumbel_sample`), so the log-prob subtracts the trainer's log-sum-exp, bit for
+    bit; elsewhere the reference, whose log-sum-exp already is the trainer's."""
+    _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left)
+    if not logits.is_cuda:
+        return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left,
+                                       logsumexp=invariant_row_logsumexp)
+    # Division by 1 is exact: at unit temperatures the (B, V) quotient is skipped, not its bits.
+    scaled = logits if unit_temperature else scale_logits(logits, temperature)
+    return invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids, suppress_left)
 
 
 def _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left) -> None:

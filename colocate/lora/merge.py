@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import torch
 
-from colocate.kernels import batch_invariant
 from colocate.kernels.lora_merge import lora_merge
-from colocate.models.layers import linear
+from colocate.kernels.ops import Ops
 
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, ops: Ops | None = None) -> torch.Tensor:
     """W + scale * B A as a new tensor in `dtype`: A and B in W's dtype, product and sum in fp32,
     rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank). On CUDA with
     a 16-bit W the product runs on tensor cores with fp32 sums (a product of two 16-bit values is
     exact in fp32), in one kernel that reads W once and writes the result once
-    (colocate/kernels/lora_merge.py), not as an fp32 GEMM; the true on-policy mode keeps its own
-    product."""
-    if weight.is_cuda and weight.element_size() == 2 and not batch_invariant.enabled():
+    (colocate/kernels/lora_merge.py), not as an fp32 GEMM; the true on-policy mode's table (`ops`,
+    colocate/kernels/ops.py; default `Ops.standard()`) keeps its own product."""
+    ops = Ops.standard() if ops is None else ops
+    if weight.is_cuda and weight.element_size() == 2 and not ops.invariant:
         return lora_merge(weight, lora_a, lora_b, scale, dtype)
     a, b = lora_a.to(weight.dtype), lora_b.to(weight.dtype)
-    merged = linear(b.float(), a.float().T)  # b @ a (out, in) fp32, by the mode's product in the mode
+    merged = ops.linear(b.float(), a.float().T)  # b @ a (out, in) fp32, by the mode's product in the mode
     merged.mul_(scale).add_(weight)
     return merged.to(dtype)

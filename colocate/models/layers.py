@@ -1,6 +1,9 @@
 """Building blocks shared by the model families: linear projections, RMSNorm (with the residual
-add before it), rotary embedding, SiLU and its product, packed attention. In the true on-policy mode
-the projections, RMSNorm, SiLU and attention go through the mode's custom ops
+add before it), rotary embedding, SiLU and its product, packed attention.
+
+Each module that computes one of them calls the table of operations it was handed
+(colocate/kernels/ops.py, its `ops` attribute; `Ops.standard()` unless `set_ops` gave another): in the
+true on-policy mode the projections, RMSNorm, SiLU and attention are the mode's custom ops
 (colocate/kernels/invariant_ops.py), compiled or not."""
 
 from __future__ import annotations
@@ -8,48 +11,45 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from colocate.kernels import batch_invariant, flash, invariant_ops
+from colocate.kernels.ops import Ops
+
+STANDARD = Ops.standard()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the mode's op in the true on-policy mode."""
-    if batch_invariant.enabled():
-        return invariant_ops.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """F.silu(gate) * up, or the mode's one op in the true on-policy mode."""
-    return invariant_ops.silu_mul(gate, up) if batch_invariant.enabled() else F.silu(gate) * up
+def set_ops(module: nn.Module, ops: Ops) -> None:
+    """Hand `ops` to `module` and every submodule that computes with a table (those with an `ops`
+    attribute: these layers, the models, LoRA's projections). One object for all, so a compiled
+    layer shared by every layer guards on one table."""
+    for m in module.modules():
+        if isinstance(getattr(m, "ops", None), Ops):
+            m.ops = ops
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear`."""
+    """nn.Linear through the table's `linear`."""
+
+    ops: Ops = STANDARD
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
+    ops: Ops = STANDARD
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if batch_invariant.enabled():  # torch's CUDA mean picks its reduction order by shape
-            return invariant_ops.rms_norm(x, self.weight, self.eps)
-        return invariant_ops.reference_rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, self(x + delta)): a residual stream and its normalised form, one op in the mode."""
-        if batch_invariant.enabled():
-            return invariant_ops.add_rms_norm(x, delta, self.weight, self.eps)
-        total = x + delta
-        return total, self(total)
+        return self.ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -83,16 +83,15 @@ class Rotary(nn.Module):
 
 
 def packed_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+    ops: Ops = STANDARD,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D).
 
-    CUDA uses FlashAttention-4 where `flash.usable` (Hopper, Blackwell), else torch's varlen flash
-    attention (GQA native; head_dim zero-padded to a multiple of 8); elsewhere one causal SDPA per
-    sequence; in batch-invariant mode, the engine's fixed-block attention (one Triton kernel for
-    all sequences on CUDA, the fixed-chunk one per sequence elsewhere).
+    By default (kernels.flash) CUDA uses FlashAttention-4 where `flash.usable` (Hopper, Blackwell),
+    else torch's varlen flash attention (GQA native; head_dim zero-padded to a multiple of 8);
+    elsewhere one causal SDPA per sequence; with the batch-invariant table, the engine's
+    fixed-block attention (one Triton kernel for all sequences on CUDA, the fixed-chunk one per
+    sequence elsewhere).
     """
-    scale = q.shape[-1] ** -0.5
-    if batch_invariant.enabled():
-        return invariant_ops.attention(q, k, v, cu_seqlens, max_seqlen, scale)
-    return flash.fast_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+    return ops.packed_attention(q, k, v, cu_seqlens, max_seqlen, q.shape[-1] ** -0.5)

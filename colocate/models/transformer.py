@@ -13,6 +13,10 @@ names and loading are unchanged), no copy is made, and gate/up run as one GEMM t
 batch sizes costs little more than one of the parts. Training keeps gate and up apart: their GEMMs
 are already wide, and a joint one slows the compiled SiLU backward (measured by bench/kernel_bench.py;
 figures in docs/benchmarks/2026-12-kernels.md).
+
+The operations the true on-policy mode swaps come from a table (colocate/kernels/ops.py) that the
+model is given at construction (`CausalLM(cfg, ops)`) or later (`set_ops`), which every layer reads;
+by default `Ops.standard()`.
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colocate.kernels import batch_invariant
-from colocate.kernels.rotary import reference_rotate, rotate
+from colocate.kernels.ops import Ops
+from colocate.kernels.rotary import rotate
 from colocate.models.config import ArchConfig
-from colocate.models.layers import Linear, RMSNorm, Rotary, linear, packed_causal_attention, silu_mul
+from colocate.models.layers import STANDARD, Linear, RMSNorm, Rotary, packed_causal_attention, set_ops
 
 AttnFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Attention(nn.Module):
+    ops: Ops = STANDARD
+
     def __init__(self, cfg: ArchConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -58,7 +64,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, attn: AttnFn | None):
         n = x.shape[0]
         parts = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = joint_linear(x, parts, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        q, k, v = joint_linear(x, parts, self.qkv_weight, self.qkv_bias, self.ops).split(self.qkv_sizes, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -66,12 +72,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if attn is None:  # packed training and scoring tokens: the rotary op, then varlen attention
             q, k = rotate(q, k, cos, sin)
-            out = packed_causal_attention(q, k, v, cu_seqlens, max_seqlen)
+            out = packed_causal_attention(q, k, v, cu_seqlens, max_seqlen, self.ops)
         else:  # the engine: plain ops, which its compiled decode step fuses with the cos/sin math
-            if batch_invariant.enabled():  # the trainer's rounding (one per output, not per product)
-                q, k = rotate(q, k, cos, sin)
-            else:
-                q, k = reference_rotate(q, cos, sin), reference_rotate(k, cos, sin)
+            q, k = self.ops.engine_rotate(q, k, cos, sin)  # in the mode, the trainer's rotary op
             # The module, not its index: a compile of one layer shared by all then never reads a
             # number that differs between layers (which some torch versions guard on).
             out = attn(self, q, k, v)
@@ -79,6 +82,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    ops: Ops = STANDARD
+
     def __init__(self, cfg: ArchConfig):
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -93,23 +98,23 @@ class MLP(nn.Module):
         if self.gate_up_weight is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(silu_mul(gate, up))
+            gate, up = self.ops.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(self.ops.silu_mul(gate, up))
 
 
 def joint_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...], weight: torch.Tensor | None,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """All `parts` applied to `x` as one GEMM, their outputs side by side. `weight`/`bias` are the
-    packed tensors when the parts were packed; otherwise the parts' weights are joined here, or,
-    when a part has a `joint_forward(x, parts)` method (a trainer's LoRA projection), that part
-    computes the joint product."""
+                 bias: torch.Tensor | None = None, ops: Ops = STANDARD) -> torch.Tensor:
+    """All `parts` applied to `x` as one GEMM (`ops.linear`), their outputs side by side.
+    `weight`/`bias` are the packed tensors when the parts were packed; otherwise the parts' weights
+    are joined here, or, when a part has a `joint_forward(x, parts)` method (a trainer's LoRA
+    projection, which computes with its own table), that part computes the joint product."""
     if weight is None:
         owner = next((m for m in parts if hasattr(m, "joint_forward")), None)
         if owner is not None:
             return owner.joint_forward(x, parts)
         weight = torch.cat([m.weight for m in parts])
         bias = torch.cat([m.bias for m in parts]) if parts[0].bias is not None else None
-    return linear(x, weight, bias)
+    return ops.linear(x, weight, bias)
 
 
 def pack_parameters(params: list[nn.Parameter], keep_values: bool) -> torch.Tensor:
@@ -163,12 +168,21 @@ def packing_from_lengths(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ArchConfig):
+    ops: Ops = STANDARD
+    """The table of operations every layer computes with (colocate/kernels/ops.py)."""
+
+    def __init__(self, cfg: ArchConfig, ops: Ops | None = None):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        if ops is not None:
+            self.set_ops(ops)
+
+    def set_ops(self, ops: Ops) -> None:
+        """Compute with `ops` from now on: this model, every layer, and the adapters added to it."""
+        set_ops(self, ops)
 
     def pack_projections(self, keep_values: bool = True) -> None:
         """Pack q/k/v and gate/up of every layer (inference only: a training step would still see

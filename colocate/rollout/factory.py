@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from colocate.config import Config
 from colocate.dist import DistInfo
+from colocate.kernels.ops import Ops
 from colocate.models import resolve_dtype
 from colocate.rollout.protocol import RolloutEngine
 from colocate.sizing import AUTO, MemoryPlan
@@ -24,11 +25,12 @@ def reachable_batch_size(cfg: Config, world_size: int, eval_prompts: int = 0) ->
 
 
 def build_engine(cfg: Config, info: DistInfo, eos_token_ids: list[int], max_batch_size: int | None = None,
-                 memory_plan: MemoryPlan | None = None) -> RolloutEngine:
+                 memory_plan: MemoryPlan | None = None, ops: Ops | None = None) -> RolloutEngine:
     """The native engine (default) or SGLang's, sized for whatever the trainer left free; with
     `max_batch_size` (see `reachable_batch_size`), no decode graph is captured beyond it. With
     rollout.gpu_memory_fraction auto, the KV cache is `memory_plan`'s (colocate/sizing.py), or
-    DEFAULT_KV_FRACTION of free memory without one."""
+    DEFAULT_KV_FRACTION of free memory without one. `ops`: the run's table of operations
+    (colocate/kernels/ops.py), which the native engine computes with; default `Ops.standard()`."""
     r = cfg.rollout
     fraction, kv_tokens, static = r.gpu_memory_fraction, None, r.gpu_memory_fraction
     if fraction == AUTO:
@@ -54,4 +56,5 @@ def build_engine(cfg: Config, info: DistInfo, eos_token_ids: list[int], max_batc
         max_kv_tokens=r.max_kv_tokens if info.device.type == "cpu" else kv_tokens,
         cuda_graph=r.cuda_graph, cuda_graph_max_bs=graph_max_bs, seed=r.seed + info.rank,
         compile_decode=r.compile_decode and info.device.type == "cuda",
+        ops=Ops.standard() if ops is None else ops,
     )

@@ -2,7 +2,8 @@
 
 Log-probs follow the engine's definition (colocate.rollout.protocol): log_softmax of
 (hidden @ lm_head.T) / temperature at the position before each response token, computed by
-kernels.token_logprobs on the packed hidden states without ever holding the full logits.
+kernels.token_logprobs on the packed hidden states without ever holding the full logits (the
+model's table of operations, `model.ops`, holds the true on-policy mode's version in the mode).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from torch import nn
 
 from colocate.algo import aggregate, kl_estimate, mis_mask, policy_loss, truncated_is_weights
 from colocate.config import AlgorithmConfig
-from colocate.kernels.logprob import token_logprobs
 from colocate.trainer.batch import MicroBatch, RolloutBatch
 from colocate.trainer.memory import StateArrival
 from colocate.trainer.optim import OptimizerStep
@@ -28,7 +28,7 @@ def response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with
     hidden = model.hidden_states(mb.input_ids, **mb.model_inputs())  # (N, H)
     predictors = hidden.index_select(0, mb.logit_index)  # (T_mb, H)
     weight = model.lm_head.weight  # (V, H), gathered by the root's forward (see parallelize)
-    return token_logprobs(predictors, weight, mb.targets, temperature, with_entropy=with_entropy)
+    return model.ops.token_logprobs(predictors, weight, mb.targets, temperature, with_entropy=with_entropy)
 
 
 class Actor:

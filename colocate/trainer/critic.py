@@ -16,8 +16,10 @@ from torch import nn
 
 from colocate.algo import aggregate, value_loss
 from colocate.config import AlgorithmConfig
+from colocate.kernels.ops import Ops
 from colocate.lora.identity import LoRASpec
 from colocate.models.config import ArchConfig
+from colocate.models.layers import STANDARD
 from colocate.models.transformer import Backbone, CausalLM
 from colocate.trainer.batch import MicroBatch, RolloutBatch
 from colocate.trainer.lora import add_adapters
@@ -32,12 +34,17 @@ class ValueModel(nn.Module):
 
     hidden_states = CausalLM.hidden_states
     """The policy's packed forward up to the final norm; it only reads `self.model`."""
+    set_ops = CausalLM.set_ops
+    ops: Ops = STANDARD
+    """The backbone's table of operations (colocate/kernels/ops.py), as the policy's."""
 
-    def __init__(self, cfg: ArchConfig):
+    def __init__(self, cfg: ArchConfig, ops: Ops | None = None):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
         self.value_head = nn.Linear(cfg.hidden_size, 1)
+        if ops is not None:
+            self.set_ops(ops)
 
     def forward(self, input_ids: torch.Tensor, value_index: torch.Tensor, **kwargs) -> torch.Tensor:
         """input_ids (N,) packed, value_index (T,) positions to read -> values (T,) fp32."""

@@ -18,7 +18,9 @@ costs the weight's size in memory traffic per call, where the low-rank path besi
 (x W^T + (x A^T) B^T) costs the activations' size (tokens x (in + out)) in every forward. With
 dropout (`model.lora_dropout` > 0) the training forward takes that low-rank path, since the
 adapter sees dropout(x) where the base sees x. The joint q/k/v GEMM of the attention takes part
-through the `joint_forward` hook of colocate.models.transformer.joint_linear.
+through the `joint_forward` hook of colocate.models.transformer.joint_linear. A LoRALinear computes
+with the table of operations of the projection it replaces (colocate/kernels/ops.py; `set_ops` on
+the model reaches it too).
 A starts as peft initialises it (Kaiming-uniform) and B at zero, so step 0 is exactly the base
 model. `adapters_disabled` switches every adapter off: the base, which is the reference policy of
 the KL terms, with no second copy of the model.
@@ -34,16 +36,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from colocate.kernels import batch_invariant
+from colocate.kernels.ops import Ops
 from colocate.lora.identity import LoRASpec
 from colocate.lora.merge import merged_weight
-from colocate.models.layers import linear
+from colocate.models.layers import STANDARD
 from colocate.trainer.parallelize import copy_full_
 
 
 class LoRALinear(nn.Linear):
     """A frozen nn.Linear (the same `weight`/`bias` parameters: HF names unchanged) plus a trained
     low-rank update: y = x W^T + b + scale * (dropout(x) A^T) B^T."""
+
+    ops: Ops = STANDARD
 
     def __init__(self, base: nn.Linear, spec: LoRASpec):
         super().__init__(base.in_features, base.out_features, bias=False, device="meta")
@@ -52,6 +56,7 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Linear(base.in_features, spec.rank, bias=False, device=device, dtype=torch.float32)
         self.lora_B = nn.Linear(spec.rank, base.out_features, bias=False, device=device, dtype=torch.float32)
         self.scale, self.dropout = spec.scale, spec.dropout
+        self.ops = getattr(base, "ops", STANDARD)
         self.enabled = True
         """False: the module is its base (see adapters_disabled)."""
 
@@ -65,15 +70,15 @@ class LoRALinear(nn.Linear):
         bias = torch.cat([m.bias for m in parts]) if parts[0].bias is not None else None
         live = tuple(isinstance(m, LoRALinear) and m.enabled for m in parts)
         if not any(live):
-            return linear(x, _joined([m.weight for m in parts]), bias)
-        if self.dropout and self.training and torch.is_grad_enabled() and not batch_invariant.enabled():
-            out = linear(x, _joined([m.weight for m in parts]), bias)
+            return self.ops.linear(x, _joined([m.weight for m in parts]), bias)
+        if self.dropout and self.training and torch.is_grad_enabled() and not self.ops.invariant:
+            out = self.ops.linear(x, _joined([m.weight for m in parts]), bias)
             terms = [m.low_rank(F.dropout(x, m.dropout)) if on else x.new_zeros(*x.shape[:-1], m.out_features)
                      for m, on in zip(parts, live)]
             return out + torch.cat(terms, dim=-1)
         tensors = [t for m, on in zip(parts, live)
                    for t in ((m.weight, m.lora_A.weight, m.lora_B.weight) if on else (m.weight,))]
-        return _MergedLinear.apply(x, bias, self.scale, live, *tensors)
+        return _MergedLinear.apply(x, bias, self.scale, live, self.ops, *tensors)
 
     def low_rank(self, x: torch.Tensor) -> torch.Tensor:
         """scale * (x A^T) B^T, the adapter's term beside the base GEMM (..., out)."""
@@ -84,13 +89,13 @@ def _joined(weights: list[torch.Tensor]) -> torch.Tensor:
     return weights[0] if len(weights) == 1 else torch.cat(weights)
 
 
-def _merged(live: tuple[bool, ...], tensors: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
+def _merged(live: tuple[bool, ...], tensors: tuple[torch.Tensor, ...], scale: float, ops: Ops) -> torch.Tensor:
     """The joined weight that `_MergedLinear` multiplies: per part W, or W + scale * B A when `live`;
     `tensors` holds W, or W, A and B, per part."""
     weights, i = [], 0
     for on in live:
         w = tensors[i]
-        weights.append(merged_weight(w, tensors[i + 1], tensors[i + 2], scale, w.dtype) if on else w)
+        weights.append(merged_weight(w, tensors[i + 1], tensors[i + 2], scale, w.dtype, ops) if on else w)
         i += 3 if on else 1
     return _joined(weights)
 
@@ -103,10 +108,10 @@ class _MergedLinear(torch.autograd.Function):
     x A^T and once for their A gradients, not once per part."""
 
     @staticmethod
-    def forward(ctx, x, bias, scale, live, *tensors):
+    def forward(ctx, x, bias, scale, live, ops, *tensors):
         ctx.scale, ctx.live = scale, live
         ctx.save_for_backward(x, *tensors)
-        return linear(x, _merged(live, tensors, scale), bias)
+        return ops.linear(x, _merged(live, tensors, scale, ops), bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -131,9 +136,9 @@ class _MergedLinear(torch.autograd.Function):
         for on in ctx.live:
             grads += [None, *next(adapter_grads)] if on else [None]
         if not ctx.needs_input_grad[0]:  # the first block's input under a frozen embedding
-            return None, None, None, None, *grads
+            return None, None, None, None, None, *grads
         grad_x = torch.addmm(flat_grad @ _joined(weights), grad_low, downs)
-        return grad_x.view(x.shape), None, None, None, *grads
+        return grad_x.view(x.shape), None, None, None, None, *grads
 
 
 def add_adapters(model: nn.Module, spec: LoRASpec) -> None:

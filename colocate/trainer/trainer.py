@@ -23,6 +23,7 @@ from torch.profiler import record_function
 
 from colocate import dist
 from colocate.config import Config
+from colocate.kernels.ops import Ops
 from colocate.lora.identity import LoRASpec, is_adapter
 from colocate.models import ArchConfig, CausalLM, iter_safetensors, resolve_dtype
 from colocate.rollout.sample import Sample
@@ -68,11 +69,15 @@ class Trainer:
     overrides the recomputation plan of cfg.model (gradient_checkpointing, recompute_*).
     With cfg.offload.offload_train the pinned host buffers start pinning here, once, on helper
     threads (`TrainerMemory.reserve`), so that no offload during training pays for pinning host
-    memory and the start-up does not stop for it."""
+    memory and the start-up does not stop for it.
+    `ops`: the run's table of operations (colocate/kernels/ops.py), which every model built here
+    computes with (with algorithm.true_on_policy, the mode's, built by the caller); default
+    `Ops.standard()`."""
 
-    def __init__(self, cfg: Config, info: dist.DistInfo, *, model_config: ArchConfig | None = None,
-                 checkpointing: ActivationCheckpointing | None = None):
+    def __init__(self, cfg: Config, info: dist.DistInfo, *, ops: Ops | None = None,
+                 model_config: ArchConfig | None = None, checkpointing: ActivationCheckpointing | None = None):
         self.cfg, self.info = cfg, info
+        self.ops = Ops.standard() if ops is None else ops
         m, t, a, r = cfg.model, cfg.train, cfg.algorithm, cfg.rollout
         self.device = info.device
         self.compute_dtype = resolve_dtype(m.dtype, self.device)
@@ -96,7 +101,7 @@ class Trainer:
         self.vocab_size = policy_cfg.vocab_size
         self.lora = LoRASpec.from_config(m)
         with timed(self.startup_seconds, "actor", self.device):
-            actor_model = self._build(lambda: CausalLM(policy_cfg), m.path, ACTOR_PARAMS, train=True,
+            actor_model = self._build(lambda: CausalLM(policy_cfg, self.ops), m.path, ACTOR_PARAMS, train=True,
                                       lora=self.lora)
             actor_opt, arrival = self._optimizer(actor_model, t.lr, ACTOR_OPTIM,
                                                  max(1, actor_rollouts * steps_per_rollout))
@@ -112,7 +117,7 @@ class Trainer:
         elif a.needs_ref:
             ref_path = m.ref_path or m.path
             with timed(self.startup_seconds, "reference", self.device):
-                ref_model = self._build(lambda: CausalLM(model_config or ArchConfig.from_dir(ref_path)),
+                ref_model = self._build(lambda: CausalLM(model_config or ArchConfig.from_dir(ref_path), self.ops),
                                         ref_path, REFERENCE, train=False)
                 self.reference = Reference(ref_model, self.memory, REFERENCE, temperature=r.temperature)
                 self.memory.offload(REFERENCE)
@@ -122,7 +127,7 @@ class Trainer:
             critic_path = m.critic_path or m.path
             critic_cfg = model_config or ArchConfig.from_dir(critic_path)
             with timed(self.startup_seconds, "critic", self.device):
-                critic_model = self._build(lambda: ValueModel(critic_cfg), critic_path, CRITIC_PARAMS,
+                critic_model = self._build(lambda: ValueModel(critic_cfg, self.ops), critic_path, CRITIC_PARAMS,
                                            train=True, skip=("lm_head.",), new=("value_head.",),
                                            forward_methods=(), lora=self.lora, adapt=add_critic_adapters)
                 critic_opt, critic_arrival = self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from colocate.kernels import batch_invariant
+from colocate.kernels.ops import Ops
 from colocate.models import from_pretrained
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.protocol import SamplingParams
@@ -29,8 +30,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 60)), [3, 4], [90, 12, 33, 71
 
 @pytest.fixture
 def invariant():
-    batch_invariant.enable(torch.device("cpu"))
-    yield
+    """The mode's table, handed to the models and engines below (built as colocate.train builds it)."""
+    yield Ops.true_on_policy(torch.device("cpu"))
     batch_invariant.disable()
 
 
@@ -54,11 +55,13 @@ def _trainer_logprobs(model, samples: list[Sample], temperature: float, max_toke
 def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, family, invariant):
     path, _ = write_hf_model(tmp_path, family)
     model = from_pretrained(path, dtype="float32", device="cpu").eval()
+    model.set_ops(invariant)
     sampling = SamplingParams(n=3, temperature=0.7, top_p=0.9, max_new_tokens=24, ignore_eos=True, seed=1)
-    engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096, seed=3)
+    engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096, seed=3, ops=invariant)
     together = engine.generate(PROMPTS, sampling)  # one batch, each prompt's prefix shared by its 3 samples
     alone = {i: engine.generate([PROMPTS[i]], sampling) for i in (2, 0, 3, 1)}  # one prompt at a time
-    tight = NativeEngine(path, dtype=torch.float32, device="cpu", block_size=4, max_kv_tokens=72, seed=3)
+    tight = NativeEngine(path, dtype=torch.float32, device="cpu", block_size=4, max_kv_tokens=72, seed=3,
+                         ops=invariant)
     preempted = tight.generate(PROMPTS, sampling)
     assert tight.scheduler.num_preemptions > 0
     rollout = torch.tensor([lp for c in together for lp in c.logprobs])
@@ -76,7 +79,8 @@ def test_compiled_blocks_give_the_engine_s_bits(tmp_path, family, invariant):
     operations kept whole inside (kernels/invariant_ops.py)."""
     path, _ = write_hf_model(tmp_path, family)
     model = from_pretrained(path, dtype="float32", device="cpu").eval()
-    engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096, seed=3)
+    model.set_ops(invariant)
+    engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096, seed=3, ops=invariant)
     outs = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.7, max_new_tokens=24, ignore_eos=True, seed=1))
     rollout = torch.tensor([lp for c in outs for lp in c.logprobs])
     from torch._dynamo.utils import counters
@@ -92,7 +96,8 @@ def test_compiled_blocks_give_the_engine_s_bits(tmp_path, family, invariant):
 def test_greedy_logprobs_are_bitwise_equal_too(tmp_path, invariant):
     path, _ = write_hf_model(tmp_path, "qwen3")
     model = from_pretrained(path, dtype="float32", device="cpu").eval()
-    engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096)
+    model.set_ops(invariant)
+    engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096, ops=invariant)
     outs = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=20, ignore_eos=True))
     rollout = torch.tensor([lp for c in outs for lp in c.logprobs])
     assert torch.equal(_trainer_logprobs(model, _samples(outs, PROMPTS), 0.0, 4096), rollout)
@@ -100,13 +105,33 @@ def test_greedy_logprobs_are_bitwise_equal_too(tmp_path, invariant):
 
 def test_the_mode_is_refused_off_cpu_and_cuda_and_can_be_left():
     with pytest.raises(ValueError, match="algorithm.true_on_policy: .* CPU and CUDA paths, not meta"):
-        batch_invariant.enable(torch.device("meta"))
-    batch_invariant.enable(torch.device("cpu"))
-    batch_invariant.enable(torch.device("cpu"))  # idempotent
+        Ops.true_on_policy(torch.device("meta"))
+    assert not batch_invariant.enabled()
+    ops = Ops.true_on_policy(torch.device("cpu"))
+    assert Ops.true_on_policy(torch.device("cpu")) is ops  # idempotent
+    assert ops.invariant and not Ops.standard().invariant
     a, b = torch.randn(3, 56), torch.randn(56, 72)
     assert batch_invariant.enabled() and torch.equal(a @ b, torch.cat([a[i:i + 1] @ b for i in range(3)]))
     batch_invariant.disable()
     assert not batch_invariant.enabled()
+
+
+def test_the_table_reaches_every_layer_and_the_engine_keeps_its_own_choice(tmp_path, invariant):
+    """`set_ops` hands one table to every module that computes with one; an engine built from a
+    CausalLM takes its table unless given another, and reads it once."""
+    from colocate.models.layers import Linear, RMSNorm
+
+    path, _ = write_hf_model(tmp_path, "qwen3")
+    model = from_pretrained(path, dtype="float32", device="cpu")
+    assert model.ops is Ops.standard()
+    model.set_ops(invariant)
+    tables = [m for m in model.modules() if isinstance(m, (Linear, RMSNorm)) or hasattr(m, "ops")]
+    assert len(tables) > 10 and all(m.ops is invariant for m in tables)
+    engine = NativeEngine(model, dtype=torch.float32, device="cpu", max_kv_tokens=256)
+    assert engine.runner.ops is invariant and engine.model.model.layers[0].mlp.ops is invariant
+    assert not engine.runner.compiled_decode
+    plain = NativeEngine(model, dtype=torch.float32, device="cpu", max_kv_tokens=256, ops=Ops.standard())
+    assert plain.runner.ops is Ops.standard() and plain.model.model.norm.ops is Ops.standard()
 
 
 def test_attention_matches_sdpa_and_ignores_chunks_past_the_query():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from colocate.kernels import batch_invariant
+from colocate.kernels.ops import Ops
 from colocate.models import ArchConfig, from_config
 from colocate.rollout.native import NativeEngine
 from colocate.rollout.protocol import SamplingParams
@@ -29,14 +30,15 @@ QWEN25_15B = ArchConfig(
 
 @pytest.fixture
 def invariant():
-    batch_invariant.enable(torch.device("cuda"))
-    yield
+    """The mode's table (built as colocate.train builds it)."""
+    yield Ops.true_on_policy(torch.device("cuda"))
     batch_invariant.disable()
 
 
-def _random_model(cfg: ArchConfig) -> torch.nn.Module:
+def _random_model(cfg: ArchConfig, ops: Ops) -> torch.nn.Module:
     torch.manual_seed(0)
     model = from_config(cfg, torch.bfloat16, "cuda", init=True)
+    model.set_ops(ops)
     with torch.no_grad():  # peaked distributions, as a trained model's are
         for p in model.parameters():
             if p.ndim == 2:
@@ -66,10 +68,10 @@ def _trainer_logprobs(model, samples: list[Sample], temperature: float, max_toke
     pytest.param(QWEN25_15B, 64, 256, id="qwen2-1.5b-shape", marks=pytest.mark.slow),
 ])
 def test_engine_and_trainer_logprobs_are_bitwise_equal_on_cuda(invariant, cfg, num_prompts, max_new_tokens):
-    model = _random_model(cfg)
+    model = _random_model(cfg, invariant)
     prompts = _prompts(num_prompts, cfg.vocab_size)
     engine = NativeEngine(model, dtype=torch.bfloat16, device="cuda", cuda_graph=True, max_num_seqs=512,
-                          cuda_graph_max_bs=512, seed=3)
+                          cuda_graph_max_bs=512, seed=3, ops=invariant)
     assert engine.runner.graphs is not None
     sampling = SamplingParams(n=8, temperature=1.0, max_new_tokens=max_new_tokens, ignore_eos=True, seed=1)
     outs = engine.generate(prompts, sampling)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from colocate.kernels.ops import Ops
 from colocate.models import ArchConfig
-from colocate.models.layers import Rotary
+from colocate.models.layers import Rotary, set_ops
 from colocate.models.transformer import DecoderLayer
 from colocate.trainer.parallelize import ActivationCheckpointing, _attention_ops, _checkpointed, _compiled_blocks
 
@@ -64,12 +65,15 @@ CFG = ArchConfig(model_type="qwen2", vocab_size=64, hidden_size=256, intermediat
 LENGTHS = [5, 11]
 
 
-def _block_grads(mode: str | None, dtype: torch.dtype, device: str) -> tuple[list[torch.Tensor], _Ops]:
-    """Gradients of one decoder block on two packed sequences, and the ops its backward ran
-    (recomputation included)."""
+def _block_grads(mode: str | None, dtype: torch.dtype, device: str, table: Ops | None = None
+                 ) -> tuple[list[torch.Tensor], _Ops]:
+    """Gradients of one decoder block on two packed sequences (computing with `table`, default the
+    standard one), and the ops its backward ran (recomputation included)."""
     cfg, lengths = CFG, LENGTHS
     torch.manual_seed(0)
     block = DecoderLayer(cfg, 0).to(device=device, dtype=dtype)
+    if table is not None:
+        set_ops(block, table)
     forward = _checkpointed(block.forward, mode, cfg.intermediate_size) if mode else block.forward
     x = torch.randn(sum(lengths), cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
@@ -90,7 +94,7 @@ def test_every_block_mode_gives_the_plain_gradients():
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=mode)
 
 
-def _mixing_stand_in(q, k, v, cu_seqlens, max_seqlen):
+def _mixing_stand_in(q, k, v, cu_seqlens, max_seqlen, table=None):
     """A stand-in for attention with no data-dependent op (the CPU path loops over cu_seqlens),
     so that a compiled block has no graph break of its own."""
     k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
@@ -123,11 +127,11 @@ def test_modes_keep_the_true_on_policy_mode_s_products_and_attention():
     and recomputes them as it does aten's products and the default attention."""
     from colocate.kernels import batch_invariant
 
-    batch_invariant.enable(torch.device("cpu"))
+    table = Ops.true_on_policy(torch.device("cpu"))
     try:
-        seen = {mode: _matmul_counts(_block_grads(mode, torch.float32, "cpu")[1], CFG, sum(LENGTHS))
+        seen = {mode: _matmul_counts(_block_grads(mode, torch.float32, "cpu", table)[1], CFG, sum(LENGTHS))
                 for mode in (None, *MODES)}
-        _, ops = _block_grads("attention", torch.float32, "cpu")
+        _, ops = _block_grads("attention", torch.float32, "cpu", table)
         attention_recomputed = ops.count(_attention_ops())
     finally:
         batch_invariant.disable()

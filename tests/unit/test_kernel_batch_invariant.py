@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from colocate.kernels import batch_invariant, batch_invariant_cuda, invariant_attention, invariant_ops
+from colocate.kernels.ops import Ops
 from colocate.kernels.sampling import (
     invariant_logsumexp,
     invariant_logsumexp_and_entropy,
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def invariant():
-    batch_invariant.enable(torch.device("cuda"))
-    yield
+    """The mode's table; building it switches aten's products to the mode's."""
+    yield Ops.true_on_policy(torch.device("cuda"))
     batch_invariant.disable()
 
 
@@ -118,13 +119,14 @@ def test_the_samplers_log_prob_at_unit_temperatures_skips_the_quotient_not_its_b
 
     def batch(temps):
         rows = [(SamplingParams(temperature=t), 7919 * i, frozenset(), 0) for i, t in enumerate(temps)]
-        return SamplingBatch.build(rows, v, torch.device("cuda"))
+        return SamplingBatch.build(rows, v, torch.device("cuda"), invariant)
 
     unit, mixed = batch([float(i % 2) for i in range(b)]), batch([0.7] + [1.0] * (b - 1))
     assert unit.unit_temperature and not mixed.unit_temperature
     for sampling in (unit, mixed):
         ids, logprobs = sampling.sample(logits, counter)
-        assert torch.equal(logprobs, sampled_logprobs(scale_logits(logits, sampling.temperature), ids))
+        scaled = scale_logits(logits, sampling.temperature)
+        assert torch.equal(logprobs, sampled_logprobs(scaled, ids, invariant.row_logsumexp(scaled)))
     assert not torch.equal(mixed.sample(logits, counter)[1][:1], unit.sample(logits, counter)[1][:1])
     ids, logprobs = unit.sample(logits, counter)
     few = batch([float(i % 2) for i in range(3, 8)])

@@ -82,13 +82,14 @@ def test_true_on_policy_row_chunks_change_no_bit_and_train_like_the_reference(mo
     """algorithm.true_on_policy's log-prob goes through the rows in recomputed chunks: the values
     equal those of one chunk bit for bit, and values and gradients match the reference."""
     from colocate.kernels import batch_invariant
+    from colocate.kernels.ops import Ops
 
     inputs = _inputs(45, 210, 4)
-    batch_invariant.enable(torch.device("cpu"))
+    ops = Ops.true_on_policy(torch.device("cpu"))
     try:
-        whole = _values_and_grads(token_logprobs, *inputs, 0.9, True)
+        whole = _values_and_grads(ops.token_logprobs, *inputs, 0.9, True)
         monkeypatch.setattr(logprob, "INVARIANT_CHUNK_ELEMENTS", 210 * 8)  # 6 chunks of 8 rows (the last 5)
-        chunked = _values_and_grads(token_logprobs, *inputs, 0.9, True)
+        chunked = _values_and_grads(ops.token_logprobs, *inputs, 0.9, True)
     finally:
         batch_invariant.disable()
     want = _values_and_grads(reference_token_logprobs, *inputs, 0.9, True)
@@ -101,15 +102,16 @@ def test_true_on_policy_backward_does_not_run_the_mode_s_lm_head_product_again(m
     """The mode's forward runs its lm_head product once per row chunk; the backward recomputes the
     logits with the default path's chunked product (gradients need no invariance)."""
     from colocate.kernels import batch_invariant
+    from colocate.kernels.ops import Ops
 
     calls = []
     product = batch_invariant.logits
     monkeypatch.setattr(batch_invariant, "logits", lambda h, w: calls.append(h.shape[0]) or product(h, w))
     monkeypatch.setattr(logprob, "INVARIANT_CHUNK_ELEMENTS", 210 * 8)
     inputs = _inputs(45, 210, 4)
-    batch_invariant.enable(torch.device("cpu"))
+    ops = Ops.true_on_policy(torch.device("cpu"))
     try:
-        got = _values_and_grads(token_logprobs, *inputs, 0.9, True)
+        got = _values_and_grads(ops.token_logprobs, *inputs, 0.9, True)
     finally:
         batch_invariant.disable()
     assert calls == [8] * 5 + [5]

@@ -16,6 +16,7 @@ from typing import Sequence as SequenceType
 
 import torch
 
+from colocate.kernels.ops import Ops
 from colocate.models import CausalLM, from_config, from_pretrained, load_weights, resolve_dtype
 from colocate.models.layers import rope_inv_freq
 from colocate.rollout.native.block_manager import BlockManager
@@ -52,6 +53,7 @@ class NativeEngine:
         compile_decode: bool | None = None,
         memory_saver: bool | str = "auto",
         seed: int = 0,
+        ops: Ops | None = None,
     ):
         """
         model: an HF model directory, or a CausalLM whose weights are copied (never shared).
@@ -64,6 +66,9 @@ class NativeEngine:
             means on CUDA only (on CPU the compile costs more than it saves).
         memory_saver: 'auto' uses torch_memory_saver on CUDA when it is importable.
         seed: draws the seeds of requests that give none.
+        ops: the table of operations the engine computes and samples with (colocate/kernels/ops.py;
+            the true on-policy mode's in that mode); default: that of `model` when it is a CausalLM,
+            else `Ops.standard()`.
         """
         checks = [
             ("block_size", block_size, block_size >= 1),
@@ -81,6 +86,7 @@ class NativeEngine:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.memory = DeviceMemory(self.device, memory_saver)
+        self.ops = ops if ops is not None else (model.ops if isinstance(model, CausalLM) else Ops.standard())
         start = time.perf_counter()
         self.model = self._load(model, resolve_dtype(dtype, self.device))
         self.startup_seconds = {"weights": time.perf_counter() - start}
@@ -125,6 +131,7 @@ class NativeEngine:
             else:
                 ours = from_pretrained(model, dtype, self.device)
             ours.pack_projections()  # one GEMM for q/k/v and one for gate/up
+            ours.set_ops(self.ops)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # loading goes through an fp32 copy; hand its cached memory back
         cfg = ours.config
@@ -225,7 +232,7 @@ class NativeEngine:
         vocab = self.model.config.vocab_size
         if batch.is_prefill:
             samplers = [s for chunk in batch.chunks for s in chunk.samplers]
-            sampling = SamplingBatch.build(_rows(samplers), vocab, self.device) if samplers else None
+            sampling = SamplingBatch.build(_rows(samplers), vocab, self.device, self.ops) if samplers else None
             ids, logprobs = self.runner.prefill(batch.chunks, sampling)
             token_ids = [[t] for t in ids.tolist()]
             token_logprobs = [[lp] for lp in logprobs.tolist()]
@@ -235,7 +242,7 @@ class NativeEngine:
         else:
             key = [s.seq_id for s in batch.seqs]
             if self._decode_sampling is None or self._decode_sampling[0] != key:
-                self._decode_sampling = (key, SamplingBatch.build(_rows(batch.seqs), vocab, self.device))
+                self._decode_sampling = (key, SamplingBatch.build(_rows(batch.seqs), vocab, self.device, self.ops))
             sampling = self._decode_sampling[1]  # same rows as the last window: its tensors still hold
             ids, logprobs = self.runner.decode(batch.seqs, batch.num_steps, sampling)  # (k, B)
             token_ids, token_logprobs = ids.T.tolist(), logprobs.T.tolist()

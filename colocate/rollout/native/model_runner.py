@@ -21,9 +21,13 @@ cache and attends over it, so the model never knows about paging:
 
 Logits are computed for the sampled positions only, in fp32 (the trainer's log-prob definition).
 
-In batch-invariant mode (algorithm.true_on_policy) on CUDA, prefill and decode attend through
-`kernels.invariant_attention`, reading every key from the paged cache, and the decode forward is
-not compiled.
+The runner computes with its model's table of operations (`model.ops`, colocate/kernels/ops.py):
+the lm_head's logits, the rotary embedding and the layers' operations come from it. With the true
+on-policy mode's table (algorithm.true_on_policy) the decode forward is not compiled and runs the
+trainer's layer, its attention is the table's (`Ops.decode_attention`), and prefill attends with the
+mode's fixed-order attention: on CUDA through `kernels.invariant_attention`, reading every key from
+the paged cache. The opaque ops below (`decode_attention`, `prefill_attention`) are the default
+path's, which the compiled decode and prefill fuse around; the mode's path calls its kernels eagerly.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colocate.kernels import batch_invariant, invariant_attention
+from colocate.kernels.ops import Ops
 from colocate.kernels.paged_attention import paged_decode_attention, store_kv
 from colocate.models import CausalLM
 from colocate.rollout.native.cuda_graphs import DecodeGraphs
@@ -56,13 +61,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torc
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Store one layer's new K/V into its paged cache `kv` (2, num_blocks, block_size, Hk, D) and
-    attend over it. An opaque op to torch.compile, which fuses everything around it."""
+    attend over it (the default table's `decode_attention`). An opaque op to torch.compile, which
+    fuses everything around it."""
     k_cache, v_cache = kv[0], kv[1]
     store_kv(k, v, k_cache, v_cache, slot_mapping)
-    if batch_invariant.enabled() and q.is_cuda:
-        return invariant_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if batch_invariant.enabled():
-        return _batch_invariant_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -79,7 +81,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tor
     block_size, Hk, D), then attend: each sequence's queries, its last tokens, over its keys
     (causal, the last query aligned with the last key). `gather_slots` holds the cache slots of every
     key when some sequence continues a cached prefix (else the keys are the new ones); `max_lens`,
-    on the host, the longest query and key runs. An opaque op to torch.compile."""
+    on the host, the longest query and key runs. An opaque op to torch.compile (the default path's:
+    the true on-policy mode's prefill is `ModelRunner._invariant_prefill_attention`)."""
     k_cache, v_cache = kv[0], kv[1]
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     if gather_slots is not None:
@@ -143,6 +146,8 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, cuda_graph_max_bs: int | None, compile_decode: bool):
         cfg = model.config
         self.model = model
+        self.ops: Ops = model.ops
+        """The model's table of operations, read once: the mode's (`ops.invariant`) changes whole paths."""
         self.memory = memory
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -166,7 +171,9 @@ class ModelRunner:
         # Compiled a layer at a time: the layers share one graph, so the compile costs one layer's
         # trace and code generation rather than the whole model's. Never in the batch-invariant
         # mode: inductor would bypass the mode's kernels.
-        self.compiled_decode = bool(compile_decode) and not batch_invariant.enabled()
+        self.compiled_decode = bool(compile_decode) and not self.ops.invariant
+        self._prefill_attention = (self._invariant_prefill_attention if self.ops.invariant
+                                   else self._default_prefill_attention)
 
         def compiled(fn):
             return torch.compile(fn, fullgraph=True) if self.compiled_decode else fn
@@ -199,13 +206,8 @@ class ModelRunner:
         self.kv[:, :, dst] = self.kv[:, :, src]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(R, H) -> (R, V) fp32, accumulated in fp32 as the trainer computes them."""
-        weight = self.model.lm_head.weight
-        if batch_invariant.enabled():
-            return batch_invariant.logits(hidden, weight)
-        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
-            return torch.mm(hidden, weight.T, out_dtype=torch.float32)
-        return F.linear(hidden, weight).float()
+        """(R, H) -> (R, V) fp32, accumulated in fp32 as the trainer computes them (the table's `logits`)."""
+        return self.ops.logits(hidden, self.model.lm_head.weight)
 
     # ---------------------------------------------------------------- prefill
 
@@ -231,7 +233,7 @@ class ModelRunner:
         ctx = _PrefillContext(slot_mapping=torch.tensor(slots, dtype=torch.int64, **to), q_lens=q_lens,
                               k_lens=k_lens, cu_seq_q=_cumsum(q_lens, **to), cu_seq_k=_cumsum(k_lens, **to),
                               max_lens=torch.tensor([max(q_lens), max(k_lens)]))
-        if batch_invariant.enabled() and self.device.type == "cuda":
+        if self.ops.invariant and self.device.type == "cuda":
             width = max(len(c.seq.block_table) for c in chunks)
             ctx.block_tables = torch.tensor([c.seq.block_table + [-1] * (width - len(c.seq.block_table))
                                              for c in chunks], dtype=torch.int32, **to)
@@ -265,15 +267,26 @@ class ModelRunner:
                                     ctx.max_lens, ctx.gather_slots, self.scale)
         return inner.norm(x)
 
-    def _prefill_attention(self, module: nn.Module, q, k, v):
+    def _default_prefill_attention(self, module: nn.Module, q, k, v):
         ctx = self._prefill
         kv = self.kv[:, module.layer_idx]
-        if ctx.block_tables is not None:  # every key read from the cache, the new ones included
-            store_kv(k, v, kv[0], kv[1], ctx.slot_mapping)
-            return invariant_attention.paged_prefill_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_lens,
-                                                               ctx.k_lens, self.scale)
         return prefill_attention(q, k, v, kv, ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k, ctx.max_lens,
                                  ctx.gather_slots, self.scale)
+
+    def _invariant_prefill_attention(self, module: nn.Module, q, k, v):
+        """The true on-policy mode's prefill attention, eager: on CUDA the mode's kernel over the
+        paged cache (every key read from it, the new ones included); elsewhere the fixed-chunk
+        attention per sequence, over the cached prefix and the new keys."""
+        ctx = self._prefill
+        kv = self.kv[:, module.layer_idx]
+        store_kv(k, v, kv[0], kv[1], ctx.slot_mapping)
+        if ctx.block_tables is not None:
+            return invariant_attention.paged_prefill_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_lens,
+                                                               ctx.k_lens, self.scale)
+        if ctx.gather_slots is not None:
+            k = kv[0].flatten(0, 1)[ctx.gather_slots]  # (M, Hk, D): cached prefix + new keys
+            v = kv[1].flatten(0, 1)[ctx.gather_slots]
+        return _invariant_attention_per_sequence(q, k, v, ctx.q_lens, ctx.k_lens, self.scale)
 
     # ---------------------------------------------------------------- decode
 
@@ -286,10 +299,13 @@ class ModelRunner:
         """Logits (B, V) fp32 for the first `batch_size` rows of the static decode buffers."""
         b = batch_size
         slot_mapping, block_tables, context_lens = self.slot_mapping[:b], self.block_tables[:b], self.context_lens[:b]
-        if batch_invariant.enabled():  # the trainer's layer, as the mode's bits are checked against it
+        if self.ops.invariant:  # the trainer's layer, as the mode's bits are checked against it
+            attend = self.ops.decode_attention
+
             def attn(module, q, k, v):
-                return decode_attention(q, k, v, self.kv[:, module.layer_idx], slot_mapping, block_tables,
-                                        context_lens, self.scale)
+                kv = self.kv[:, module.layer_idx]
+                store_kv(k, v, kv[0], kv[1], slot_mapping)
+                return attend(q, kv[0], kv[1], block_tables, context_lens, self.scale)
 
             return self._logits(self.model.hidden_states(self.input_ids[:b], positions=self.positions[:b], attn=attn))
         batch = self._batch_dim
@@ -393,33 +409,25 @@ def _cumsum(lengths: list[int], device) -> torch.Tensor:
 
 def _attention_per_sequence(q, k, v, q_lens: list[int], k_lens: list[int], scale: float) -> torch.Tensor:
     """Causal attention of each sequence's queries (its last q_len positions) over its keys, one
-    SDPA call per sequence: cost sum(q_len * k_len), where one packed mask would cost N * M. In
-    batch-invariant mode, the fixed-chunk attention the trainer computes too."""
+    SDPA call per sequence: cost sum(q_len * k_len), where one packed mask would cost N * M."""
     out = torch.empty_like(q)  # (N, Hq, D)
     q0 = k0 = 0
     for nq, nk in zip(q_lens, k_lens):
-        if batch_invariant.enabled():
-            positions = torch.arange(nk - nq, nk, device=q.device)
-            out[q0:q0 + nq] = batch_invariant.attention(q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk], positions, scale)
-        else:
-            qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk]))
-            mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
-            out[q0:q0 + nq] = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+        qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk]))
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
+        out[q0:q0 + nq] = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
         q0, k0 = q0 + nq, k0 + nk
     return out
 
 
-def _batch_invariant_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
-    """One decode query per sequence over its cached keys, in the fixed chunk order of
-    `batch_invariant.attention` (rows with no context stay zero)."""
-    out = torch.zeros_like(q)  # (B, Hq, D)
-    block_size = k_cache.shape[1]
-    for row, ctx in enumerate(context_lens.tolist()):
-        if ctx == 0:
-            continue
-        blocks = block_tables[row, : -(-ctx // block_size)].long()
-        keys, values = (c[blocks].flatten(0, 1)[:ctx] for c in (k_cache, v_cache))  # (ctx, Hk, D)
-        out[row] = batch_invariant.attention(q[row:row + 1], keys, values,
-                                             torch.tensor([ctx - 1], device=q.device), scale)[0]
+def _invariant_attention_per_sequence(q, k, v, q_lens: list[int], k_lens: list[int], scale: float) -> torch.Tensor:
+    """`_attention_per_sequence` in batch-invariant mode: the fixed-chunk attention the trainer
+    computes too (`batch_invariant.attention`), a sequence at a time."""
+    out = torch.empty_like(q)  # (N, Hq, D)
+    q0 = k0 = 0
+    for nq, nk in zip(q_lens, k_lens):
+        positions = torch.arange(nk - nq, nk, device=q.device)
+        out[q0:q0 + nq] = batch_invariant.attention(q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk], positions, scale)
+        q0, k0 = q0 + nq, k0 + nk
     return out

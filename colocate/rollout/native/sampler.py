@@ -7,16 +7,20 @@ depend on which other requests share the batch, on preemption and recompute, or 
 steps run per host round trip, and no host sync is needed to draw them.
 
 Log-probs follow the protocol: log_softmax(logits / T) over the full vocabulary (raw logits when
-greedy), before top-k / top-p / min-p and before the min_new_tokens stop-id mask.
+greedy), before top-k / top-p / min-p and before the min_new_tokens stop-id mask. The sampler and
+its log-sum-exp come from the engine's table of operations (colocate/kernels/ops.py): in the true on-
+policy mode, those whose log-prob is the trainer's bit for bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from colocate.kernels.sampling import gumbel_sample, reference_gumbel_sample, suppress
+from colocate.kernels.ops import Ops
+from colocate.kernels.sampling import reference_gumbel_sample, suppress
 from colocate.rollout.protocol import SamplingParams
 
 
@@ -31,6 +35,7 @@ def sample_tokens(
     suppress_ids: torch.Tensor | None = None,  # (B, S) int64 stop ids, padded by repetition
     suppress_left: torch.Tensor | None = None,  # (B,) int64: mask suppress_ids while > 0
     truncate: bool = False,
+    logsumexp: Callable | None = None,  # the log-prob's row log-sum-exp (a table's row_logsumexp)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled ids (B,) int64 and their log-probs (B,) fp32, in plain torch."""
     exclude = None
@@ -45,7 +50,8 @@ def sample_tokens(
         # top_p = 1 must keep everything, even where rounding lets the cumulative mass reach 1.
         cut = ((mass_before >= top_p[:, None]) & (top_p < 1)[:, None]) | (probs < min_p[:, None] * probs[:, :1])
         exclude = torch.empty_like(cut).scatter_(1, order, cut | values.isneginf())
-    return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left, exclude)
+    return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left, exclude,
+                                   logsumexp)
 
 
 @dataclass
@@ -63,11 +69,14 @@ class SamplingBatch:
     truncate: bool
     unit_temperature: bool = False
     """Every row's temperature is 0 or 1: its logits are already the scaled ones."""
+    ops: Ops = Ops.standard()
+    """The engine's table of operations: its sampler and log-sum-exp."""
 
     @classmethod
     def build(cls, rows: list[tuple[SamplingParams, int, frozenset[int], int]], vocab_size: int,
-              device: torch.device) -> "SamplingBatch":
-        """rows: (params, seed, stop ids, tokens generated so far) per sampled row."""
+              device: torch.device, ops: Ops | None = None) -> "SamplingBatch":
+        """rows: (params, seed, stop ids, tokens generated so far) per sampled row; `ops`: the
+        engine's table (default `Ops.standard()`)."""
         params = [r[0] for r in rows]
         suppress = [(sorted(stop), p.min_new_tokens - done) for p, _, stop, done in rows]
         any_suppress = any(stop and left > 0 for stop, left in suppress)
@@ -94,17 +103,18 @@ class SamplingBatch:
             suppress_left=suppress_left,
             truncate=any(p.top_p < 1 or 0 < p.top_k < vocab_size or p.min_p > 0 for p in params),
             unit_temperature=all(p.temperature in (0.0, 1.0) for p in params),
+            ops=Ops.standard() if ops is None else ops,
         )
 
     def sample(self, logits: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row from logits (B, V) at positions `counter` (B,)."""
         logits = logits.float()
         if not self.truncate:  # one streaming pass over the logits on CUDA (colocate/kernels/sampling.py)
-            return gumbel_sample(logits, self.temperature, self.seed, counter, self.suppress_ids, self.suppress_left,
-                                 self.unit_temperature)
+            return self.ops.sample(logits, self.temperature, self.seed, counter, self.suppress_ids,
+                                   self.suppress_left, self.unit_temperature)
         # The top-k/top-p sort and scan stay eager: inductor (torch 2.11) fails to compile the scan.
         return sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.min_p, self.seed, counter,
-                             self.suppress_ids, self.suppress_left, truncate=True)
+                             self.suppress_ids, self.suppress_left, truncate=True, logsumexp=self.ops.row_logsumexp)
 
     def advance(self) -> None:
         """One token was generated per row (multi-step decode)."""
