@@ -15,6 +15,7 @@ instead of decode steps, which may round differently in the last bits).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
@@ -106,6 +107,29 @@ class Request:
                 raise ValueError(f"Request.{name} {why}")
 
 
+@dataclass(frozen=True)
+class TurnEnd:
+    """A multi-turn sample that ended a turn; the engine keeps its KV cache until it is answered."""
+
+    prompt_index: int
+    sample_index: int
+    output_ids: list[int]
+    """Everything after the prompt so far: sampled tokens and the observations appended."""
+    turn_ids: list[int]
+    """The tokens sampled in this turn (the stop token included when it ended on one)."""
+    finish_reason: str
+    """'stop' or 'length' (the turn's max_new_tokens)."""
+
+
+@dataclass(frozen=True)
+class Continue:
+    """The answer to a `TurnEnd` that goes on: tokens appended to the sample, then another turn."""
+
+    observation_ids: Sequence[int]
+    max_new_tokens: int
+    """The next turn's budget of sampled tokens."""
+
+
 class RolloutEngine(Protocol):
     """What the loop needs from a rollout engine. Every method runs on the calling rank only."""
 
@@ -155,6 +179,20 @@ class PartialRolloutEngine(RolloutEngine, Protocol):
         completions that finished in it; once it returns True, every unfinished sample is aborted
         and returned with finish_reason 'abort' and its output so far (kept tokens included).
         Completions come back sorted by (request index as prompt_index, sample_index)."""
+
+
+class MultiTurnEngine(RolloutEngine, Protocol):
+    """An engine that runs multi-turn episodes in one continuous batch, keeping each one's KV cache
+    across turns (engines without it are driven turn by turn, their context submitted again)."""
+
+    def generate_turns(
+        self, requests: Sequence[Request], next_turn: Callable[[TurnEnd], "Future[Continue | None]"]
+    ) -> list[Completion]:
+        """Run the requests (as generate_requests); each time a sample ends a turn, `next_turn` is
+        called with it and returns a future: a `Continue` appends its observation and samples on,
+        None ends the sample. The other samples keep decoding meanwhile. Completions carry the
+        whole episode in output_ids, 0.0 log-probs on observation tokens and
+        extra['loss_mask'] (1 on sampled tokens)."""
 
 
 def check_tags(tags: Sequence[str] | None) -> tuple[str, ...]:

@@ -206,3 +206,74 @@ def test_admission_backs_off_after_a_preemption(monkeypatch):
     assert greedy[1] >= 3 * backing_off[1] and greedy[2] >= 3 * backing_off[2], (greedy[1:3], backing_off[1:3])
     roomy = outputs(2000, 1024)
     assert roomy[1] == 0 and roomy[0] == greedy[0] and roomy[3] == outputs(2000, 1e-9)[3]
+
+
+def test_a_held_sequence_keeps_its_history_and_prefills_only_the_observation():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_decode_steps=4)
+    group = make_group(range(2, 8), n=2, max_new_tokens=3)  # 6 prompt tokens, blocks shared by both
+    for seq in group:
+        seq.hold = True
+    sched.add(group)
+    finished, _, _ = run(sched)
+    assert finished == group and sched.parked == group and not sched.has_unfinished()
+    first = group[0]
+    held = list(first.block_table)
+    assert first.num_computed == 8 and first.num_tokens == 9  # the turn's last token was never fed back
+    sched.resume(first, [90, 91, 92], max_new_tokens=2)
+    assert sched.parked == [group[1]] and first.finish_reason is None
+    batch = sched.schedule()
+    # Only the last sampled token and the observation are computed; the history's blocks stay.
+    assert [(c.start, c.end, c.samplers) for c in batch.chunks] == [(8, 12, [first])]
+    assert first.block_table[:len(held)] == held and batch.copies == []
+    finished = sched.postprocess(batch, [[40]], [[-1.0]])
+    batch = sched.schedule()
+    finished += sched.postprocess(batch, [[41] * batch.num_steps], [[-2.0] * batch.num_steps])
+    assert finished == [first] and first.turn_ids == [40, 41]
+    assert first.loss_mask == [1, 1, 1, 0, 0, 0, 1, 1] and first.logprobs[3:6] == [0.0, 0.0, 0.0]
+    assert (sched.history_tokens, sched.reused_tokens) == (8, 8)
+    for seq in group:
+        sched.release(seq)
+    assert bm.num_free_blocks == 32 and not sched.parked
+
+
+def test_parked_sequences_give_their_blocks_up_before_a_running_one_is_preempted():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_decode_steps=1)
+    parked = make_group(range(2, 10), max_new_tokens=1, first_id=0)[0]  # 8 prompt tokens: 2 blocks
+    parked.hold = True
+    sched.add([parked])
+    run(sched)
+    assert sched.parked == [parked] and len(parked.block_table) == 2
+    runner = make_group(range(2, 10), max_new_tokens=12, first_id=5)[0]  # grows to 20 tokens: 5 blocks
+    sched.add([runner])
+    finished, _, _ = run(sched)
+    assert finished == [runner] and runner.num_output_tokens == 12
+    assert sched.num_evictions == 1 and sched.num_preemptions == 0
+    assert parked.block_table == [] and parked.num_computed == 0 and sched.parked == [parked]
+    sched.resume(parked, [70], max_new_tokens=1)
+    batch = sched.schedule()
+    assert [(c.start, c.end) for c in batch.chunks] == [(0, 10)]  # recomputed from the start
+    assert (sched.history_tokens, sched.reused_tokens) == (8, 0)
+
+
+def test_a_resumed_sequence_waiting_for_room_gives_its_history_up_to_a_running_one():
+    """B's next turn waits for admission holding its history; A, running, needs those blocks to
+    grow: B's are freed (B is recomputed later) instead of A preempting itself into a failure."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_decode_steps=1)
+    a = make_group(range(2, 10), max_new_tokens=16, first_id=0)[0]  # grows to 24 tokens: all 6 blocks
+    b = make_group(range(2, 6), max_new_tokens=1, first_id=5, prompt_index=1)[0]
+    b.hold = True
+    sched.add([a])
+    sched.add([b])
+    batch = sched.schedule()
+    assert sched.postprocess(batch, [[20], [21]], [[0.0], [0.0]]) == [b] and sched.parked == [b]
+    sched.resume(b, list(range(30, 38)), max_new_tokens=2)
+    assert b.block_table  # its history waits with it
+    finished, _, _ = run(sched)
+    assert finished == [a, b] and a.num_output_tokens == 16 and b.turn_ids == [fake_token(b, 12), fake_token(b, 13)]
+    assert sched.num_evictions == 1 and sched.num_preemptions == 0
+    assert (sched.history_tokens, sched.reused_tokens) == (4, 0)
+    sched.release(b)
+    assert bm.num_free_blocks == 6

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import Future
 from pathlib import Path
+from queue import SimpleQueue
 from typing import Callable, Iterable
 from typing import Sequence as SequenceType
 
@@ -24,7 +26,7 @@ from colocate.rollout.native.memory import DeviceMemory
 from colocate.rollout.native.model_runner import ModelRunner
 from colocate.rollout.native.sampler import SamplingBatch
 from colocate.rollout.native.scheduler import Scheduler, Sequence
-from colocate.rollout.protocol import Completion, Request, SamplingParams, check_tags
+from colocate.rollout.protocol import Completion, Continue, Request, SamplingParams, TurnEnd, check_tags
 
 _SEED_MASK = (1 << 62) - 1
 
@@ -119,9 +121,13 @@ class NativeEngine:
         self._next_prompt_index = 0
         self._decode_sampling: tuple[list[int], SamplingBatch] | None = None
         self.stats = dict(prefill_steps=0, prefill_tokens=0, prefill_seconds=0.0, decode_steps=0,
-                          decode_tokens=0, decode_seconds=0.0, preemptions=0)
-        """Cumulative counters: tokens computed and wall time (synchronised) per phase, and
-        sequences preempted for want of KV-cache blocks (each recomputes its context later)."""
+                          decode_tokens=0, decode_seconds=0.0, preemptions=0, env_wait_seconds=0.0,
+                          history_tokens=0, reused_history_tokens=0, evictions=0)
+        """Cumulative counters: tokens computed and wall time (synchronised) per phase, sequences
+        preempted for want of KV-cache blocks (each recomputes its context later); multi-turn:
+        seconds waited for environments with nothing to decode, history tokens cached at the ends
+        of turns and those still cached when their sequence came back, and parked sequences whose
+        blocks were taken."""
 
     def _load(self, model: CausalLM | str | Path, dtype: torch.dtype) -> CausalLM:
         with self.memory.region("weights"):
@@ -169,13 +175,7 @@ class NativeEngine:
                           stop: Callable[[list[Completion]], bool] | None = None) -> list[Completion]:
         """See the protocol (PartialRolloutEngine): requests run in order; once `stop` says so, the
         unfinished samples come back aborted with their tokens so far."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("generate() called while requests added with add_request are unfinished")
-        self._check_ready()
-        for i, r in enumerate(requests):
-            self._check_prompt(i, r.prompt_ids, r.sampling, r.output_ids)
-        for i, r in enumerate(requests):
-            self._add(r, i)
+        self._admit(requests, "generate()")
         out = []
         try:
             while self.has_unfinished_requests():
@@ -199,7 +199,69 @@ class NativeEngine:
         self._add(Request(prompt_ids, sampling, output_ids, logprobs, sample_index), prompt_index)
         return prompt_index
 
-    def _add(self, request: Request, prompt_index: int) -> None:
+    def generate_turns(self, requests: SequenceType[Request],
+                       next_turn: Callable[[TurnEnd], Future]) -> list[Completion]:
+        """See the protocol (MultiTurnEngine). A sample that ends its turn is parked with its KV
+        cache while its future runs (an environment step in a worker); finished futures are taken
+        between engine steps, and when nothing else can run the engine waits for the first one
+        (counted in stats['env_wait_seconds'])."""
+        self._admit(requests, "generate_turns()", hold=True)
+        pending: dict[Future, Sequence] = {}
+        answered: SimpleQueue[Future] = SimpleQueue()  # futures put here by their done callbacks
+        out = []
+        try:
+            while self.has_unfinished_requests() or pending:
+                ready = []
+                if not self.has_unfinished_requests():  # nothing to decode: wait for an answer
+                    start = time.perf_counter()
+                    ready.append(answered.get())
+                    self.stats["env_wait_seconds"] += time.perf_counter() - start
+                while not answered.empty():
+                    ready.append(answered.get())
+                for future in ready:
+                    out += self._next_turn(pending.pop(future), future.result())
+                if self.has_unfinished_requests():
+                    for seq in self._step():
+                        future = next_turn(TurnEnd(seq.prompt_index, seq.sample_index, seq.output_ids, seq.turn_ids,
+                                                   seq.finish_reason))
+                        pending[future] = seq
+                        future.add_done_callback(answered.put)
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            self.abort()
+            raise
+        return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def _admit(self, requests: SequenceType[Request], caller: str, hold: bool = False) -> None:
+        """Check every request, then queue them all (request i as prompt index i)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"{caller} called while requests added with add_request are unfinished")
+        self._check_ready()
+        for i, r in enumerate(requests):
+            self._check_prompt(i, r.prompt_ids, r.sampling, r.output_ids)
+        for i, r in enumerate(requests):
+            self._add(r, i, hold=hold)
+
+    def _next_turn(self, seq: Sequence, cont: Continue | None) -> list[Completion]:
+        """Resume a parked sequence with `cont`, or end it (returning its completion)."""
+        if cont is None:
+            self.scheduler.release(seq)
+            return [self._completion(seq)]
+        ids = [int(t) for t in cont.observation_ids]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {seq.prompt_index}: observation token ids {bad[:5]} outside the vocabulary "
+                             f"[0, {vocab})")
+        if cont.max_new_tokens < 1 or seq.num_tokens + len(ids) + cont.max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompt {seq.prompt_index}: {seq.num_tokens} tokens + a {len(ids)}-token observation + "
+                             f"max_new_tokens={cont.max_new_tokens} exceed the engine's max length "
+                             f"{self.max_model_len} (or max_new_tokens < 1)")
+        self.scheduler.resume(seq, ids, cont.max_new_tokens)
+        return []
+
+    def _add(self, request: Request, prompt_index: int, hold: bool = False) -> None:
         self._next_prompt_index = max(self._next_prompt_index, prompt_index + 1)
         sampling = request.sampling
         base = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
@@ -211,7 +273,7 @@ class NativeEngine:
             group.append(Sequence(
                 seq_id=self._next_seq_id, prompt_index=prompt_index, sample_index=j, token_ids=list(tokens),
                 num_prompt_tokens=len(request.prompt_ids), params=sampling, seed=(base + j) & _SEED_MASK,
-                stop_ids=stop, logprobs=[float(x) for x in request.logprobs]))
+                stop_ids=stop, logprobs=[float(x) for x in request.logprobs], hold=hold))
             self._next_seq_id += 1
         self.scheduler.add(group)
 
@@ -225,6 +287,10 @@ class NativeEngine:
     def step(self) -> list[Completion]:
         """Run one scheduled batch (a prefill step, or a few decode steps); return what finished."""
         self._check_ready()
+        return [self._completion(s) for s in self._step()]
+
+    def _step(self) -> list[Sequence]:
+        """One scheduled batch; the sequences that finished (or, holding, ended their turn)."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         self.stats["preemptions"] = self.scheduler.num_preemptions
@@ -249,11 +315,16 @@ class NativeEngine:
             self.stats["decode_steps"] += batch.num_steps
             self.stats["decode_tokens"] += batch.num_steps * len(batch.seqs)
             self.stats["decode_seconds"] += time.perf_counter() - start
-        return [self._completion(s) for s in self.scheduler.postprocess(batch, token_ids, token_logprobs)]
+        finished = self.scheduler.postprocess(batch, token_ids, token_logprobs)
+        sched = self.scheduler
+        self.stats.update(history_tokens=sched.history_tokens, reused_history_tokens=sched.reused_tokens,
+                          evictions=sched.num_evictions)
+        return finished
 
     def _completion(self, seq: Sequence) -> Completion:
+        extra = {"loss_mask": seq.loss_mask} if seq.hold else {}
         return Completion(seq.prompt_index, seq.sample_index, seq.output_ids, seq.logprobs, seq.finish_reason,
-                          weight_version=self.weight_version)
+                          weight_version=self.weight_version, extra=extra)
 
     def _check_prompt(self, index: int, ids: SequenceType[int], params: SamplingParams,
                       output_ids: SequenceType[int] = ()) -> None:

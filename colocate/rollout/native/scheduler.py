@@ -16,6 +16,13 @@ remaining token budgets would fill, a reservation that fades to nothing over
 finished sequence readmit a preempted one at once, whose context is computed again only to be
 preempted again as the others grow (long-tailed lengths on a cache they outgrow: hundreds of
 preemptions a step). Until the first preemption nothing is reserved.
+
+Multi-turn episodes (`NativeEngine.generate_turns`): a sequence that `holds` keeps its blocks when
+its turn ends and waits, parked, for its environment's answer. `resume` appends the observation's
+tokens and queues the sequence again; its prefill computes only the new tokens, after the history
+already in the cache. Sequences that hold blocks without running, parked ones and resumed ones
+waiting for admission, are the first to give them up when a running sequence or an admission needs
+room (they are recomputed from the start when they run again, as a preempted sequence is).
 """
 
 from __future__ import annotations
@@ -44,7 +51,20 @@ class Sequence:
     num_computed: int = 0
     """Leading tokens whose K/V is in the cache."""
     logprobs: list[float] = field(default_factory=list)
+    """One per output token (0.0 for the observation tokens of a multi-turn episode)."""
     finish_reason: str | None = None
+    hold: bool = False
+    """Multi-turn: keep the blocks when the turn ends (parked until `Scheduler.resume`)."""
+    max_output_tokens: int | None = None
+    """Output tokens at which the current turn ends by length (None: params.max_new_tokens)."""
+    turn_start: int = 0
+    """Output index of the current turn's first sampled token."""
+    observation_spans: list[tuple[int, int]] = field(default_factory=list)
+    """Output index ranges [start, end) of the appended observation tokens."""
+    cached_history: int = 0
+    """Tokens in the cache when the turn ended: counted against the reuse at the next admission."""
+    resumed: bool = False
+    """Queued by `resume` and not admitted since."""
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +80,21 @@ class Sequence:
 
     @property
     def num_remaining(self) -> int:
-        return self.params.max_new_tokens - self.num_output_tokens
+        limit = self.params.max_new_tokens if self.max_output_tokens is None else self.max_output_tokens
+        return limit - self.num_output_tokens
+
+    @property
+    def turn_ids(self) -> list[int]:
+        """The tokens sampled in the current (or just ended) turn."""
+        return self.token_ids[self.num_prompt_tokens + self.turn_start:]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """Per output token: 1 if sampled, 0 if appended as an observation."""
+        mask = [1] * self.num_output_tokens
+        for start, end in self.observation_spans:
+            mask[start:end] = [0] * (end - start)
+        return mask
 
 
 @dataclass
@@ -107,7 +141,15 @@ class Scheduler:
         """Admitted groups whose head's prompt is partly computed (they hold their blocks)."""
         self.running: list[Sequence] = []
         """Decoding sequences, in admission order (the last one is preempted first)."""
+        self.parked: list[Sequence] = []
+        """Held sequences whose turn ended, keeping their blocks until resumed or released."""
         self.num_preemptions = 0
+        self.num_evictions = 0
+        """Parked sequences whose blocks were taken for others (they are recomputed on resume)."""
+        self.history_tokens = 0
+        self.reused_tokens = 0
+        """Multi-turn: cached history tokens at the ends of turns, and those still cached when the
+        sequence was admitted again (the rest was computed again)."""
         self.reserve = 0.0
         """The fraction of admitted sequences' remaining budgets that admission keeps free: 1 after
         a preemption, fading to 0 (see the module docstring)."""
@@ -144,23 +186,64 @@ class Scheduler:
             if seats == 0:
                 break
             head = group[0]
-            needed = self.blocks.blocks_for(head.num_tokens)
             # Keep a block of headroom per admitted sequence for its first decode write, unless the
             # cache is idle (then anything that fits at all must be admitted, or nothing ever runs).
             idle = not self.running and not self.prefilling
             headroom = 0 if idle else min(len(group), seats) + self._reserved_blocks(group[:seats])
-            if needed + headroom > self.blocks.num_free_blocks:
+            if not self._make_room(head, headroom, idle):
                 break
             self.waiting.popleft()
             if len(group) > seats:  # the rest of the group is admitted later, with its own prefill
                 self.waiting.appendleft(group[seats:])
                 group = group[:seats]
-            head.block_table = self.blocks.allocate(needed)
+            if head.resumed:
+                head.resumed = False
+                self.history_tokens += head.cached_history
+                self.reused_tokens += head.num_computed
+            if head.block_table:  # a resumed turn: the history stays, the observation is written
+                batch.copies += self.blocks.write(head.block_table, head.num_computed, head.num_tokens)
+            else:
+                head.block_table = self.blocks.allocate(self.blocks.blocks_for(head.num_tokens))
             for seq in group[1:]:
                 seq.block_table = self.blocks.share(head.block_table)
             self.prefilling.append(group)
             budget -= self._add_chunk(batch, group, budget)
         return batch
+
+    def _blocks_to_admit(self, head: Sequence) -> int:
+        if head.block_table:
+            return self.blocks.blocks_to_write(head.block_table, head.num_computed, head.num_tokens)
+        return self.blocks.blocks_for(head.num_tokens)
+
+    def _make_room(self, head: Sequence, headroom: int, idle: bool) -> bool:
+        """Whether `head` can be admitted with `headroom` blocks to spare. Parked sequences give
+        their blocks up first; on an idle cache, resumed ones queued behind `head` too, then a
+        resumed head its own history (an empty cache holds any one sequence, so something runs)."""
+        while self._blocks_to_admit(head) + headroom > self.blocks.num_free_blocks:
+            if self._evict_idle(exclude=head, queued=idle):
+                continue
+            if not idle or not head.block_table:
+                return False
+            self._drop_cache(head)
+        return True
+
+    def _evict_idle(self, exclude: Sequence | None = None, queued: bool = True) -> bool:
+        """Free the blocks of one sequence that holds them without running: the most recently parked
+        one, else (with `queued`) the last resumed one waiting for admission other than `exclude`.
+        It is recomputed from the start when it runs again. False if there is none."""
+        candidates = list(reversed(self.parked))
+        if queued:
+            candidates += [g[0] for g in reversed(self.waiting) if g[0] is not exclude]
+        for seq in candidates:
+            if seq.block_table:
+                self._drop_cache(seq)
+                self.num_evictions += 1
+                return True
+        return False
+
+    def _drop_cache(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
 
     def _reserved_blocks(self, group: list[Sequence]) -> int:
         """Blocks kept free for growth when `group` is admitted: `reserve` of the remaining budgets
@@ -182,6 +265,8 @@ class Scheduler:
         needs = [self._blocks_to_decode(s, num_steps) for s in self.running]
         if sum(needs) > self.blocks.num_free_blocks and num_steps > 1:
             num_steps = 1  # short of blocks: advance one token at a time before preempting anyone
+            needs = [self._blocks_to_decode(s, num_steps) for s in self.running]
+        while sum(needs) > self.blocks.num_free_blocks and self._evict_idle():  # idle blocks go first
             needs = [self._blocks_to_decode(s, num_steps) for s in self.running]
         batch = Batch(num_steps=num_steps)
         self.reserve = max(0.0, self.reserve - num_steps / RESERVE_FADE_TOKENS)
@@ -221,15 +306,36 @@ class Scheduler:
         self.reserve = 1.0
 
     def abort_all(self) -> list[Sequence]:
-        """Remove every unfinished sequence (finish reason 'abort') and free its blocks."""
-        seqs = [s for g in (*self.waiting, *self.prefilling) for s in g] + self.running
+        """Remove every unfinished sequence, parked ones included (finish reason 'abort'), and free
+        its blocks."""
+        seqs = [s for g in (*self.waiting, *self.prefilling) for s in g] + self.running + self.parked
         for seq in seqs:
             self.blocks.free(seq.block_table)
             seq.finish_reason = "abort"
         self.waiting.clear()
         self.prefilling.clear()
-        self.running = []
+        self.running, self.parked = [], []
         return seqs
+
+    def resume(self, seq: Sequence, observation_ids: list[int], max_new_tokens: int) -> None:
+        """Continue a parked sequence: append the observation and sample up to `max_new_tokens`
+        more tokens; it is admitted again ahead of new work, its cached history kept."""
+        self.parked.remove(seq)
+        start = seq.num_output_tokens
+        seq.token_ids += observation_ids
+        seq.logprobs += [0.0] * len(observation_ids)
+        if observation_ids:
+            seq.observation_spans.append((start, seq.num_output_tokens))
+        seq.turn_start = seq.num_output_tokens
+        seq.max_output_tokens = seq.num_output_tokens + max_new_tokens
+        seq.finish_reason = None
+        seq.resumed = True
+        self.waiting.appendleft([seq])
+
+    def release(self, seq: Sequence) -> None:
+        """End a parked sequence: its blocks go back to the free list."""
+        self.parked.remove(seq)
+        self.blocks.free(seq.block_table)
 
     def postprocess(self, batch: Batch, token_ids: list[list[int]], logprobs: list[list[float]]) -> list[Sequence]:
         """Apply sampled tokens; return the sequences that finished (their blocks are freed).
@@ -269,7 +375,11 @@ class Scheduler:
                         break
         for seq in finished:
             self.running.remove(seq)
-            self.blocks.free(seq.block_table)
+            if seq.hold:
+                seq.cached_history = seq.num_computed
+                self.parked.append(seq)
+            else:
+                self.blocks.free(seq.block_table)
         return finished
 
     @staticmethod
