@@ -117,11 +117,11 @@ class RolloutConfig:
     apply_chat_template: bool = False
     """Format prompts with the tokenizer's chat template (with the generation prompt)."""
     system_prompt: str | None = None
-    """System message before each prompt with apply_chat_template (None: the template's own
-    default); a prompt whose messages begin with a system message keeps its own."""
+    """System message before each prompt with apply_chat_template or rollout.env (None: the
+    template's own default); a prompt whose messages begin with a system message keeps its own."""
     chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3; needs
-    rollout.apply_chat_template."""
+    rollout.apply_chat_template or rollout.env."""
     max_prompt_len: int = _ranged(1024, ">= 1")
     """Prompts longer than this many tokens are dropped (and counted) when the data is loaded."""
     rollout_batch_size: int = _ranged(16, ">= 1")
@@ -169,6 +169,26 @@ class RolloutConfig:
     custom_generate: str | None = None
     """module:function (or path/to/file.py:function) replacing the default group sampling (None =
     built-in)."""
+    env: str | None = None
+    """Multi-turn environment: a built-in one (toy_turns, math_python, reasoning_gym, verifiers), module:Class
+    or path/to/file.py:Class (colocate/envs/base.py); its rewards replace rollout.reward. Not with
+    rollout.partial_rollout, rollout.custom_generate or algorithm.overlong_buffer_len. None =
+    single-turn sampling."""
+    env_args: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """With rollout.env: keyword arguments of the environment's constructor."""
+    max_turns: int = _ranged(4, ">= 1")
+    """With rollout.env: most policy turns per episode."""
+    max_episode_tokens: int | None = _ranged(None, ">= 1")
+    """With rollout.env: most tokens after the first prompt (sampled and observations) per episode
+    (None = rollout.max_response_len)."""
+    turn_max_new_tokens: int | None = _ranged(None, ">= 1")
+    """With rollout.env: most tokens sampled per turn, at most the episode's budget
+    (rollout.max_episode_tokens or rollout.max_response_len; None = that budget)."""
+    env_workers: int = _ranged(64, ">= 1")
+    """With rollout.env: threads that run the environments' sync calls and the tools; episodes
+    whose calls wait (sleeps, I/O) beyond this many at once wait their turn."""
+    tool_timeout_s: float = _ranged(10.0, "> 0")
+    """With rollout.env: seconds a tool call may take before the policy sees a timeout error."""
     shuffle: bool = True
     """Shuffle the prompts each epoch (seeded by rollout.seed and the epoch)."""
     seed: int = 42
@@ -193,6 +213,13 @@ class RolloutConfig:
     """Log level of SGLang's engine and scheduler."""
     weight_sync_bucket_mb: int = _ranged(512, ">= 1")
     """Weight sync hands the engine full tensors in buckets of about this many MiB."""
+
+    @property
+    def response_budget(self) -> int:
+        """Most tokens after the prompt in one sample: a whole episode with rollout.env."""
+        if self.env is not None and self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return self.max_response_len
 
 
 @dataclass
@@ -289,7 +316,8 @@ class TrainConfig:
     """Clip the global gradient norm to this value."""
     max_tokens_per_gpu: int | Literal["auto"] = _ranged("auto", ">= 1")
     """Token budget of one packed micro-batch on one GPU, at least one full sample
-    (rollout.max_prompt_len + rollout.max_response_len); "auto": the rank's tokens of one optimizer
+    (rollout.max_prompt_len + rollout.max_response_len, or rollout.max_episode_tokens with
+    rollout.env); "auto": the rank's tokens of one optimizer
     step at full length, or as many as the GPU's free memory holds beside everything else the run
     keeps there (colocate/sizing.py; logged at start); 16384 at most without a GPU."""
     keep_gathered: bool | None = None
@@ -343,7 +371,8 @@ class EvalDataset:
     metadata_key: str = "metadata"
     """Column holding per-prompt metadata for the reward function."""
     reward: str | None = None
-    """Reward function (None = rollout.reward)."""
+    """Reward function (None = rollout.reward); not with rollout.env, whose environment scores the
+    evaluation's episodes."""
 
 
 @dataclass
@@ -359,7 +388,8 @@ class EvalConfig:
     top_p: float = _ranged(1.0, "(0, 1]")
     """Eval nucleus sampling mass."""
     max_response_len: int | None = _ranged(None, ">= 1")
-    """Maximum generated tokens per eval completion (None = rollout.max_response_len)."""
+    """Maximum generated tokens per eval completion (None = rollout.max_response_len); not with
+    rollout.env, whose episodes keep rollout.max_episode_tokens and rollout.turn_max_new_tokens."""
 
 
 @dataclass

@@ -69,9 +69,37 @@ def _unused_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
               "rollout.dynamic_sampling or rollout.partial_rollout"),
              ("rollout.max_staleness", r.partial_rollout, "rollout.partial_rollout"),
              ("rollout.partial_mask_stale_tokens", r.partial_rollout, "rollout.partial_rollout")]
+    needs += [(f"rollout.{name}", r.env is not None, "rollout.env")
+              for name in ("env_args", "max_turns", "max_episode_tokens", "turn_max_new_tokens", "env_workers",
+                           "tool_timeout_s")]
     return [(name, on or not differs_from_default(cfg, name),
              f"is set but takes effect only with {feature}, which is off", _get(cfg, name))
             for name, on, feature in needs]
+
+
+def _env_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
+    """rollout.env: a name that can be loaded, and the features that cannot run episodes."""
+    from colocate.envs.registry import check_env_spec
+
+    r, a = cfg.rollout, cfg.algorithm
+    off = r.env is None
+    why = None if off else check_env_spec(r.env)
+    return [
+        ("rollout.env", why is None, why or "", r.env),
+        ("rollout.env", off or not r.partial_rollout, "cannot be combined with rollout.partial_rollout (an episode "
+         "waiting for its environment cannot be aborted and continued in a later step)", r.env),
+        ("rollout.env", off or r.custom_generate is None, "cannot be combined with rollout.custom_generate (both "
+         "own generation)", r.env),
+        ("rollout.env", off or a.overlong_buffer_len is None, "cannot be combined with "
+         "algorithm.overlong_buffer_len (the environment's reward is the reward; shape it there)", r.env),
+        ("eval.max_response_len", off or cfg.eval.max_response_len is None, "is not used with rollout.env (episodes "
+         "keep rollout.max_episode_tokens and rollout.turn_max_new_tokens)", cfg.eval.max_response_len),
+        *((f"eval.datasets.{i}.reward", off or d.reward is None, "is not used with rollout.env (the environment "
+           "scores the evaluation's episodes too)", d.reward) for i, d in enumerate(cfg.eval.datasets)),
+        ("rollout.turn_max_new_tokens", off or r.turn_max_new_tokens is None or r.turn_max_new_tokens <= r.response_budget,
+         f"must be <= the episode's budget ({r.response_budget} tokens: rollout.max_episode_tokens or "
+         f"rollout.max_response_len)", r.turn_max_new_tokens),
+    ]
 
 
 def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
@@ -110,15 +138,16 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
         ("rollout.dynamic_sampling", not (r.dynamic_sampling and n == 1),
          "needs rollout.n_samples_per_prompt >= 2 (a group of one always agrees)",
          r.dynamic_sampling),
-        ("rollout.system_prompt", r.system_prompt is None or r.apply_chat_template,
-         "needs rollout.apply_chat_template", r.system_prompt),
-        ("rollout.chat_template_kwargs", not r.chat_template_kwargs or r.apply_chat_template,
-         "needs rollout.apply_chat_template", r.chat_template_kwargs),
+        ("rollout.system_prompt", r.system_prompt is None or r.apply_chat_template or r.env is not None,
+         "needs rollout.apply_chat_template (or rollout.env)", r.system_prompt),
+        ("rollout.chat_template_kwargs", not r.chat_template_kwargs or r.apply_chat_template or r.env is not None,
+         "needs rollout.apply_chat_template (or rollout.env)", r.chat_template_kwargs),
         ("rollout.reward", _reward_name_ok(r.reward),
          f"must be one of {list(BUILTIN_REWARDS)} or {FORMS}", r.reward),
         ("rollout.custom_generate",
          r.custom_generate is None or is_function_spec(r.custom_generate),
          f"must be {FORMS}", r.custom_generate),
+        *_env_checks(cfg),
         ("algorithm.advantage_estimator",
          n >= 2 or a.advantage_estimator in ("reinforce_plus_plus", "gae"),
          "needs rollout.n_samples_per_prompt >= 2 (its baseline is the group)",
@@ -142,9 +171,10 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
         ("train.num_rollout", t.num_rollout > 0 or (e.interval is not None and bool(e.datasets)),
          "is 0 (eval-only) but eval is off: set eval.interval and eval.datasets", t.num_rollout),
         ("train.max_tokens_per_gpu", t.max_tokens_per_gpu == "auto"
-         or t.max_tokens_per_gpu >= r.max_prompt_len + r.max_response_len,
-         f"must hold one full sample (rollout.max_prompt_len + rollout.max_response_len = "
-         f"{r.max_prompt_len + r.max_response_len})", t.max_tokens_per_gpu),
+         or t.max_tokens_per_gpu >= r.max_prompt_len + r.response_budget,
+         f"must hold one full sample (rollout.max_prompt_len + rollout.max_response_len, or "
+         f"rollout.max_episode_tokens with rollout.env = {r.max_prompt_len + r.response_budget})",
+         t.max_tokens_per_gpu),
         ("train.global_batch_size", cfg.samples_per_rollout % cfg.global_batch_size == 0,
          f"must divide rollout.rollout_batch_size * rollout.n_samples_per_prompt "
          f"({cfg.samples_per_rollout})", t.global_batch_size),

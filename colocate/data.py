@@ -14,6 +14,11 @@ Rows are mappings. Hub ids of the public sets below are converted on reading, ex
 `python -m colocate.data prepare NAME OUT.jsonl [--split SPLIT]` converts them to our JSONL: a
 `prompt` (text, or chat messages), the reference answer as `label` (gsm8k's "#### 72" becomes
 "72"), so the default keys and the `math` reward apply to them unchanged.
+
+`prepare reasoning_gym:TASK OUT.jsonl [--size N] [--seed S]` writes the generated problems of a
+reasoning-gym task the same way, for the `reasoning_gym` environment (colocate/envs/reasoning_gym.py);
+`prepare verifiers:TASKSET OUT.jsonl [--size N]` the tasks of an installed verifiers taskset, for the
+`verifiers` environment (colocate/envs/verifiers_env.py).
 """
 
 from __future__ import annotations
@@ -218,21 +223,67 @@ def prepare(name: str, out: str | Path, split: str | None = None, source: str | 
     return len(rows)
 
 
+REASONING_GYM = "reasoning_gym:"
+"""The prefix of `prepare`'s names that are reasoning-gym tasks."""
+VERIFIERS = "verifiers:"
+"""The prefix of `prepare`'s names that are verifiers tasksets."""
+GENERATED = (REASONING_GYM, VERIFIERS)
+
+
+def prepare_generated(name: str, out: str | Path, size: int, seed: int, *, overwrite: bool = False) -> int:
+    """Write `size` rows of a reasoning-gym task (generated from `seed`) or of a verifiers taskset
+    (its first tasks) to our JSONL at `out`, by the `task_rows` of their environment's module;
+    returns the number of rows written."""
+    try:
+        if name.startswith(REASONING_GYM):
+            from colocate.envs.reasoning_gym import task_rows
+
+            rows = task_rows(name[len(REASONING_GYM):], size, seed)
+        else:
+            from colocate.envs.verifiers_env import VerifiersEnv, task_rows
+
+            rows = task_rows(VerifiersEnv(name[len(VERIFIERS):]), size)
+    except ImportError as e:  # the optional extra is missing: a user error, in one line
+        raise ValueError(str(e)) from None
+    with replacing_file(out, overwrite=overwrite) as tmp:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return len(rows)
+
+
+def _set_name(name: str) -> str:
+    if name in PUBLIC_SETS or any(name.startswith(g) and name != g for g in GENERATED):
+        return name
+    raise argparse.ArgumentTypeError(f"{name!r} is neither a public set ({', '.join(sorted(PUBLIC_SETS))}) "
+                                     f"nor {REASONING_GYM}TASK nor {VERIFIERS}TASKSET")
+
+
 @entry_point
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m colocate.data", description=__doc__.split("\n\n")[0],
                                 epilog=DEBUG_HELP)
     sub = p.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare", help="convert a public set to our JSONL (prompt, label)")
-    prep.add_argument("name", choices=sorted(PUBLIC_SETS), help="the public set")
+    prep = sub.add_parser("prepare", help="convert a public set, or generate a reasoning-gym task, to our JSONL "
+                          "(prompt, label)")
+    prep.add_argument("name", type=_set_name, help=f"the public set ({', '.join(sorted(PUBLIC_SETS))}), "
+                      f"{REASONING_GYM}TASK for a task of the reasoning-gym package (pip install 'colocate[envs]'), "
+                      f"or {VERIFIERS}TASKSET for an installed verifiers taskset (pip install 'colocate[verifiers]')")
     prep.add_argument("out", help="output JSONL")
     prep.add_argument("--split", default=None, help="split of the Hub data set (default: the set's "
                       + ", ".join(f"{k} {v.split}" for k, v in PUBLIC_SETS.items()) + ")")
     prep.add_argument("--source", default=None,
                       help="read this local copy instead of the Hub (same columns as the Hub set)")
+    prep.add_argument("--size", type=int, default=1000, help="reasoning-gym and verifiers: the number of rows")
+    prep.add_argument("--seed", type=int, default=0, help=f"{REASONING_GYM}TASK: the seed they are generated from")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     args = p.parse_args(argv)
-    n = prepare(args.name, args.out, args.split, args.source, overwrite=args.overwrite)
+    if args.name.startswith(GENERATED):
+        if args.split is not None or args.source is not None:
+            p.error(f"--split and --source are for the public sets, not {args.name}")
+        if args.size < 1:
+            p.error(f"--size must be at least 1, got {args.size}")
+        n = prepare_generated(args.name, args.out, args.size, args.seed, overwrite=args.overwrite)
+    else:
+        n = prepare(args.name, args.out, args.split, args.source, overwrite=args.overwrite)
     print(f"wrote {n} {args.name} prompts to {args.out}")
     return 0
 

@@ -98,6 +98,21 @@ def _check_prompt_count(cfg: Config, data: PromptDataset) -> None:
                          f"{r.rollout_batch_size}")
 
 
+def _episode_runner(cfg: Config, tokenizer):
+    """rollout.env's environment, built and wrapped in its runner (None without rollout.env)."""
+    r = cfg.rollout
+    if r.env is None:
+        return None
+    from colocate.envs.episodes import EpisodeLimits, EpisodeRunner
+    from colocate.envs.registry import load_env
+
+    budget = r.response_budget
+    limits = EpisodeLimits(r.max_turns, budget, r.turn_max_new_tokens or budget, r.tool_timeout_s, r.max_prompt_len)
+    return EpisodeRunner(load_env(r.env, r.env_args), tokenizer, limits, workers=r.env_workers,
+                         strict=cfg.train.strict, template_kwargs=r.chat_template_kwargs,
+                         system_prompt=r.system_prompt)
+
+
 @dataclass
 class RunInputs:
     tokenizer: object
@@ -110,6 +125,8 @@ class RunInputs:
     custom_generate: Callable | None
     num_dropped_prompts: int = 0
     """Training prompts dropped as longer than rollout.max_prompt_len."""
+    episodes: object | None = None
+    """rollout.env's EpisodeRunner (colocate/envs/episodes.py), None for single-turn sampling."""
 
     @classmethod
     def load(cls, cfg: Config, info: DistInfo) -> "RunInputs":
@@ -154,4 +171,4 @@ class RunInputs:
         overlong = (a.overlong_buffer_len, a.overlong_penalty_factor) if a.overlong_buffer_len else None
         hook = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else None
         return cls(tokenizer, data, reward_fn, eval_sets, eos, overlong, hook,
-                   num_dropped_prompts=train_set.num_dropped)
+                   num_dropped_prompts=train_set.num_dropped, episodes=_episode_runner(cfg, tokenizer))

@@ -219,7 +219,7 @@ def _least_recompute(shape: Shape, needs: RunNeeds, room: float) -> str:
 def needs_of(cfg, world_size: int, itemsize: int, keep_gathered: bool, modes: tuple[str, ...] | None) -> RunNeeds:
     """What `cfg` (colocate.config.Config) asks of one of `world_size` ranks."""
     r, t = cfg.rollout, cfg.train
-    sample = r.max_prompt_len + r.max_response_len
+    sample = r.max_prompt_len + r.response_budget
     per_rank = -(-cfg.global_batch_size // world_size)
     prompts = max(1, max(r.rollout_batch_size, r.over_sampling_batch_size or 0) // world_size)
     sequences = prompts * r.n_samples_per_prompt

@@ -136,7 +136,7 @@ class Loop:
         self.rollout = RolloutManager(
             self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,
             strict=cfg.train.strict, overlong=self.inputs.overlong,
-            custom_generate=self.inputs.custom_generate, seed=cfg.rollout.seed)
+            custom_generate=self.inputs.custom_generate, episodes=self.inputs.episodes, seed=cfg.rollout.seed)
         if self.resumed_rollouts is not None:
             self.rollout.load_state_dict(self.resumed_rollouts, self.inputs.data.dataset)
         # The engine always starts from the trainer's weights (they differ from disk after resume).
@@ -279,6 +279,8 @@ class Loop:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        if self.inputs.episodes is not None:
+            self.inputs.episodes.close()
         self.log.close()
 
 

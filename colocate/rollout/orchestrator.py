@@ -56,16 +56,28 @@ class GroupStats:
     """Most samples handed to the engine at once."""
 
 
+def _split(samples: list[Sample], sampling: list[SamplingParams]) -> list[list[Sample]]:
+    """Prompt-major samples cut into groups of each prompt's n."""
+    groups, i = [], 0
+    for sp in sampling:
+        groups.append(samples[i:i + sp.n])
+        i += sp.n
+    return groups
+
+
 class RolloutManager:
     """Owns the engine calls of a rank: training rollouts and evaluation."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, rollout_cfg: RolloutConfig, *, reward_fn: RewardFn,
                  strict: bool = False, overlong: tuple[int, float] | None = None,
-                 custom_generate: Callable | None = None, seed: int = 0):
-        """strict: a reward function that raises stops the run; overlong = (buffer_len, factor)."""
+                 custom_generate: Callable | None = None, episodes=None, seed: int = 0):
+        """strict: a reward function that raises stops the run; overlong = (buffer_len, factor);
+        episodes: the EpisodeRunner of rollout.env (colocate/envs/episodes.py), whose rewards replace
+        reward_fn's."""
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, rollout_cfg
         self.reward_fn, self.strict = reward_fn, strict
         self.overlong, self.custom_generate, self.seed = overlong, custom_generate, seed
+        self.episodes = episodes
         self.info = dist.get_info()
         self.in_flight: list[InFlightGroup] = []
         """Partial rollout: this rank's groups not trained yet, oldest first."""
@@ -79,6 +91,13 @@ class RolloutManager:
 
     def sample_groups(self, prompts, sampling: list[SamplingParams], reward_fn) -> tuple[list[list[Sample]], int]:
         """Generate one group per prompt and score it. Returns (groups, reward errors)."""
+        if self.episodes is not None:
+            samples = self.episodes.run(self.engine, prompts, sampling)
+            self._check_versions(samples)
+            texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+            for s, text in zip(samples, texts):
+                s.response_text = text
+            return _split(samples, sampling), 0
         if self.custom_generate is not None:
             samples = self.custom_generate(self.engine, prompts, sampling, self.tokenizer)
             expected = sum(s.n for s in sampling)
@@ -91,11 +110,7 @@ class RolloutManager:
             samples = [self._to_sample(prompts[c.prompt_index], c) for c in completions]
         self._check_versions(samples)
         errors = self._score(samples, reward_fn)
-        groups, i = [], 0
-        for sp in sampling:
-            groups.append(samples[i:i + sp.n])
-            i += sp.n
-        return groups, errors
+        return _split(samples, sampling), errors
 
     def _score(self, samples: list[Sample], reward_fn) -> int:
         """Decode the responses and set rewards (with the over-long shaping); returns reward errors."""
@@ -144,6 +159,8 @@ class RolloutManager:
 
         `on_progress(n)` is called with the number of groups newly accepted (or completed)."""
         engine_before = self._engine_counts()
+        if self.episodes is not None:
+            self.episodes.take()  # episodes of an evaluation since the last step
         if self.cfg.partial_rollout:
             samples, stats, partial_metrics = self._generate_partial(data, rollout_id, on_progress)
         else:
@@ -153,7 +170,19 @@ class RolloutManager:
         metrics.update(partial_metrics)
         if engine_before is not None:
             metrics.update(self._engine_metrics(engine_before, stats.num_seqs))
+        if self.episodes is not None:
+            metrics.update(self._episode_metrics(rollout_id))
         return samples, metrics
+
+    def _episode_metrics(self, rollout_id: int) -> dict[str, float]:
+        """env/* metrics of the step's episodes (collective); a step whose every episode failed is
+        an error (on every rank: the share is global), not a step that trains nothing."""
+        episodes = self.episodes.take()
+        metrics = self.episodes.metrics(episodes)
+        if metrics["env/end/error"] == 1.0:
+            example = next((e.error for e in episodes if e.error), "see the other ranks")
+            raise ValueError(f"rollout.env: every episode of step {rollout_id} failed, e.g. {example}")
+        return metrics
 
     def _generate_groups(self, data, rollout_id: int, on_progress) -> tuple[list[Sample], GroupStats]:
         """Whole groups, in rounds when dynamic sampling refills."""
@@ -323,13 +352,22 @@ class RolloutManager:
           long samples left it empty. Not with custom generation, whose batches are its own."""
         d = {k: v - before.get(k, 0) for k, v in self._engine_counts().items()}
         seats = min(num_seqs, self.cfg.max_running_requests)
-        sums = dist.all_reduce_sum([d["prefill_tokens"], d["preemptions"], d["prefill_seconds"], d["decode_seconds"],
-                                    d["decode_tokens"], d["decode_steps"] * seats]).tolist()
+        keys = ("prefill_tokens", "preemptions", "prefill_seconds", "decode_seconds", "decode_tokens", "decode_steps",
+                "env_wait_seconds", "history_tokens", "reused_history_tokens", "evictions")
+        values = [d.get(k, 0) for k in keys]
+        values[5] *= seats
+        sums = dist.all_reduce_sum(values).tolist()
         world = self.info.world_size
         metrics = {"rollout/prefill_tokens": sums[0], "rollout/preemptions": sums[1],
                    "perf/engine_prefill_time": sums[2] / world, "perf/engine_decode_time": sums[3] / world}
         if self.custom_generate is None:
             metrics["rollout/decode_utilization"] = sums[4] / max(sums[5], 1)
+        if self.episodes is not None:
+            # How much of the episodes' history stayed cached across turns, and how long the engine
+            # sat with nothing to decode while environments and tools ran.
+            metrics["rollout/kv_reuse"] = sums[8] / max(sums[7], 1)
+            metrics["rollout/env_wait_fraction"] = sums[6] / max(sums[2] + sums[3] + sums[6], 1e-9)
+            metrics["rollout/parked_evictions"] = sums[9]
         return metrics
 
     def state_dict(self) -> list[list[dict]]:

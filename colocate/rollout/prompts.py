@@ -29,20 +29,24 @@ class PromptSample:
     """The text whose tokens are prompt_ids (chat template applied when configured)."""
     label: Any
     metadata: dict = field(default_factory=dict)
+    prompt: Any = None
+    """The row's prompt as the data holds it (a string or chat messages): what an environment's
+    `reset` gets."""
 
 
 def render_chat(tokenizer: Any, prompt: str | list[dict], system_prompt: str | None = None,
-                template_kwargs: dict | None = None) -> str:
+                template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
     """The text of one prompt formatted by the tokenizer's chat template, ending with the
     assistant's generation prompt.
 
     A string is one user message. `system_prompt` goes first unless the messages begin with a
-    system message of their own; `template_kwargs` reach the template (Qwen3's enable_thinking).
+    system message of their own; `template_kwargs` reach the template (Qwen3's enable_thinking);
+    `tools` are JSON schemas for the template's tool section.
     """
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
                                          **(template_kwargs or {}))
 
 
@@ -73,9 +77,10 @@ class PromptDataset:
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"{self.path}: apply_chat_template is set but the tokenizer has no "
                              "chat template")
-        texts, labels, metadata = [], [], []
+        texts, labels, metadata, raw = [], [], [], []
         for where, row in read_rows(self.path):
             prompt, label, meta = self._check_row(row, where, apply_chat_template)
+            raw.append(prompt)
             if apply_chat_template:
                 prompt = render_chat(tokenizer, prompt, system_prompt, chat_template_kwargs)
             texts.append(prompt)
@@ -87,11 +92,11 @@ class PromptDataset:
         all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
         self.samples: list[PromptSample] = []
         self.num_dropped = 0
-        for text, ids, label, meta in zip(texts, all_ids, labels, metadata):
+        for text, ids, label, meta, prompt in zip(texts, all_ids, labels, metadata, raw):
             if max_prompt_len is not None and len(ids) > max_prompt_len:
                 self.num_dropped += 1
                 continue
-            self.samples.append(PromptSample(len(self.samples), list(ids), text, label, meta))
+            self.samples.append(PromptSample(len(self.samples), list(ids), text, label, meta, prompt))
         if not self.samples:
             raise ValueError(f"{self.path}: no prompts left ({self.num_dropped} dropped as longer "
                              f"than {max_prompt_len} tokens)")

@@ -91,7 +91,7 @@ class Trainer:
                                                                       m.recompute_keeps_attention)
         steps_per_rollout = -(-cfg.samples_per_rollout // cfg.global_batch_size)
         actor_rollouts = t.num_rollout - (a.num_critic_only_steps if a.use_critic else 0)
-        norm_len = r.max_response_len
+        norm_len = r.response_budget
 
         self.startup_seconds: dict[str, float] = {}
         """Where the time of building went (the parts that were built): actor (load, shard,

@@ -97,9 +97,9 @@ def test_config_fields_from_yaml_and_command_line(tmp_path):
 
 @pytest.mark.parametrize("yaml_text, message", [
     ("rollout:\n  system_prompt: Be brief.\n",
-     "{path}: rollout.system_prompt needs rollout.apply_chat_template, got 'Be brief.'"),
+     "{path}: rollout.system_prompt needs rollout.apply_chat_template (or rollout.env), got 'Be brief.'"),
     ("rollout:\n  chat_template_kwargs: {enable_thinking: false}\n",
-     "{path}: rollout.chat_template_kwargs needs rollout.apply_chat_template, got {{'enable_thinking': False}}"),
+     "{path}: rollout.chat_template_kwargs needs rollout.apply_chat_template (or rollout.env), got {{'enable_thinking': False}}"),
     ("rollout:\n  apply_chat_template: true\n  chat_template_kwargs: [enable_thinking]\n",
      "{path}: rollout.chat_template_kwargs must be a mapping with string keys, got ['enable_thinking']"),
     ("rollout:\n  apply_chat_template: true\n  chat_template_kwargs: {tools: [a]}\n",
