@@ -2,7 +2,7 @@
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout prefill colocation train
 #                                          train_small kernels units
-#                                          (and, asked for by name: tail e2e_tail_off e2e_tail_on startup
+#                                          (and, asked for by name: multiturn tail e2e_tail_off e2e_tail_on startup
 #                                          startup_4b sizing on_policy_bits on_policy invariant_sweep lora lora_8b;
 #                                          multigpu, on a machine of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and, for the files this run wrote,
@@ -26,7 +26,10 @@ run() {
 
 for step in $steps; do
   case $step in
-    loop) run loop 200 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_loop_gpu.py ;;
+    loop) run loop 300 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_loop_gpu.py \
+            tests/integration/test_multiturn_loop.py ;;
+    # Episodes in one continuous batch against turn-by-turn resubmission and single-turn sampling.
+    multiturn) run multiturn 590 python -m bench.multiturn --out "$out/multiturn.json" ;;
     default) run default 60 python -m colocate.train --config configs/default.yaml \
                --output-dir "$out/default_run" --logging.console False ;;
     engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;

@@ -243,3 +243,23 @@ def test_true_on_policy_bench_reports_a_failed_training_case_and_keeps_the_other
     assert r["met"] == {"rollout": False, "train": False}
     line = true_on_policy.summary("tiny", r)
     assert "2.50x slower" in line and "-> failed, n/a" in line and "on_uncompiled failed: OutOfMemoryError" in line
+
+
+@pytest.mark.slow
+def test_multiturn_bench_cpu_smoke_keeps_every_history_cached_and_reports_the_ratios(tmp_path):
+    results, done = _bench(tmp_path, "multiturn", "--cpu-smoke", "--tool-ms", "5,20")
+    shape = results["shapes"]["tiny"]
+    w = shape["workload"]
+    sampled = w["prompts"] * w["samples"] * w["turns"] * w["turn_tokens"]
+    assert shape["single_turn"]["sampled_tokens"] == sampled
+    for ms in ("5", "20"):
+        m = shape["by_tool_ms"][ms]
+        assert m["ours"]["sampled_tokens"] == m["resubmit"]["sampled_tokens"] == sampled
+        assert m["ours"]["kv_reuse"] == 1.0 and m["ours"]["evictions"] == 0
+        # Every turn of the resubmitting modes computes its whole history again; ours only the observations.
+        assert m["resubmit"]["prefill_tokens"] > m["ours"]["prefill_tokens"]
+        ours = m["ours"]["tokens_per_s"]
+        assert m["ratio_vs_single_turn"] == pytest.approx(ours / shape["single_turn"]["tokens_per_s"])
+        assert m["ratio_vs_turn_by_turn"] == pytest.approx(ours / m["turn_by_turn"]["tokens_per_s"])
+        assert m["ratio_vs_resubmit"] == pytest.approx(ours / m["resubmit"]["tokens_per_s"])
+    assert "multiturn tiny: 5 ms tools" in done.stdout
