@@ -109,3 +109,20 @@ def test_episodes_train_with_dynamic_sampling_lora_and_tis(tmp_path):
         assert r["env/turns_mean"] > 1 and r["rollout/kv_reuse"] == 1.0, step
         assert "rollout/dynamic_filtered_groups" in r and r["train/grad_norm"] > 0, step
         assert r["train/mismatch/abs_diff_max"] < 1e-3, step  # the engine runs the merged adapters
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_run_episodes_and_agree_on_their_metrics(tmp_path, monkeypatch):
+    """Each rank runs its own prompts' episodes; env/* metrics are reduced over both (one rank's
+    episodes name a reward part the other's may not: the names are gathered first)."""
+    from tests.integration.test_loop import by_step, torchrun
+
+    monkeypatch.setenv("COLOCATE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "two"
+    torchrun(ROOT / CONFIG, out, "--train.num-rollout", "2", "--eval.interval", "None", "--logging.console", "False")
+    rows = by_step(out)
+    assert sorted(rows) == [0, 1]
+    for r in rows.values():
+        assert r["rollout/num_samples"] == 128 and r["rollout/kv_reuse"] == 1.0
+        assert 1 <= r["env/turns_mean"] <= 6 and 0 <= r["env/reward/correct"] <= 5
+        assert sum(r[f"env/end/{k}"] for k in ("done", "max_turns", "token_budget", "error")) == pytest.approx(1.0)
