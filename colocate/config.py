@@ -189,6 +189,9 @@ class RolloutConfig:
     whose calls wait (sleeps, I/O) beyond this many at once wait their turn."""
     tool_timeout_s: float = _ranged(10.0, "> 0")
     """With rollout.env: seconds a tool call may take before the policy sees a timeout error."""
+    env_timeout_s: float = _ranged(300.0, "> 0")
+    """With rollout.env: seconds an environment's reset, step or reward may take; past it the episode
+    is dropped as failed (a sync call keeps its thread until it returns)."""
     shuffle: bool = True
     """Shuffle the prompts each epoch (seeded by rollout.seed and the epoch)."""
     seed: int = 42

@@ -71,7 +71,7 @@ def _unused_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
              ("rollout.partial_mask_stale_tokens", r.partial_rollout, "rollout.partial_rollout")]
     needs += [(f"rollout.{name}", r.env is not None, "rollout.env")
               for name in ("env_args", "max_turns", "max_episode_tokens", "turn_max_new_tokens", "env_workers",
-                           "tool_timeout_s")]
+                           "tool_timeout_s", "env_timeout_s")]
     return [(name, on or not differs_from_default(cfg, name),
              f"is set but takes effect only with {feature}, which is off", _get(cfg, name))
             for name, on, feature in needs]

@@ -107,7 +107,8 @@ def _episode_runner(cfg: Config, tokenizer):
     from colocate.envs.registry import load_env
 
     budget = r.response_budget
-    limits = EpisodeLimits(r.max_turns, budget, r.turn_max_new_tokens or budget, r.tool_timeout_s, r.max_prompt_len)
+    limits = EpisodeLimits(r.max_turns, budget, r.turn_max_new_tokens or budget, r.tool_timeout_s, r.max_prompt_len,
+                           r.env_timeout_s)
     return EpisodeRunner(load_env(r.env, r.env_args), tokenizer, limits, workers=r.env_workers,
                          strict=cfg.train.strict, template_kwargs=r.chat_template_kwargs,
                          system_prompt=r.system_prompt)

@@ -26,6 +26,7 @@ import dataclasses
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -66,6 +67,18 @@ class EpisodeLimits:
     turn_max_new_tokens: int
     tool_timeout_s: float
     max_prompt_len: int | None = None
+    env_timeout_s: float | None = None
+    """Seconds an environment call may take (None: no limit)."""
+
+
+def _run_into(future: Future, fn: Callable, args: tuple) -> None:
+    """fn(*args) into `future` (from a thread of its own)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
 
 
 class EpisodeRunner:
@@ -95,13 +108,26 @@ class EpisodeRunner:
             return self._loop
 
     def _timed(self, episode: Episode, fn: Callable, *args) -> Any:
-        """fn(*args): a coroutine function runs on the runner's event loop (so async environments
-        share one loop), any other right here."""
+        """fn(*args) within the limits' env_timeout_s (TimeoutError past it): a coroutine function on
+        the runner's event loop (so async environments share one loop), any other in a thread of its
+        own, which a call that never returns keeps (Python cannot stop a thread)."""
         start = time.perf_counter()
+        limit = self.limits.env_timeout_s
         try:
             if is_async(fn):
-                return asyncio.run_coroutine_threadsafe(fn(*args), self._event_loop()).result()
-            return fn(*args)
+                future = asyncio.run_coroutine_threadsafe(fn(*args), self._event_loop())
+            elif limit is None:
+                return fn(*args)
+            else:
+                future = Future()
+                threading.Thread(target=_run_into, args=(future, fn, args), name="colocate-env-call",
+                                 daemon=True).start()
+            try:
+                return future.result(timeout=limit)
+            except FuturesTimeout:
+                future.cancel()
+                raise TimeoutError(f"{getattr(fn, '__name__', 'the call')} took more than "
+                                   f"rollout.env_timeout_s={limit:g} s") from None
         finally:
             episode.env_seconds += time.perf_counter() - start
 

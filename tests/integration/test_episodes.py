@@ -65,8 +65,9 @@ def _prompts(tok, texts):
     return [PromptSample(i, tok(t)["input_ids"], t, None, {}, t) for i, t in enumerate(texts)]
 
 
-def _run(tok, engine, env, *, n=2, turn_tokens=6, strict=False, recorder=None):
-    limits = EpisodeLimits(max_turns=5, max_episode_tokens=200, turn_max_new_tokens=turn_tokens, tool_timeout_s=1.0)
+def _run(tok, engine, env, *, n=2, turn_tokens=6, strict=False, recorder=None, env_timeout_s=None):
+    limits = EpisodeLimits(max_turns=5, max_episode_tokens=200, turn_max_new_tokens=turn_tokens, tool_timeout_s=1.0,
+                           env_timeout_s=env_timeout_s)
     runner = EpisodeRunner(env, tok, limits, workers=4, strict=strict)
     if recorder is not None:
         turn = runner._turn
@@ -175,6 +176,12 @@ def test_an_environment_that_raises_drops_its_episode_and_is_counted(chat_model)
     for s in samples:
         assert s.reward == 1.0 and (set(s.loss_mask) == {0}) == (s.sample_index == 1)
     assert runner.metrics(runner.take())["env/end/error"] == 0.5
+    # A step that hangs past rollout.env_timeout_s drops its episode; the others go on.
+    start = time.perf_counter()
+    samples, runner = _run(tok, engine, Chat(sleep_s=5.0), env_timeout_s=0.3)
+    assert time.perf_counter() - start < 3
+    assert all("step: TimeoutError: step took more than rollout.env_timeout_s=0.3 s" in s.metadata["env"]["error"]
+               for s in samples)
     with pytest.raises(RuntimeError, match="rollout.env: step raised ValueError: the environment broke"):
         _run(tok, engine, Chat(fail_step_at=2), strict=True)
     assert not engine.has_unfinished_requests()
