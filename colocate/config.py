@@ -165,7 +165,7 @@ class RolloutConfig:
     """Extra token ids that end a completion, on top of the tokenizer's eos ids."""
     reward: str = "toy"
     """Reward function: toy, math, exact, f1, or module:function (or path/to/file.py:function) for
-    a custom batched one."""
+    a custom batched one; not with rollout.env, whose environment gives the reward."""
     custom_generate: str | None = None
     """module:function (or path/to/file.py:function) replacing the default group sampling (None =
     built-in)."""

@@ -90,6 +90,8 @@ def _env_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
          "waiting for its environment cannot be aborted and continued in a later step)", r.env),
         ("rollout.env", off or r.custom_generate is None, "cannot be combined with rollout.custom_generate (both "
          "own generation)", r.env),
+        ("rollout.reward", off or not differs_from_default(cfg, "rollout.reward"), "is not used with rollout.env (the "
+         "environment's reward is the reward)", r.reward),
         ("rollout.env", off or a.overlong_buffer_len is None, "cannot be combined with "
          "algorithm.overlong_buffer_len (the environment's reward is the reward; shape it there)", r.env),
         ("eval.max_response_len", off or cfg.eval.max_response_len is None, "is not used with rollout.env (episodes "

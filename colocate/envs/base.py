@@ -78,6 +78,10 @@ class Environment:
         """The episode's reward, once it is over (done, rollout.max_turns or the token budget)."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Free what the environment holds (servers, sandboxes, clients) at the end of the run;
+        optional, sync or async."""
+
 
 def is_async(fn: Callable) -> bool:
     return inspect.iscoroutinefunction(fn)

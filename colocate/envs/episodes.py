@@ -11,12 +11,15 @@ A turn that calls tools, in an episode that offers them, is answered by the tool
 (colocate/envs/tools.py); any other turn goes to the environment's `step`. An episode ends when the
 environment says done, after `rollout.max_turns` turns, or when the next observation and turn would
 not fit `rollout.max_episode_tokens` (or the engine's context); its reward is `env.reward(state)`,
-scored on the calling thread once every episode is over (math-verify's time limits work only there).
+scored once every episode is over: a sync one on the calling thread (math-verify's time limits work
+only there), async ones together on the runner's event loop. `reset` and `step` calls are bounded
+by `rollout.env_timeout_s`.
 
 An environment that raises (or renders what the template cannot, or a first prompt over
 rollout.max_prompt_len) drops its episode: the sample stays in its group so the batch keeps its
 shape, but trains no token, and its reward is the mean of the group's other episodes, so that it
-moves no other sample's advantage; it is counted in env/end/error (`train.strict` makes it fatal).
+leaves the group's mean reward as it is; it is counted in env/end/error (`train.strict` makes it
+fatal).
 """
 
 from __future__ import annotations
@@ -91,8 +94,8 @@ class EpisodeRunner:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="colocate-env")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
-        self._tools: dict[tuple, tuple[Any, list[dict]]] = {}
-        """ToolRunner and schemas per tuple of tools offered (built once, shared by episodes)."""
+        self._tools: dict[tuple, Any] = {}
+        """A ToolRunner per tuple of tools offered (built once, shared by episodes)."""
         self._tool_format: str | None = None
         self._max_len: int | None = None
         self.collected: list[Episode] = []
@@ -107,12 +110,13 @@ class EpisodeRunner:
                 threading.Thread(target=self._loop.run_forever, name="colocate-env-loop", daemon=True).start()
             return self._loop
 
-    def _timed(self, episode: Episode, fn: Callable, *args) -> Any:
-        """fn(*args) within the limits' env_timeout_s (TimeoutError past it): a coroutine function on
-        the runner's event loop (so async environments share one loop), any other in a thread of its
-        own, which a call that never returns keeps (Python cannot stop a thread)."""
+    def _timed(self, episode: Episode, fn: Callable, *args, bounded: bool = True) -> Any:
+        """fn(*args), within the limits' env_timeout_s when `bounded` (TimeoutError past it): a
+        coroutine function on the runner's event loop (so async environments share one loop), any
+        other in a thread of its own, which a call that never returns keeps (Python cannot stop a
+        thread); unbounded sync calls run right here."""
         start = time.perf_counter()
-        limit = self.limits.env_timeout_s
+        limit = self.limits.env_timeout_s if bounded else None
         try:
             if is_async(fn):
                 future = asyncio.run_coroutine_threadsafe(fn(*args), self._event_loop())
@@ -137,15 +141,14 @@ class EpisodeRunner:
                                "(train.strict: true stops the run)") from error
         episode.end_reason, episode.error = "error", f"{where}: {type(error).__name__}: {error}"
 
-    def _tool_runner(self, tools: list[Callable]) -> tuple[Any, list[dict]]:
+    def _tool_runner(self, tools: list[Callable]) -> Any:
         from colocate.envs.tool_calls import detect_format
         from colocate.envs.tools import ToolRunner
 
         key = tuple(tools)
         with self._lock:
             if key not in self._tools:
-                runner = ToolRunner(tools, timeout_s=self.limits.tool_timeout_s)
-                self._tools[key] = runner, runner.schemas
+                self._tools[key] = ToolRunner(tools, timeout_s=self.limits.tool_timeout_s)
                 self._tool_format = self._tool_format or detect_format(self.tokenizer)
             return self._tools[key]
 
@@ -161,9 +164,9 @@ class EpisodeRunner:
                 raise TypeError(f"reset must return an Observation, got {type(obs).__name__}")
             if not obs.messages:
                 raise ValueError("reset returned no messages")
-            schemas = None
             if obs.tools:
-                episode.tools, schemas = self._tool_runner(obs.tools)
+                episode.tools = self._tool_runner(obs.tools)
+            schemas = episode.tools.schemas if episode.tools is not None else None
             episode.prompt_text, episode.prompt_ids = self.renderer.prompt(obs.messages, schemas)
             n, limit = len(episode.prompt_ids), self.limits.max_prompt_len
             if limit is not None and n > limit:
@@ -183,7 +186,7 @@ class EpisodeRunner:
             messages = self._observe(episode, turn)
             if messages is None:
                 return None
-            ids = self.renderer.observation(messages, stopped=turn.finish_reason == "stop")
+            ids = self.renderer.observation(messages, turn.turn_ids)
         except Exception as e:
             self._fail(episode, "step", e)
             return None
@@ -231,14 +234,33 @@ class EpisodeRunner:
         return obs.messages
 
     def _reward(self, episode: Episode) -> float | None:
-        """The episode's reward (None when it was dropped)."""
+        """The episode's reward (None when it was dropped), on this thread."""
         if episode.end_reason == "error":
             return None
         try:
-            return float(self._timed(episode, self.env.reward, episode.state))
+            return float(self._timed(episode, self.env.reward, episode.state, bounded=False))
         except Exception as e:
             self._fail(episode, "reward", e)
             return None
+
+    def _rewards(self, episodes: list[Episode]) -> list[float | None]:
+        """Every episode's reward: an async `reward` for all episodes at once on the event loop."""
+        if not is_async(self.env.reward):
+            return [self._reward(e) for e in episodes]
+        scored = [e for e in episodes if e.end_reason != "error"]
+
+        async def all_of():
+            return await asyncio.gather(*(self.env.reward(e.state) for e in scored), return_exceptions=True)
+
+        results = dict(zip(map(id, scored), asyncio.run_coroutine_threadsafe(all_of(), self._event_loop()).result()))
+        out = []
+        for e in episodes:
+            value = results.get(id(e))
+            if isinstance(value, BaseException):
+                self._fail(e, "reward", value)
+                value = None
+            out.append(None if value is None else float(value))
+        return out
 
     def _first_budget(self, prompt_len: int) -> int:
         """Tokens the first turn may sample after a prompt of this length."""
@@ -278,7 +300,7 @@ class EpisodeRunner:
         else:
             completions = self._turn_by_turn(engine, requests, next_turn)
         done = {id(by_key[(c.prompt_index, c.sample_index)]): c for c in completions}
-        rewards = {id(e): self._reward(e) for e in episodes}
+        rewards = dict(zip(map(id, episodes), self._rewards(episodes)))
         self.collected += episodes
         version = getattr(engine, "weight_version", 0)
         samples = []
@@ -327,7 +349,8 @@ class EpisodeRunner:
     def _sample(self, e: Episode, c: Completion | None, reward: float, version: int) -> Sample:
         p = e.prompt
         if c is None:  # reset failed: one untrained end-of-sequence token stands for the episode
-            ids, logprobs, reason = [self.tokenizer.eos_token_id], [0.0], "stop"
+            eos = self.tokenizer.eos_token_id
+            ids, logprobs, reason = [eos if eos is not None else 0], [0.0], "stop"
         else:
             ids, logprobs, reason, version = c.output_ids, c.logprobs, c.finish_reason, c.weight_version
         mask = c.extra["loss_mask"] if c is not None and e.end_reason != "error" else [0] * len(ids)
@@ -366,6 +389,13 @@ class EpisodeRunner:
         return metrics
 
     def close(self) -> None:
+        """Close the environment (its optional `close`, sync or async), then the workers and loop."""
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            if is_async(close):
+                asyncio.run_coroutine_threadsafe(close(), self._event_loop()).result()
+            else:
+                close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)

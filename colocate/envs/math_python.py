@@ -13,9 +13,10 @@ malformed call). The reward is `math_reward` on that turn's text: 1.0 when its b
 (else last) answer equals the label, 0.0 otherwise, and 0.0 for an episode that ran out of turns or
 tokens while still calling the tool.
 
-Env args: `system_prompt`; the sandbox's `timeout_s`, `cpu_s` and `memory_mb` (defaults: those of
-colocate.envs.sandbox.DEFAULT_LIMITS). Keep `timeout_s` below rollout.tool_timeout_s, so that the
-sandbox kills the code and reports the timeout before the runner stops waiting for it.
+Env args: `system_prompt`; the sandbox's `timeout_s` (default 8 s), `cpu_s` and `memory_mb`
+(defaults: those of colocate.envs.sandbox.DEFAULT_LIMITS). Keep `timeout_s` below
+rollout.tool_timeout_s (default 10 s), so that the sandbox kills the code and reports the timeout
+before the runner stops waiting for it.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class MathState:
 
 
 class MathPython(Environment):
-    def __init__(self, system_prompt: str = SYSTEM_PROMPT, timeout_s: float = DEFAULT_LIMITS.timeout_s,
+    def __init__(self, system_prompt: str = SYSTEM_PROMPT, timeout_s: float = 8.0,
                  cpu_s: float = DEFAULT_LIMITS.cpu_s, memory_mb: int = DEFAULT_LIMITS.memory_mb):
         if min(timeout_s, cpu_s, memory_mb) <= 0:
             raise ValueError(f"math_python: timeout_s, cpu_s and memory_mb must be positive, got {timeout_s}, "

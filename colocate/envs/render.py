@@ -8,9 +8,9 @@ tokens than it sampled (the known source of train/rollout mismatch in multi-turn
 The observation's text is what the chat template adds when the messages follow the conversation:
 rendered after a fixed one-message conversation and cut off where that conversation ends, so
 earlier turns never enter it. In front go the ids that close an assistant turn in this template
-(Qwen's `<|im_end|>` and "\\n"), less its end token when the turn stopped on a stop token of its own
-(which then closed it). Special-token strings inside the messages' text are broken up, so a tool's
-output cannot write the template's markup.
+(Qwen's `<|im_end|>` and "\\n"), less its end token when the turn's last sampled token closed it
+already (that token, or Llama's `<|eom_id|>` after a tool call). Special-token strings inside the
+messages' text are broken up, so a tool's output cannot write the template's markup.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ class TurnRenderer:
         """What the template writes after an assistant message's content (Qwen: <|im_end|>, "\\n")."""
         added = getattr(tokenizer, "added_tokens_decoder", {})
         special_ids = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
-        self._end_token = self.closing_ids[0] if self.closing_ids and self.closing_ids[0] in special_ids else None
+        end = self.closing_ids[0] if self.closing_ids and self.closing_ids[0] in special_ids else None
+        eom = tokenizer.convert_tokens_to_ids("<|eom_id|>") if "<|eom_id|>" in tokenizer.get_vocab() else None
+        self._closers = {t for t in (end, eom) if t is not None}
+        """Token ids that close an assistant turn when sampled last."""
         self._specials = sorted({tokenizer.convert_ids_to_tokens(i) for i in special_ids}, key=len, reverse=True)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -49,16 +52,17 @@ class TurnRenderer:
         text = render_chat(self.tokenizer, messages, self.system_prompt, self.kwargs, tools)
         return text, self.encode(text)
 
-    def observation(self, messages: list[dict], stopped: bool) -> list[int]:
-        """Ids to append after a turn: the end of the assistant's turn, then `messages` and the next
-        generation prompt. `stopped`: the turn ended on a stop token (else it ran out of tokens)."""
+    def observation(self, messages: list[dict], turn_ids: list[int]) -> list[int]:
+        """Ids to append after a turn that sampled `turn_ids`: the end of the assistant's turn, then
+        `messages` and the next generation prompt."""
         base = [{"role": "user", "content": _MARK}]
         before = self._render(base, False)
         full = self._render(base + [self._escaped(m) for m in messages], True)
         if not full.startswith(before):
             raise ValueError("the chat template renders a conversation differently once messages follow it, so "
                              "observations cannot be rendered incrementally")
-        closing = self.closing_ids[1:] if stopped and self._end_token is not None else self.closing_ids
+        closed = bool(turn_ids) and turn_ids[-1] in self._closers
+        closing = self.closing_ids[1:] if closed else self.closing_ids
         return closing + self.encode(full[len(before):])
 
     def _escaped(self, message: dict) -> dict:

@@ -209,6 +209,7 @@ def _run(code: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_outpu
             f.write(code)
         config = {
             "dir": workdir, "cpu_s": cpu_limit, "memory_mb": int(memory_mb), "file_mb": int(file_mb), "guard": guard,
+            "parent": os.getpid(),
             "secrets": [os.path.realpath(p) for p in map(os.path.expanduser, _SECRET_PATHS) if os.path.isabs(p)],
         }
         env = {**_CHILD_ENV, "HOME": workdir, "TMPDIR": workdir, "TMP": workdir, "TEMP": workdir, "MPLCONFIGDIR": workdir}

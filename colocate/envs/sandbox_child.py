@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import sys
 
 CODE_FILE = ".sandbox_code.py"
@@ -240,8 +241,25 @@ def _print_exception(e: BaseException) -> None:
     sys.stderr.flush()
 
 
+def _die_with_parent(parent: int | None) -> None:
+    """SIGKILL this process when the process that started it dies (a trainer that crashed or was
+    killed leaves no sandboxed program running), and exit now if it is gone already."""
+    if parent is None:
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent's kill of the process group remains
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
     config = json.loads(argv[1])
+    _die_with_parent(config.get("parent"))
     if config.get("probe"):
         print(_isolate_network())
         return 0

@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 from colocate.envs.tool_calls import FORMATS, ToolCall, ToolCallError
 
-ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout")
+ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "not_run")
+MAX_CALLS_PER_TURN = 8
+"""Calls of one turn that run; the rest are answered "not run" (a turn's calls run one after another)."""
 
 _EXCEPTION_TEXT_CHARS = 2000
 """An exception's message is cut to this many characters in the content the policy sees."""
@@ -146,8 +148,11 @@ class ToolRunner:
         self._signatures = {name: inspect.signature(fn) for name, fn in self.tools.items()}
 
     def run(self, calls: list[ToolCall | ToolCallError]) -> list[ToolResult]:
-        """One result per entry of `calls` (as `parse_tool_calls` gives them), in order."""
-        return [self._run_one(call) for call in calls]
+        """One result per entry of `calls` (as `parse_tool_calls` gives them), in order; past
+        MAX_CALLS_PER_TURN a call is not run, and its result says so."""
+        skipped = [ToolResult(getattr(c, "name", None) or "", f"Error: more than {MAX_CALLS_PER_TURN} tool calls "
+                              "in one turn; this one was not run", "not_run") for c in calls[MAX_CALLS_PER_TURN:]]
+        return [self._run_one(call) for call in calls[:MAX_CALLS_PER_TURN]] + skipped
 
     def _run_one(self, call: ToolCall | ToolCallError) -> ToolResult:
         if isinstance(call, ToolCallError):

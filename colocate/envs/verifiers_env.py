@@ -463,6 +463,13 @@ class VerifiersEnv(Environment):
                                  f"and label ({type(e).__name__}: {e}); write the rows with task_rows") from None
         return self.task_cls(data, self.env.taskset.config.task)
 
+    async def close(self) -> None:
+        """The env's own `stop()`, when it was started (the runner calls this at the end of a run)."""
+        if self._started is not None:
+            await self._started
+            await self.env.stop()
+            self._started = None
+
     async def _start(self) -> None:
         """The env's own `start()` (shared resources), once."""
         if self._started is None:

@@ -4,6 +4,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -353,3 +354,45 @@ def test_bad_arguments_raise():
         run_python(b"print(1)")
     with pytest.raises(ValueError):
         run_python("print(1)", timeout_s=0)
+
+
+def test_a_sandboxed_program_dies_with_the_process_that_started_it():
+    """A trainer killed outright (no cleanup) leaves no sandboxed program running."""
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    starter = subprocess.Popen([sys.executable, "-c", (
+        "import sys, threading, time\n"
+        f"sys.path.insert(0, {str(root)!r})\n"
+        "from colocate.envs.sandbox import run_python\n"
+        "threading.Thread(target=run_python, args=('import time\\ntime.sleep(60)',),"
+        " kwargs={'timeout_s': 60}, daemon=True).start()\n"
+        "time.sleep(60)\n")], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    children: list[int] = []
+    while not children and time.monotonic() < deadline:
+        time.sleep(0.1)
+        children = [int(d) for d in os.listdir("/proc") if d.isdigit() and _parent(int(d)) == starter.pid]
+    assert children, "the sandbox did not start"
+    os.kill(starter.pid, signal.SIGKILL)
+    starter.wait()
+    deadline = time.monotonic() + 5
+    while any(_running(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(c) for c in children)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -360,7 +360,7 @@ def test_runner_turns_malformed_calls_into_results_and_counts():
     assert [r.error for r in results] == [None, "malformed", "unknown_tool", "raised", "timeout", "bad_arguments"]
     assert results[1].name == "echo" and results[1].content.startswith("Error: malformed tool call: invalid JSON")
     expected = {"calls": 6, "errors": 5, "timeouts": 1, "errors/malformed": 1, "errors/unknown_tool": 1,
-                "errors/bad_arguments": 1, "errors/raised": 1, "errors/timeout": 1}
+                "errors/bad_arguments": 1, "errors/raised": 1, "errors/timeout": 1, "errors/not_run": 0}
     assert tool_counts(results) == expected
 
 
@@ -411,3 +411,25 @@ def test_tool_messages_render_as_ipython_turns_in_llama3():
                          "<|start_header_id|>assistant<|end_header_id|>\n\n")
     with pytest.raises(ValueError, match="unknown tool call format"):
         tool_messages(results, "json")
+
+
+def test_a_turn_s_calls_past_the_cap_are_answered_without_running():
+    from colocate.envs.tools import MAX_CALLS_PER_TURN
+
+    ran = []
+
+    def note(text: str) -> str:
+        """Note it.
+
+        Args:
+            text: What to note.
+        """
+        ran.append(text)
+        return text
+
+    calls = [ToolCall("note", {"text": str(i)}, "") for i in range(MAX_CALLS_PER_TURN + 2)]
+    results = ToolRunner([note]).run(calls)
+    assert ran == [str(i) for i in range(MAX_CALLS_PER_TURN)]
+    assert [r.error for r in results[MAX_CALLS_PER_TURN:]] == ["not_run", "not_run"]
+    assert results[-1].content == f"Error: more than {MAX_CALLS_PER_TURN} tool calls in one turn; this one was not run"
+    assert tool_counts(results)["errors/not_run"] == 2

@@ -202,8 +202,8 @@ def test_an_env_driven_game_is_played_token_exactly_and_scored_by_the_task_s_rew
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Guess my number from 1 to 9."}]
     assert sample.prompt_ids == ids(tok, tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False))
     # The sequence is the sampled ids, then the template's rendering of the env's message alone.
-    feedback = TurnRenderer(tok).observation([{"role": "user", "content": "No: higher."}], stopped=True)
     turn1, turn2 = (ids(tok, t + "<|im_end|>") for t in turns)
+    feedback = TurnRenderer(tok).observation([{"role": "user", "content": "No: higher."}], turn1)
     assert sample.response_ids == turn1 + feedback + turn2
     assert sample.loss_mask == [1] * len(turn1) + [0] * len(feedback) + [1] * len(turn2)
     # correct (weight 1) + the env's own won (weight 0.5); the parts carry the unweighted scores.
