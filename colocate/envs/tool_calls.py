@@ -21,7 +21,6 @@ from typing import Any
 FORMATS = ("hermes", "llama3")
 
 
-
 @dataclass
 class ToolCall:
     """One well-formed call from the policy's turn."""
