@@ -137,8 +137,8 @@ class EpisodeRunner:
 
     def _fail(self, episode: Episode, where: str, error: BaseException) -> None:
         if self.strict:
-            raise RuntimeError(f"rollout.env: {where} raised {type(error).__name__}: {error} "
-                               "(train.strict: true stops the run)") from error
+            raise ValueError(f"rollout.env: {where} raised {type(error).__name__}: {error} "
+                             "(train.strict: true stops the run)") from error
         episode.end_reason, episode.error = "error", f"{where}: {type(error).__name__}: {error}"
 
     def _tool_runner(self, tools: list[Callable]) -> Any:
