@@ -100,11 +100,16 @@ fi
 
 if [[ "${1:-}" == "test" ]]; then
   shift
+  marker=(-m "not slow")
   if [[ "${1:-}" == --all ]]; then
     shift
-    exec "$py" -m pytest -q tests "$@"
+    marker=()
   fi
-  exec "$py" -m pytest -q -m "not slow" tests "$@"
+  targets=(tests)  # the whole suite, unless the arguments name test files or folders
+  for arg in "$@"; do
+    [[ "$arg" != -* && -e "${arg%%::*}" ]] && targets=()
+  done
+  exec "$py" -m pytest -q "${marker[@]}" "${targets[@]}" "$@"
 fi
 
 mark_exec() {

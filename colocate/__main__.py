@@ -13,7 +13,7 @@ COMMANDS = {
     "export": "write a checkpoint's actor as a Hugging Face model directory",
     "parity": "compare per-token log-probs: transformers, our model, the engine",
     "plot": "draw a run's metrics.jsonl as PNGs, one per metric group",
-    "data": "write prompt rows: a public math set (gsm8k, math500, ...) or reasoning-gym tasks",
+    "data": "write prompt rows: a public math set (gsm8k, math500, ...), reasoning-gym tasks or a verifiers taskset",
     "toy": "write the tiny toy model and its synthetic task",
 }
 

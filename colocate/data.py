@@ -262,8 +262,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m colocate.data", description=__doc__.split("\n\n")[0],
                                 epilog=DEBUG_HELP)
     sub = p.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare", help="convert a public set, or generate a reasoning-gym task, to our JSONL "
-                          "(prompt, label)")
+    prep = sub.add_parser("prepare", help="convert a public set, or write a reasoning-gym task's or a verifiers "
+                          "taskset's problems, to our JSONL (prompt, label)")
     prep.add_argument("name", type=_set_name, help=f"the public set ({', '.join(sorted(PUBLIC_SETS))}), "
                       f"{REASONING_GYM}TASK for a task of the reasoning-gym package (pip install 'colocate[envs]'), "
                       f"or {VERIFIERS}TASKSET for an installed verifiers taskset (pip install 'colocate[verifiers]')")

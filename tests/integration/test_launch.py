@@ -68,3 +68,10 @@ def test_a_command_passes_through_to_colocate(tmp_path):
     done = launch("plot", str(tmp_path / "none"))
     assert (done.returncode, done.stderr.splitlines()[-1]) == (
         2, f"error: no metrics file at {tmp_path / 'none' / 'metrics.jsonl'}")
+
+
+def test_the_test_command_runs_only_the_files_it_is_given():
+    done = launch("test", "--co", "-q", "tests/unit/test_layering.py")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    files = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("tests/")]
+    assert files == ["tests/unit/test_layering.py"], done.stdout[-2000:]  # pytest -qq: one "file: count" line each
