@@ -397,5 +397,5 @@ def run_summary(output_dir: str | os.PathLike, seconds: float) -> str:
         scores = [r[key] for r in rows if r.get(key) is not None]
         if scores:
             lines.append(f"{key} {scores[0]:.3f} -> {scores[-1]:.3f}")
-    lines.append(f"outputs in {output_dir} ({METRICS_FILE}; `python -m colocate.plot {output_dir}` draws them)")
+    lines.append(f"outputs in {output_dir} ({METRICS_FILE}; `./launch.sh plot {output_dir}` draws them)")
     return "\n".join(lines)

@@ -342,7 +342,7 @@ def test_run_summary_reads_the_runs_metrics(tmp_path):
         "10 steps in 12.3 s",
         "reward 0.050 (first fifth of the steps) -> 0.850 (last fifth)",
         "eval/toy/avg@1 0.000 -> 0.450",
-        f"outputs in {tmp_path} (metrics.jsonl; `python -m colocate.plot {tmp_path}` draws them)"]
+        f"outputs in {tmp_path} (metrics.jsonl; `./launch.sh plot {tmp_path}` draws them)"]
 
 
 def test_a_resumed_runs_summary_counts_only_the_steps_it_ran(tmp_path):
