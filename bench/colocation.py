@@ -98,15 +98,19 @@ def main(argv: list[str] | None = None) -> None:
     policy = trainer.actor_module
     with torch.device("cuda"):
         source = CausalLM(mcfg).to(torch.bfloat16)
-    engine = NativeEngine(source, device=info.device, max_kv_tokens=args.kv_tokens, max_num_seqs=32,
-                          cuda_graph_max_bs=32, compile_decode=False)
+    engine = NativeEngine(
+        source, device=info.device, max_kv_tokens=args.kv_tokens, max_num_seqs=32, cuda_graph_max_bs=32, compile_decode=False
+    )
     del source
     torch.cuda.empty_cache()
 
     syncs = []
     for version in range(1, args.rounds + 2):
-        syncs.append(sync_weights(policy, engine, version=version, dtype=torch.bfloat16,
-                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20))
+        syncs.append(
+            sync_weights(
+                policy, engine, version=version, dtype=torch.bfloat16, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20
+            )
+        )
     mismatched = _mismatched(policy, engine)
     if mismatched:
         raise SystemExit(f"weight sync left {len(mismatched)} engine tensors unequal to the masters: {mismatched[:3]}")
@@ -132,25 +136,38 @@ def main(argv: list[str] | None = None) -> None:
     engine.shutdown()
 
     results = {
-        **machine(), "model": args.model,
-        "weight_sync": {"bytes": sync_bytes, "tensors": syncs[-1].num_tensors, "buckets": syncs[-1].num_buckets,
-                        "ms": sync_ms, "all_ms": [1e3 * s.seconds for s in syncs],
-                        "d2d_copy_ms": copy, "ratio_to_copy": sync_ms / copy},
+        **machine(),
+        "model": args.model,
+        "weight_sync": {
+            "bytes": sync_bytes,
+            "tensors": syncs[-1].num_tensors,
+            "buckets": syncs[-1].num_buckets,
+            "ms": sync_ms,
+            "all_ms": [1e3 * s.seconds for s in syncs],
+            "d2d_copy_ms": copy,
+            "ratio_to_copy": sync_ms / copy,
+        },
         "engine_memory": memory,
-        "release_resume": {"release_ms": statistics.median(release), "resume_ms": statistics.median(resume),
-                           "total_ms": statistics.median(a + b for a, b in zip(release, resume)),
-                           "freed_gib": statistics.median(freed) / 2**30,
-                           "resume_rested_ms": statistics.median(rested), "rested_all_ms": rested,
-                           "resume_after_train_memory_ms": statistics.median(after_free),
-                           "after_train_memory_all_ms": after_free},
+        "release_resume": {
+            "release_ms": statistics.median(release),
+            "resume_ms": statistics.median(resume),
+            "total_ms": statistics.median(a + b for a, b in zip(release, resume)),
+            "freed_gib": statistics.median(freed) / 2**30,
+            "resume_rested_ms": statistics.median(rested),
+            "rested_all_ms": rested,
+            "resume_after_train_memory_ms": statistics.median(after_free),
+            "after_train_memory_all_ms": after_free,
+        },
     }
     write_result(results, args.out)
     w, r = results["weight_sync"], results["release_resume"]
-    print(f"colocation ({args.model}, {results['device']}): weight sync {w['bytes'] / 2**30:.2f} GiB in "
-          f"{w['ms']:.1f} ms = {w['ratio_to_copy']:.2f}x a device copy ({w['d2d_copy_ms']:.2f} ms) | release "
-          f"{r['release_ms']:.1f} ms + resume {r['resume_ms']:.1f} ms, {r['freed_gib']:.1f} GiB freed "
-          f"({memory['mode']}); resume rested {r['resume_rested_ms']:.1f} ms, right after a train phase's "
-          f"memory {r['resume_after_train_memory_ms']:.1f} ms -> {args.out}")
+    print(
+        f"colocation ({args.model}, {results['device']}): weight sync {w['bytes'] / 2**30:.2f} GiB in "
+        f"{w['ms']:.1f} ms = {w['ratio_to_copy']:.2f}x a device copy ({w['d2d_copy_ms']:.2f} ms) | release "
+        f"{r['release_ms']:.1f} ms + resume {r['resume_ms']:.1f} ms, {r['freed_gib']:.1f} GiB freed "
+        f"({memory['mode']}); resume rested {r['resume_rested_ms']:.1f} ms, right after a train phase's "
+        f"memory {r['resume_after_train_memory_ms']:.1f} ms -> {args.out}"
+    )
 
 
 if __name__ == "__main__":

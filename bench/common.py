@@ -28,8 +28,11 @@ def machine(device: torch.device | None = None) -> dict:
     the CUDA device where there is one), "cpu" for the CPU, the host and torch's version."""
     if device is None:
         device = CUDA if torch.cuda.is_available() else torch.device("cpu")
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "host": socket.gethostname(), "torch": torch.__version__}
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+    }
 
 
 def write_result(result: dict, out: Path) -> None:

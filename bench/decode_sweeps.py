@@ -19,16 +19,16 @@ SWEEP_SHAPES = [(256, 256), (256, 384), (256, 1024), (64, 384), (64, 2048), (16,
 """(batch, context) pairs: the rollout benchmark's b256, b64 and long cases at mid-generation."""
 
 
-def sweep_paged_decode(batch, context, num_layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64,
-                       block_size=16, max_model_len=32768) -> dict:
+def sweep_paged_decode(
+    batch, context, num_layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64, block_size=16, max_model_len=32768
+) -> dict:
     """Microseconds per layer of every launch shape, for one decode batch of Qwen2.5-0.5B shape."""
     from triton.testing import do_bench_cudagraph
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    kv = torch.randn((2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), device="cuda",
-                     generator=gen).bfloat16()
+    kv = torch.randn((2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), device="cuda", generator=gen).bfloat16()
     tables = torch.full((batch, max_model_len // block_size), -1, dtype=torch.int32, device="cuda")
     tables[:, :blocks_per_seq] = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(batch, -1)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -57,8 +57,9 @@ def sweep_paged_decode(batch, context, num_layers=24, num_q_heads=14, num_kv_hea
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * 2
     auto_us = time_us(auto)
     return {
-        "shape": dict(batch=batch, context=context, q_heads=num_q_heads, kv_heads=num_kv_heads,
-                      head_dim=head_dim, block_size=block_size),
+        "shape": dict(
+            batch=batch, context=context, q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size
+        ),
         "roofline_us": kv_bytes / peak_hbm_bytes_per_s() * 1e6,
         "auto": dict(vars(auto), us=auto_us),
         "best": timed[:5],
@@ -72,10 +73,12 @@ def decode_sweep() -> None:
         r = sweep_paged_decode(batch, context)
         results["shapes"].append(r)
         best = r["best"][0]
-        print(f"B={batch} ctx={context}: roofline {r['roofline_us']:.1f} us | auto {r['auto']['us']:.1f} us "
-              f"{ {k: r['auto'][k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} } | best "
-              f"{best['us']:.1f} us { {k: best[k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} }",
-              flush=True)
+        print(
+            f"B={batch} ctx={context}: roofline {r['roofline_us']:.1f} us | auto {r['auto']['us']:.1f} us "
+            f"{ {k: r['auto'][k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} } | best "
+            f"{best['us']:.1f} us { {k: best[k] for k in ('block_n', 'num_splits', 'num_warps', 'num_stages')} }",
+            flush=True,
+        )
     write_result(results, SWEEP_RESULTS)
 
 
@@ -88,16 +91,21 @@ def tail_contexts(batch: int, seed: int = 0) -> list[int]:
     return [run["prompt_tokens"] + rng.randrange(n) + 1 for n in drawn]
 
 
-def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, num_kv_heads: int = 8,
-                 head_dim: int = 128, block_size: int = 16) -> None:
+def decode_mixed(
+    batch: int = 192,
+    num_layers: int = 12,
+    num_q_heads: int = 32,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    block_size: int = 16,
+) -> None:
     from triton.testing import do_bench_cudagraph
 
     contexts = tail_contexts(batch)
     even = [sum(contexts) // batch] * batch
     gen = torch.Generator(device="cuda").manual_seed(0)
     num_blocks = sum(-(-c // block_size) for c in contexts) + batch
-    kv = torch.randn((2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), device="cuda",
-                     generator=gen).bfloat16()
+    kv = torch.randn((2, num_layers, num_blocks, block_size, num_kv_heads, head_dim), device="cuda", generator=gen).bfloat16()
     width = -(-max(contexts) // block_size)
     q = torch.randn(batch, num_q_heads, head_dim, device="cuda", generator=gen).bfloat16()
     scale = head_dim**-0.5
@@ -109,7 +117,7 @@ def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, 
         used = 0
         for i, c in enumerate(lens):
             n = -(-c // block_size)
-            tables[i, :n] = perm[used:used + n]
+            tables[i, :n] = perm[used : used + n]
             used += n
         return tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
 
@@ -119,8 +127,7 @@ def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, 
         tables, lens_t = rows(lens)
         got = paged_attention._paged_decode_triton(q, kv[0, 0], kv[1, 0], tables, lens_t, scale, config)
         some = slice(0, 16)  # the dense reference of every row would take tens of GiB
-        want = paged_attention.reference_paged_decode_attention(q[some], kv[0, 0], kv[1, 0], tables[some],
-                                                                lens_t[some], scale)
+        want = paged_attention.reference_paged_decode_attention(q[some], kv[0, 0], kv[1, 0], tables[some], lens_t[some], scale)
         torch.testing.assert_close(got[some].float(), want.float(), atol=2e-2, rtol=2e-2)
 
         def step():
@@ -133,14 +140,20 @@ def decode_mixed(batch: int = 192, num_layers: int = 12, num_q_heads: int = 32, 
     roofline_us = 2 * sum(contexts) * num_kv_heads * head_dim * 2 / peak * 1e6
     longest_first = sorted(contexts, reverse=True)
     cases = {"longest_first": (longest_first, picked), "drawn_order": (contexts, picked), "even": (even, picked)}
-    result = {"shape": dict(batch=batch, q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim,
-                            block_size=block_size, layers=num_layers),
-              "contexts": dict(mean=sum(contexts) / batch, max=max(contexts), min=min(contexts)),
-              "roofline_us": roofline_us, "hbm_bytes_per_s": peak}
+    result = {
+        "shape": dict(
+            batch=batch, q_heads=num_q_heads, kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, layers=num_layers
+        ),
+        "contexts": dict(mean=sum(contexts) / batch, max=max(contexts), min=min(contexts)),
+        "roofline_us": roofline_us,
+        "hbm_bytes_per_s": peak,
+    }
     for name, (lens, config) in cases.items():
         us = time_us(lens, config)
         result[name] = dict(us=us, roofline_share=roofline_us / us, config=vars(config))
     write_result(result, MIXED_RESULTS)
-    print(" | ".join(f"{name} {result[name]['us']:.1f} us ({result[name]['roofline_share']:.0%} of the roofline)"
-                     for name in cases) + f" | contexts mean {result['contexts']['mean']:.0f}, max "
-          f"{result['contexts']['max']} -> {MIXED_RESULTS}")
+    print(
+        " | ".join(f"{name} {result[name]['us']:.1f} us ({result[name]['roofline_share']:.0%} of the roofline)" for name in cases)
+        + f" | contexts mean {result['contexts']['mean']:.0f}, max "
+        f"{result['contexts']['max']} -> {MIXED_RESULTS}"
+    )

@@ -80,15 +80,48 @@ RESULT_WRITTEN = "result written"
 """The end of the progress line an "ours" worker prints once its result file is complete."""
 QWEN2 = dict(model_type="qwen2", tie_word_embeddings=True, attention_bias=True)
 SHAPES = {
-    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, head_dim=64, **QWEN2),
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, head_dim=128, **QWEN2),
-    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, model_type="qwen3",
-               tie_word_embeddings=False, qk_norm=True),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, **QWEN2),
+    "0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        **QWEN2,
+    ),
+    "1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=128,
+        **QWEN2,
+    ),
+    "8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        model_type="qwen3",
+        tie_word_embeddings=False,
+        qk_norm=True,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        **QWEN2,
+    ),
     **e2e_tail.SHAPES,
 }
 BATCHES = {
@@ -101,8 +134,13 @@ BATCHES = {
 RECOMPUTED = ("8b",)
 """Shapes whose blocks all recompute in backward: 8B activations of a 16k-token micro-batch
 would not fit otherwise."""
-OURS_TIMEOUT_S = {"tiny": 200.0, "0.5b": 200.0, "1.5b": 300.0, "8b": 1800.0,
-                  **{shape: e2e_tail.TIMEOUT_S for shape in e2e_tail.SHAPES}}
+OURS_TIMEOUT_S = {
+    "tiny": 200.0,
+    "0.5b": 200.0,
+    "1.5b": 300.0,
+    "8b": 1800.0,
+    **{shape: e2e_tail.TIMEOUT_S for shape in e2e_tail.SHAPES},
+}
 TRL_TIMEOUT_S = 300.0
 """Per-process limits that keep a hung run from eating the whole GPU session."""
 LR = 1e-6
@@ -125,11 +163,21 @@ def fixed_length_generate(engine, prompts, sampling, tokenizer):
     samples = []
     for c in completions:
         p = prompts[c.prompt_index]
-        samples.append(Sample(prompt_ids=list(p.prompt_ids), response_ids=c.output_ids,
-                              rollout_logprobs=c.logprobs, loss_mask=[1] * len(c.output_ids),
-                              group_index=p.index, sample_index=c.sample_index,
-                              finish_reason=c.finish_reason, weight_version=c.weight_version,
-                              prompt_text=p.prompt_text, label=p.label, metadata=p.metadata))
+        samples.append(
+            Sample(
+                prompt_ids=list(p.prompt_ids),
+                response_ids=c.output_ids,
+                rollout_logprobs=c.logprobs,
+                loss_mask=[1] * len(c.output_ids),
+                group_index=p.index,
+                sample_index=c.sample_index,
+                finish_reason=c.finish_reason,
+                weight_version=c.weight_version,
+                prompt_text=p.prompt_text,
+                label=p.label,
+                metadata=p.metadata,
+            )
+        )
     return samples
 
 
@@ -143,8 +191,7 @@ def byte_level_tokenizer(vocab_size: int):
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     base = len(vocab)
     # Four letters in base 26 name each id uniquely (26**4 > any vocabulary here).
-    vocab.update({"\u0120" + "".join(chr(ord("a") + i // 26**k % 26) for k in range(4)): i
-                  for i in range(base, vocab_size - 1)})
+    vocab.update({"\u0120" + "".join(chr(ord("a") + i // 26**k % 26) for k in range(4)): i for i in range(base, vocab_size - 1)})
     vocab["<|endoftext|>"] = vocab_size - 1
     return Qwen2Tokenizer(vocab=vocab, merges=[])
 
@@ -179,13 +226,27 @@ def _budget(text: str) -> tuple[int | str, str | None]:
     return (count if count == "auto" else int(count)), rest or None
 
 
-def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name: str, offload: bool,
-                compile: bool, budget: tuple[int | str, str | None] | None, num_steps: int, lora_rank: int = 0
-                ) -> dict:
+def ours_config(
+    workdir: Path,
+    model_dir: Path,
+    prompts: Path,
+    shape: str,
+    name: str,
+    offload: bool,
+    compile: bool,
+    budget: tuple[int | str, str | None] | None,
+    num_steps: int,
+    lora_rank: int = 0,
+) -> dict:
     b = BATCHES[shape]
     train = {"num_rollout": num_steps, "lr": LR}
-    model = {"path": str(model_dir), "dtype": "auto", "compile": compile, "lora_rank": lora_rank,
-             "gradient_checkpointing": shape in RECOMPUTED}
+    model = {
+        "path": str(model_dir),
+        "dtype": "auto",
+        "compile": compile,
+        "lora_rank": lora_rank,
+        "gradient_checkpointing": shape in RECOMPUTED,
+    }
     if budget is not None:
         train["max_tokens_per_gpu"], rest = budget
         if rest is not None:
@@ -193,10 +254,16 @@ def ours_config(workdir: Path, model_dir: Path, prompts: Path, shape: str, name:
     return {
         "output_dir": str(workdir / f"ours_{name}"),
         "model": model,
-        "rollout": {"prompt_data": str(prompts), "max_prompt_len": b["prompt_tokens"],
-                    "rollout_batch_size": b["prompts"], "n_samples_per_prompt": b["samples_per_prompt"],
-                    "max_response_len": b["response_tokens"], "temperature": 1.0,
-                    "reward": f"{MODULE}:vowel_reward", "custom_generate": f"{MODULE}:fixed_length_generate"},
+        "rollout": {
+            "prompt_data": str(prompts),
+            "max_prompt_len": b["prompt_tokens"],
+            "rollout_batch_size": b["prompts"],
+            "n_samples_per_prompt": b["samples_per_prompt"],
+            "max_response_len": b["response_tokens"],
+            "temperature": 1.0,
+            "reward": f"{MODULE}:vowel_reward",
+            "custom_generate": f"{MODULE}:fixed_length_generate",
+        },
         "algorithm": {"advantage_estimator": "grpo"},
         "train": train,
         "offload": {"offload_rollout": offload, "offload_train": offload},
@@ -213,8 +280,9 @@ def _child(args: list[str], env: dict, timeout: float, on_result=None) -> dict:
     cut that off); `result_s` is when that was, `process_s` when the process ended."""
     start = time.perf_counter()
     out = Path(args[args.index("--result") + 1])
-    proc = subprocess.Popen(module_command(MODULE, *args), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace")
+    proc = subprocess.Popen(
+        module_command(MODULE, *args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     tail: collections.deque[str] = collections.deque(maxlen=400)
@@ -233,8 +301,7 @@ def _child(args: list[str], env: dict, timeout: float, on_result=None) -> dict:
         return {"error": f"timed out after {timeout:.0f} s", "output_tail": output[-3000:]}
     if returncode != 0 or not out.exists():
         lines = [line for line in output.splitlines() if line.strip()]
-        return {"error": f"exit code {returncode}: {lines[-1] if lines else 'no output'}",
-                "output_tail": output[-3000:]}
+        return {"error": f"exit code {returncode}: {lines[-1] if lines else 'no output'}", "output_tail": output[-3000:]}
     return {**json.loads(out.read_text()), "result_s": result_s, "process_s": time.perf_counter() - start}
 
 
@@ -254,12 +321,15 @@ def _write(results: dict, out: Path) -> None:
     results["trl_fastest"] = e2e_trl.fastest(results["trl"])
     trl_s = results["trl_fastest"] and results["trl"][results["trl_fastest"]]["step_median_s"]
     ours = results["ours"]
-    results["ratio_trl_over_ours"] = {name: trl_s / e["step_median_s"] for name, e in ours.items()
-                                      if trl_s and e.get("step_median_s")}
-    full = {name[len("full_"):]: e.get("step_median_s") for name, e in ours.items() if name.startswith("full_")}
-    results["ratio_full_over_lora"] = {name: full[name.split("_", 1)[1]] / e["step_median_s"] for name, e in ours.items()
-                                       if name.startswith("lora") and full.get(name.split("_", 1)[1])
-                                       and e.get("step_median_s")}
+    results["ratio_trl_over_ours"] = {
+        name: trl_s / e["step_median_s"] for name, e in ours.items() if trl_s and e.get("step_median_s")
+    }
+    full = {name[len("full_") :]: e.get("step_median_s") for name, e in ours.items() if name.startswith("full_")}
+    results["ratio_full_over_lora"] = {
+        name: full[name.split("_", 1)[1]] / e["step_median_s"]
+        for name, e in ours.items()
+        if name.startswith("lora") and full.get(name.split("_", 1)[1]) and e.get("step_median_s")
+    }
     write_result(results, out)
 
 
@@ -277,22 +347,44 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     start = time.perf_counter()
     num_prompts = BATCHES[shape]["prompts"] * (warmup + steps + 1)
     # In a child process, so that this one never holds a CUDA context beside the runs it times.
-    made = _child(["--worker", "inputs", "--worker-shape", shape, "--num-prompts", str(num_prompts),
-                   "--workdir", str(workdir), "--result", str(workdir / "inputs.json")],
-                  _child_env(cpu=args.cpu_smoke), OURS_TIMEOUT_S[shape])
+    made = _child(
+        [
+            "--worker",
+            "inputs",
+            "--worker-shape",
+            shape,
+            "--num-prompts",
+            str(num_prompts),
+            "--workdir",
+            str(workdir),
+            "--result",
+            str(workdir / "inputs.json"),
+        ],
+        _child_env(cpu=args.cpu_smoke),
+        OURS_TIMEOUT_S[shape],
+    )
     if "error" in made:
         raise RuntimeError(f"writing the {shape} model and prompts failed: {made['error']}\n{made['output_tail']}")
     model_dir, prompts = Path(made["model_dir"]), Path(made["prompts"])
     results = {
-        "machine": {"host": socket.gethostname(), "device": None, "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": {
+            "host": socket.gethostname(),
+            "device": None,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         "shape": SHAPES[shape],
         "batch": BATCHES[shape],
         "weights": "random init, bf16 safetensors on disk; both trainers keep fp32 master weights (LoRA: "
-                   "a frozen base in the compute dtype, fp32 adapters); compute and our engine's weights "
-                   "are bf16 on GPU, fp32 on CPU",
-        "warmup_steps": warmup, "timed_steps": steps, "workdir": str(workdir),
-        "ours": {}, "trl": {"skipped": True} if args.skip_trl or args.tail else {}, "ratio_trl_over_ours": {},
+        "a frozen base in the compute dtype, fp32 adapters); compute and our engine's weights "
+        "are bf16 on GPU, fp32 on CPU",
+        "warmup_steps": warmup,
+        "timed_steps": steps,
+        "workdir": str(workdir),
+        "ours": {},
+        "trl": {"skipped": True} if args.skip_trl or args.tail else {},
+        "ratio_trl_over_ours": {},
         "ratio_full_over_lora": {},
     }
     env = _child_env(preload=not args.cpu_smoke, cpu=args.cpu_smoke)
@@ -301,17 +393,22 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     ranks = ([] if args.lora_only else [0]) + ([args.lora_rank] if args.lora_rank else [])
     # The tail run's variants are partial rollout off and on, with offload on.
     offloads, partials = ([True], CHOICES[args.partial]) if args.tail else (CHOICES[args.offload], [None])
-    for rank, offload, compile, budget, partial in [(r, o, c, m, p) for r in ranks for o in offloads
-                                                    for c in compiles for m in budgets for p in partials]:
-        name = "_".join(part for part in (
-            (f"lora{rank}" if rank else "full") if rank or len(ranks) > 1 else "",
-            f"offload_{'on' if offload else 'off'}",
-            f"compile_{'on' if compile else 'off'}" if len(compiles) > 1 else "",
-            f"tokens_{budget[0]}{'_' + budget[1] if budget[1] else ''}" if len(budgets) > 1 else "",
-            f"partial_{'on' if partial else 'off'}" if partial is not None else "") if part)
+    for rank, offload, compile, budget, partial in [
+        (r, o, c, m, p) for r in ranks for o in offloads for c in compiles for m in budgets for p in partials
+    ]:
+        name = "_".join(
+            part
+            for part in (
+                (f"lora{rank}" if rank else "full") if rank or len(ranks) > 1 else "",
+                f"offload_{'on' if offload else 'off'}",
+                f"compile_{'on' if compile else 'off'}" if len(compiles) > 1 else "",
+                f"tokens_{budget[0]}{'_' + budget[1] if budget[1] else ''}" if len(budgets) > 1 else "",
+                f"partial_{'on' if partial else 'off'}" if partial is not None else "",
+            )
+            if part
+        )
         profiled = args.trace_dir is not None
-        cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, budget,
-                          warmup + steps + profiled, rank)
+        cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, budget, warmup + steps + profiled, rank)
         if args.tail:
             cfg = e2e_tail.tail_config(cfg, shape, partial, args.over_sampling)
         cfg_path = workdir / f"{name}.yaml"
@@ -323,18 +420,51 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
             results["ours"][name] = {"config": cfg, **result}
             _write(results, out)
 
-        result = _child(["--worker", "ours", "--config", str(cfg_path), "--warmup", str(warmup), *trace, *tail,
-                         "--result", str(workdir / f"result_{name}.json")], env, OURS_TIMEOUT_S[shape], keep)
+        result = _child(
+            [
+                "--worker",
+                "ours",
+                "--config",
+                str(cfg_path),
+                "--warmup",
+                str(warmup),
+                *trace,
+                *tail,
+                "--result",
+                str(workdir / f"result_{name}.json"),
+            ],
+            env,
+            OURS_TIMEOUT_S[shape],
+            keep,
+        )
         results["ours"][name] = {"config": cfg, **result}
         results["machine"]["device"] = results["machine"]["device"] or result.get("device")
         _write(results, out)
     if not (args.skip_trl or args.tail):
         env = _child_env(extra_path=args.trl_site, cpu=args.cpu_smoke)
         for name in args.trl_configs:
-            results["trl"][name] = _child(["--worker", "trl", "--trl-config", name, "--model-dir", str(model_dir),
-                                           "--prompts", str(prompts), "--worker-shape", shape, "--steps", str(steps),
-                                           "--warmup", str(warmup),
-                                           "--result", str(workdir / f"result_trl_{name}.json")], env, TRL_TIMEOUT_S)
+            results["trl"][name] = _child(
+                [
+                    "--worker",
+                    "trl",
+                    "--trl-config",
+                    name,
+                    "--model-dir",
+                    str(model_dir),
+                    "--prompts",
+                    str(prompts),
+                    "--worker-shape",
+                    shape,
+                    "--steps",
+                    str(steps),
+                    "--warmup",
+                    str(warmup),
+                    "--result",
+                    str(workdir / f"result_trl_{name}.json"),
+                ],
+                env,
+                TRL_TIMEOUT_S,
+            )
             _write(results, out)
     shutil.rmtree(model_dir)  # the largest file by far; configs and metrics stay for inspection
     results["total_s"] = time.perf_counter() - start
@@ -348,15 +478,18 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 def summary(results: dict) -> str:
     b = results["batch"]
-    parts = [f"e2e GRPO step ({results['machine']['device']}, {b['prompts']}x{b['samples_per_prompt']}x"
-             f"{b['response_tokens']} tok):"]
+    parts = [
+        f"e2e GRPO step ({results['machine']['device']}, {b['prompts']}x{b['samples_per_prompt']}x{b['response_tokens']} tok):"
+    ]
     for name, e in results["ours"].items():
         if "error" in e:
             parts.append(f"ours {name} FAILED ({e['error']})")
             continue
         phases = ", ".join(f"{k} {v:.3f}" for k, v in e["phase_median_s"].items() if v is not None)
-        parts.append(f"ours {name} {_fmt(e['step_median_s'])} s ({phases}; len {_fmt(e['response_len_mean'], '.0f')}; "
-                     f"peak {_fmt(e['peak_device_used_gib'], '.1f')} GiB; KV {e['kv_cache_tokens']} tok)")
+        parts.append(
+            f"ours {name} {_fmt(e['step_median_s'])} s ({phases}; len {_fmt(e['response_len_mean'], '.0f')}; "
+            f"peak {_fmt(e['peak_device_used_gib'], '.1f')} GiB; KV {e['kv_cache_tokens']} tok)"
+        )
         parts += e2e_tail.summary(e)
     parts += e2e_trl.summary(results["trl"])
     for name, r in results["ratio_trl_over_ours"].items():
@@ -371,32 +504,68 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --cpu-smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; --cpu-smoke 1)")
     parser.add_argument("--offload", choices=tuple(CHOICES), default="both")
-    parser.add_argument("--compile", choices=tuple(CHOICES), default=None,
-                        help="model.compile of ours: torch.compile the trainer's transformer blocks "
-                             "(default on; --cpu-smoke: off)")
-    parser.add_argument("--max-tokens-per-gpu", type=lambda v: [_budget(x) for x in v.split(",")], default=None,
-                        help="train.max_tokens_per_gpu of ours, comma-separated for several runs, each a count, "
-                             "`auto`, or COUNT:REST to set model.recompute_rest too (default: the config's)")
-    parser.add_argument("--trace-dir", type=Path, default=None,
-                        help="profile one extra step of each of our runs (not timed) into DIR")
+    parser.add_argument(
+        "--compile",
+        choices=tuple(CHOICES),
+        default=None,
+        help="model.compile of ours: torch.compile the trainer's transformer blocks (default on; --cpu-smoke: off)",
+    )
+    parser.add_argument(
+        "--max-tokens-per-gpu",
+        type=lambda v: [_budget(x) for x in v.split(",")],
+        default=None,
+        help="train.max_tokens_per_gpu of ours, comma-separated for several runs, each a count, "
+        "`auto`, or COUNT:REST to set model.recompute_rest too (default: the config's)",
+    )
+    parser.add_argument(
+        "--trace-dir", type=Path, default=None, help="profile one extra step of each of our runs (not timed) into DIR"
+    )
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--trl-site", default=None, help="directory with trl and datasets, for the TRL process")
-    parser.add_argument("--trl-configs", type=lambda v: v.split(","), default=list(e2e_trl.CONFIGS),
-                        help="comma-separated TRL configurations, from: " + ", ".join(e2e_trl.CONFIGS))
+    parser.add_argument(
+        "--trl-configs",
+        type=lambda v: v.split(","),
+        default=list(e2e_trl.CONFIGS),
+        help="comma-separated TRL configurations, from: " + ", ".join(e2e_trl.CONFIGS),
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and batch on CPU")
-    parser.add_argument("--lora-rank", type=int, default=0,
-                        help="also run each of our variants with LoRA adapters of this rank (default shape 1.5b)")
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="also run each of our variants with LoRA adapters of this rank (default shape 1.5b)",
+    )
     parser.add_argument("--lora-only", action="store_true", help="with --lora-rank: leave out full training")
-    parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny" and s not in e2e_tail.SHAPES], default=None,
-                        help="model shape (default 0.5b; 1.5b with --lora-rank; --cpu-smoke: a tiny one)")
-    parser.add_argument("--tail", action="store_true",
-                        help="long-tailed lengths on a Qwen3-4B shape, offload on (bench/e2e_tail.py)")
+    parser.add_argument(
+        "--shape",
+        choices=[s for s in SHAPES if s != "tiny" and s not in e2e_tail.SHAPES],
+        default=None,
+        help="model shape (default 0.5b; 1.5b with --lora-rank; --cpu-smoke: a tiny one)",
+    )
+    parser.add_argument(
+        "--tail", action="store_true", help="long-tailed lengths on a Qwen3-4B shape, offload on (bench/e2e_tail.py)"
+    )
     parser.add_argument("--partial", choices=tuple(CHOICES), default="both", help="--tail: partial rollout")
-    parser.add_argument("--over-sampling", type=int, default=4,
-                        help="--tail with partial rollout: groups in flight, in multiples of a step's (default 4)")
+    parser.add_argument(
+        "--over-sampling",
+        type=int,
+        default=4,
+        help="--tail with partial rollout: groups in flight, in multiples of a step's (default 4)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/e2e.json)")
-    for hidden in ("--worker", "--config", "--model-dir", "--prompts", "--result", "--trace", "--tail-shape",
-                   "--worker-shape", "--num-prompts", "--workdir", "--trl-config"):
+    for hidden in (
+        "--worker",
+        "--config",
+        "--model-dir",
+        "--prompts",
+        "--result",
+        "--trace",
+        "--tail-shape",
+        "--worker-shape",
+        "--num-prompts",
+        "--workdir",
+        "--trl-config",
+    ):
         parser.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -413,14 +582,23 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, prompts = write_inputs(Path(args.workdir), args.worker_shape, int(args.num_prompts))
         result = {"model_dir": str(model_dir), "prompts": str(prompts)}
     elif args.worker == "trl":
-        result = run_trl(Path(args.model_dir), Path(args.prompts), BATCHES[args.worker_shape], args.steps, args.warmup,
-                         LR, vowel_reward, args.trl_config)
+        result = run_trl(
+            Path(args.model_dir),
+            Path(args.prompts),
+            BATCHES[args.worker_shape],
+            args.steps,
+            args.warmup,
+            LR,
+            vowel_reward,
+            args.trl_config,
+        )
     else:
         workdir = Path(tempfile.mkdtemp(prefix="colocate_e2e_"))
         if args.trace_dir is not None:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
-        out = args.out or (workdir / "e2e.json" if args.cpu_smoke else
-                           RESULTS.with_name("e2e_tail.json") if args.tail else RESULTS)
+        out = args.out or (
+            workdir / "e2e.json" if args.cpu_smoke else RESULTS.with_name("e2e_tail.json") if args.tail else RESULTS
+        )
         results = orchestrate(args, out, workdir)
         print(summary(results), flush=True)
         print(f"wrote {out}")

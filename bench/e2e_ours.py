@@ -28,8 +28,9 @@ def _profile_last_step(loop, num_steps: int, trace: Path):
         trace.with_name(trace.name.replace(".json.gz", ".txt")).write_text(table)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities, schedule=schedule(wait=num_steps - 1, warmup=0, active=1, repeat=1),
-                   on_trace_ready=write)
+    prof = profile(
+        activities=activities, schedule=schedule(wait=num_steps - 1, warmup=0, active=1, repeat=1), on_trace_ready=write
+    )
     log = loop.log.log
 
     def log_and_step(*args, **kwargs):
@@ -40,8 +41,15 @@ def _profile_last_step(loop, num_steps: int, trace: Path):
     return prof
 
 
-STEP_KEYS = ("perf/generate_time", "perf/engine_prefill_time", "rollout/prefill_tokens", "rollout/preemptions",
-             "rollout/decode_utilization", "perf/train_time", "train/loss_free_samples")
+STEP_KEYS = (
+    "perf/generate_time",
+    "perf/engine_prefill_time",
+    "rollout/prefill_tokens",
+    "rollout/preemptions",
+    "rollout/decode_utilization",
+    "perf/train_time",
+    "train/loss_free_samples",
+)
 """A step's figures kept for every step, warm-up included: how a partial rollout's steps change
 as their carried samples pile up, and how many of the trained samples had no token in the loss."""
 
@@ -54,8 +62,11 @@ def _report_steps(loop, num_steps: int, name: str) -> None:
     def log_and_report(step, metrics, *args, **kwargs):
         log(step, metrics, *args, **kwargs)
         figures = ", ".join(f"{key.split('/')[1]} {metrics[key]:.4g}" for key in STEP_KEYS if key in metrics)
-        print(f"{PROGRESS} {name} step {step + 1}/{num_steps} logged at {time.perf_counter() - start:.1f} s"
-              f"{f' ({figures})' if figures else ''}", flush=True)
+        print(
+            f"{PROGRESS} {name} step {step + 1}/{num_steps} logged at {time.perf_counter() - start:.1f} s"
+            f"{f' ({figures})' if figures else ''}",
+            flush=True,
+        )
 
     loop.log.log = log_and_report
 
@@ -103,18 +114,23 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
     end = len(rows) - (1 if trace else 0)
     steps = [b - a for a, b in zip(stamps, stamps[1:])][warmup:end]
     timed = rows[warmup:end]
-    timers = {k[len("perf/"):-len("_time")] for r in timed for k in r if k.startswith("perf/") and k.endswith("_time")}
+    timers = {k[len("perf/") : -len("_time")] for r in timed for k in r if k.startswith("perf/") and k.endswith("_time")}
     phases = [p for p in LOOP_PHASES if p in timers]
 
     def med(key):
         return median([r[key] for r in timed if r.get(key) is not None])
 
-    partial = [{k[len("rollout/partial/"):]: v for k, v in sorted(r.items()) if k.startswith("rollout/partial/")}
-               for r in timed if "rollout/partial/carried_groups" in r]
+    partial = [
+        {k[len("rollout/partial/") :]: v for k, v in sorted(r.items()) if k.startswith("rollout/partial/")}
+        for r in timed
+        if "rollout/partial/carried_groups" in r
+    ]
 
     def peak(kind):  # over the phases of the timed steps, as the ledger read them
-        return max((v for r in timed for k, v in r.items()
-                    if k.startswith("memory/") and k.endswith(f"/{kind}_gib") and v is not None), default=None)
+        return max(
+            (v for r in timed for k, v in r.items() if k.startswith("memory/") and k.endswith(f"/{kind}_gib") and v is not None),
+            default=None,
+        )
 
     return {
         "device": machine()["device"],
@@ -125,8 +141,11 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         "phase_median_s": {p: med(f"perf/{p}_time") for p in phases},
         "phase_sum_median_s": median([sum(r.get(f"perf/{p}_time") or 0.0 for p in phases) for r in timed]),
         "sub_phase_median_s": {p: med(f"perf/{p}_time") for p in sorted(timers - set(phases))},
-        "handoff_median_s": {k[len("handoff/"):-len("_s")]: med(k) for k in sorted({k for r in timed for k in r})
-                             if k.startswith("handoff/") and k.endswith("_s")},
+        "handoff_median_s": {
+            k[len("handoff/") : -len("_s")]: med(k)
+            for k in sorted({k for r in timed for k in r})
+            if k.startswith("handoff/") and k.endswith("_s")
+        },
         "response_len_mean": med("rollout/response_len/mean"),
         "truncated_ratio": med("rollout/truncated_ratio"),
         "decode_utilization": med("rollout/decode_utilization"),
@@ -142,6 +161,11 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         # The allocator's high-water mark over the whole run, beside the start-up's forecast of the
         # training phase's peak (colocate/sizing.py) and the sizes it chose.
         "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-        "memory_plan": {"reason": plan.reason, **plan.forecast, "max_tokens_per_gpu": plan.max_tokens_per_gpu,
-                        "recompute_rest": cfg.model.recompute_rest, "kv_cache_tokens": plan.kv_cache_tokens},
+        "memory_plan": {
+            "reason": plan.reason,
+            **plan.forecast,
+            "max_tokens_per_gpu": plan.max_tokens_per_gpu,
+            "recompute_rest": cfg.model.recompute_rest,
+            "kv_cache_tokens": plan.kv_cache_tokens,
+        },
     }

@@ -29,12 +29,10 @@ from bench.rollout_throughput import TAIL_RUNS, TAIL_SHAPES, tail_length
 from colocate.rollout.orchestrator import stable_seed
 from colocate.rollout.protocol import Request, SamplingParams
 
-SHAPES = {"4b": {**TAIL_SHAPES["4b"], "attention_bias": False},
-          "tiny_tail": {**TAIL_SHAPES["tiny"], "attention_bias": False}}
+SHAPES = {"4b": {**TAIL_SHAPES["4b"], "attention_bias": False}, "tiny_tail": {**TAIL_SHAPES["tiny"], "attention_bias": False}}
 BATCHES = {
     "4b": dict(prompts=16, samples_per_prompt=8, prompt_tokens=256, response_tokens=TAIL_RUNS["4b"]["max_tokens"]),
-    "tiny_tail": dict(prompts=4, samples_per_prompt=4, prompt_tokens=16,
-                      response_tokens=TAIL_RUNS["tiny"]["max_tokens"]),
+    "tiny_tail": dict(prompts=4, samples_per_prompt=4, prompt_tokens=16, response_tokens=TAIL_RUNS["tiny"]["max_tokens"]),
 }
 RUNS = {"4b": TAIL_RUNS["4b"], "tiny_tail": TAIL_RUNS["tiny"]}
 TIMEOUT_S = 1500.0
@@ -78,8 +76,7 @@ class TailLengths:
         split, origin = [], []
         for i, r in enumerate(requests):
             for j in range(r.sample_index, r.sample_index + r.sampling.n):  # seed + j as before the split
-                sampling = dataclasses.replace(r.sampling, n=1, ignore_eos=True,
-                                               max_new_tokens=self.length(r.prompt_ids, j))
+                sampling = dataclasses.replace(r.sampling, n=1, ignore_eos=True, max_new_tokens=self.length(r.prompt_ids, j))
                 split.append(Request(r.prompt_ids, sampling, r.output_ids, r.logprobs, j))
                 origin.append(i)
 
@@ -116,10 +113,13 @@ def groups_report(record: dict, loop) -> dict:
     """Drawn = trained + still in flight, each trained group once: nothing lost, nothing twice."""
     in_flight = Counter(g.prompt.index for g in loop.rollout.in_flight)
     drawn, trained = record["drawn"], record["trained"]
-    return {"drawn": sum(drawn.values()), "trained": sum(trained.values()),
-            "in_flight_at_end": sum(in_flight.values()),
-            "trained_beyond_drawn": sum((trained - drawn).values()),
-            "nothing_lost": trained + in_flight == drawn}
+    return {
+        "drawn": sum(drawn.values()),
+        "trained": sum(trained.values()),
+        "in_flight_at_end": sum(in_flight.values()),
+        "trained_beyond_drawn": sum((trained - drawn).values()),
+        "nothing_lost": trained + in_flight == drawn,
+    }
 
 
 def summary(run: dict) -> list[str]:
@@ -127,5 +127,7 @@ def summary(run: dict) -> list[str]:
     g = run.get("groups")
     if not g:
         return []
-    return [f"[utilization {run['decode_utilization']:.2f}; groups {g['trained']} trained, "
-            f"{g['in_flight_at_end']} in flight, {'nothing lost' if g['nothing_lost'] else 'LOST'}]"]
+    return [
+        f"[utilization {run['decode_utilization']:.2f}; groups {g['trained']} trained, "
+        f"{g['in_flight_at_end']} in flight, {'nothing lost' if g['nothing_lost'] else 'LOST'}]"
+    ]

@@ -24,8 +24,7 @@ TRL_MICRO_BATCH = 32
 CONFIGS = {
     "default": {},
     "bf16_liger": {"model_init_kwargs": {"dtype": "bfloat16"}, "use_liger_kernel": True},
-    "bf16_liger_compile": {"model_init_kwargs": {"dtype": "bfloat16"}, "use_liger_kernel": True,
-                           "torch_compile": True},
+    "bf16_liger_compile": {"model_init_kwargs": {"dtype": "bfloat16"}, "use_liger_kernel": True, "torch_compile": True},
 }
 """GRPOConfig settings over the default one: "default" loads fp32 weights (trained as fp32 masters
 under bf16 autocast, generation casting them at every step); the others load bf16 weights, add
@@ -47,13 +46,16 @@ def summary(trl: dict) -> list[str]:
             parts.append(f"| TRL {name} FAILED ({r['error']})")
         elif r.get("step_median_s") is not None:
             gen, length = r.get("generate_median_s"), r.get("response_len_mean")
-            parts.append(f"| TRL {name} {r['step_median_s']:.3f} s (generate "
-                         f"{'-' if gen is None else f'{gen:.3f}'}; len {'-' if length is None else f'{length:.0f}'})")
+            parts.append(
+                f"| TRL {name} {r['step_median_s']:.3f} s (generate "
+                f"{'-' if gen is None else f'{gen:.3f}'}; len {'-' if length is None else f'{length:.0f}'})"
+            )
     return parts
 
 
-def run_trl(model_dir: Path, prompts: Path, batch: dict, steps: int, warmup: int, lr: float,
-            reward_fn: Callable, config_name: str) -> dict:
+def run_trl(
+    model_dir: Path, prompts: Path, batch: dict, steps: int, warmup: int, lr: float, reward_fn: Callable, config_name: str
+) -> dict:
     """TRL's GRPOTrainer (transformers generate) on the same model, prompts and batch, with
     `reward_fn(prompts, responses, labels, metadata)` as its reward, in CONFIGS[config_name]."""
     import datasets
@@ -111,24 +113,47 @@ def run_trl(model_dir: Path, prompts: Path, batch: dict, steps: int, warmup: int
         return reward_fn(prompts, completions, [], [])
 
     config = dict(
-        output_dir=str(model_dir.parent / "trl_out"), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=total // micro, num_generations=b["samples_per_prompt"],
-        max_completion_length=b["response_tokens"], temperature=1.0, top_p=1.0, beta=0.0,
-        generation_kwargs={"min_new_tokens": b["response_tokens"]}, learning_rate=lr,
-        bf16=cuda, use_cpu=not cuda, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"},
-        max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to="none",
-        disable_tqdm=True, dataloader_num_workers=0, seed=1,
+        output_dir=str(model_dir.parent / "trl_out"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=total // micro,
+        num_generations=b["samples_per_prompt"],
+        max_completion_length=b["response_tokens"],
+        temperature=1.0,
+        top_p=1.0,
+        beta=0.0,
+        generation_kwargs={"min_new_tokens": b["response_tokens"]},
+        learning_rate=lr,
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=False,
+        model_init_kwargs={"dtype": "float32"},
+        max_steps=warmup + steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=1,
     )
     config.update(CONFIGS[config_name])
     clock = StepClock()
-    trainer = TimedGRPOTrainer(model=str(model_dir), reward_funcs=reward, args=GRPOConfig(**config),
-                               train_dataset=train, processing_class=AutoTokenizer.from_pretrained(model_dir),
-                               callbacks=[clock])
+    trainer = TimedGRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=reward,
+        args=GRPOConfig(**config),
+        train_dataset=train,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[clock],
+    )
     trainer.train()
     timed = clock.steps[warmup:]
     return {
-        "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                     "datasets": datasets.__version__, "torch": torch.__version__},
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "datasets": datasets.__version__,
+            "torch": torch.__version__,
+        },
         "config_name": config_name,
         "config": {k: v for k, v in config.items() if k != "output_dir"},
         "steps_s": timed,

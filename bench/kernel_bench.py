@@ -88,8 +88,7 @@ def _peak_extra_bytes(fn) -> int:
 def bench_logprobs(do_bench, num_tokens=16384, vocab_size=151936, hidden_size=1536) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(num_tokens, hidden_size, device="cuda", generator=gen).bfloat16().requires_grad_()
-    weight = (torch.randn(vocab_size, hidden_size, device="cuda", generator=gen) * hidden_size**-0.5
-              ).bfloat16().requires_grad_()
+    weight = (torch.randn(vocab_size, hidden_size, device="cuda", generator=gen) * hidden_size**-0.5).bfloat16().requires_grad_()
     targets = torch.randint(0, vocab_size, (num_tokens,), device="cuda", generator=gen)
 
     def step(fn):
@@ -97,14 +96,17 @@ def bench_logprobs(do_bench, num_tokens=16384, vocab_size=151936, hidden_size=15
             lp, ent = fn(hidden, weight, targets, 1.0, with_entropy=True)
             (lp.sum() + 0.01 * ent.sum()).backward()
             return lp
+
         return run
 
     with torch.no_grad():
         fused_lp, _ = token_logprobs(hidden, weight, targets)
         naive_lp, _ = reference_token_logprobs(hidden, weight, targets)
     max_abs_diff = (fused_lp - naive_lp).abs().max().item()
-    result = {"shape": dict(tokens=num_tokens, vocab=vocab_size, hidden=hidden_size, dtype="bfloat16"),
-              "logprob_max_abs_diff": max_abs_diff}
+    result = {
+        "shape": dict(tokens=num_tokens, vocab=vocab_size, hidden=hidden_size, dtype="bfloat16"),
+        "logprob_max_abs_diff": max_abs_diff,
+    }
     for name, fn in (("fused", token_logprobs), ("naive_fp32", reference_token_logprobs)):
         result[f"{name}_ms"] = do_bench(step(fn), grad_to_none=[hidden, weight], return_mode="median")
         hidden.grad = weight.grad = None
@@ -115,8 +117,7 @@ def bench_logprobs(do_bench, num_tokens=16384, vocab_size=151936, hidden_size=15
     return result
 
 
-def bench_paged_decode(do_bench, batch=256, context=384, num_q_heads=14, num_kv_heads=2, head_dim=64,
-                       block_size=16) -> dict:
+def bench_paged_decode(do_bench, batch=256, context=384, num_q_heads=14, num_kv_heads=2, head_dim=64, block_size=16) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
@@ -140,11 +141,17 @@ def bench_paged_decode(do_bench, batch=256, context=384, num_q_heads=14, num_kv_
     paged = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     max_abs_diff = (paged.float() - sdpa(dense_k, dense_v).float()).abs().max().item()
     result = {
-        "shape": dict(batch=batch, context=context, q_heads=num_q_heads, kv_heads=num_kv_heads,
-                      head_dim=head_dim, block_size=block_size, dtype="bfloat16"),
+        "shape": dict(
+            batch=batch,
+            context=context,
+            q_heads=num_q_heads,
+            kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype="bfloat16",
+        ),
         "max_abs_diff": max_abs_diff,
-        "paged_ms": do_bench(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
-                             return_mode="median"),
+        "paged_ms": do_bench(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale), return_mode="median"),
         "gather_sdpa_ms": do_bench(lambda: sdpa(*gather()), return_mode="median"),
         "sdpa_only_ms": do_bench(lambda: sdpa(dense_k, dense_v), return_mode="median"),
     }
@@ -171,8 +178,7 @@ def sweep_sampling(batch: int, vocab_size: int = 151936) -> dict:
 
     rows = []
     for per_sm, block, warps in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8, 16)):
-        config = sampling.SampleConfig(sampling.sample_config(batch, vocab_size, logits.device, per_sm).num_splits,
-                                       block, warps)
+        config = sampling.SampleConfig(sampling.sample_config(batch, vocab_size, logits.device, per_sm).num_splits, block, warps)
         try:
             torch.testing.assert_close(sampling._gumbel_sample_triton(*args, config)[1], want, atol=1e-4, rtol=0)
             us = median_us(lambda: sampling._gumbel_sample_triton(*args, config))
@@ -197,9 +203,12 @@ def sample_sweep() -> None:
         r = sweep_sampling(batch)
         results["shapes"].append(r)
         best = r["best"][0]
-        print(f"sampler B={batch}: roofline {r['roofline_us']:.1f} us | reference {r['reference_us']:.1f} us | "
-              f"auto {r['auto']['us']:.1f} us | best {best['us']:.1f} us "
-              f"{ {k: best[k] for k in ('programs_per_sm', 'num_splits', 'block', 'num_warps')} }", flush=True)
+        print(
+            f"sampler B={batch}: roofline {r['roofline_us']:.1f} us | reference {r['reference_us']:.1f} us | "
+            f"auto {r['auto']['us']:.1f} us | best {best['us']:.1f} us "
+            f"{ {k: best[k] for k in ('programs_per_sm', 'num_splits', 'block', 'num_warps')} }",
+            flush=True,
+        )
     write_result(results, SAMPLE_SWEEP_RESULTS)
 
 
@@ -208,8 +217,15 @@ INVARIANT_SHAPES = {  # (hidden, intermediate, q/k/v width): each projection's (
     "1.5b": (1536, 8960, 1536 + 2 * 256),
 }
 INVARIANT_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-    (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 64, 64, 4, 3),
-    (64, 64, 64, 4, 4), (64, 32, 64, 4, 4), (32, 64, 64, 4, 4), (64, 32, 128, 4, 4), (32, 32, 128, 4, 4),
+    (64, 128, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+    (128, 64, 64, 4, 3),
+    (64, 64, 64, 4, 4),
+    (64, 32, 64, 4, 4),
+    (32, 64, 64, 4, 4),
+    (64, 32, 128, 4, 4),
+    (32, 32, 128, 4, 4),
     (16, 64, 128, 4, 4),
 ]
 
@@ -231,8 +247,13 @@ def invariant_sweep() -> None:
     broken = []
     for shape, (hidden, inter, qkv) in INVARIANT_SHAPES.items():
         rows = []
-        for name, n, k in (("qkv", qkv, hidden), ("o", hidden, hidden), ("gate_up", 2 * inter, hidden),
-                           ("down", hidden, inter), ("lm_head", 151936, hidden)):
+        for name, n, k in (
+            ("qkv", qkv, hidden),
+            ("o", hidden, hidden),
+            ("gate_up", 2 * inter, hidden),
+            ("down", hidden, inter),
+            ("lm_head", 151936, hidden),
+        ):
             out_dtype = torch.float32 if name == "lm_head" else None
             w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
             chunks = -(-k // bic.K_CHUNK)
@@ -242,14 +263,16 @@ def invariant_sweep() -> None:
                 picked = bic.matmul(x, w.T, out_dtype=out_dtype)
                 torch.testing.assert_close(picked.float(), x.float() @ w.float().T, atol=5e-2, rtol=2e-2)
                 config, split = bic.tile_config(m, n, k, torch.bfloat16, x.device)
-                row[f"picked_m{m}"] = dict(config=list(config), split=split,
-                                           ms=ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype)))
+                row[f"picked_m{m}"] = dict(
+                    config=list(config), split=split, ms=ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype))
+                )
                 row[f"cublas_ms_m{m}"] = ms(lambda: F.linear(x, w))
                 if chunks > 1:  # the picked tile with K's chunks split over programs, or walked by one
                     got = bic.matmul(x, w.T, out_dtype=out_dtype, config=config, split=not split)
                     row[f"picked_m{m}"]["other_split_equal"] = torch.equal(got, picked)
                     row[f"picked_m{m}"]["other_split_ms"] = ms(
-                        lambda: bic.matmul(x, w.T, out_dtype=out_dtype, config=config, split=not split))
+                        lambda: bic.matmul(x, w.T, out_dtype=out_dtype, config=config, split=not split)
+                    )
                 for config in INVARIANT_CONFIGS:
                     entry = next((c for c in row["configs"] if c["config"] == list(config)), None)
                     if entry is None:
@@ -258,8 +281,7 @@ def invariant_sweep() -> None:
                     try:
                         got = bic.matmul(x, w.T, out_dtype=out_dtype, config=config, split=False)
                         entry[f"equal_m{m}"] = torch.equal(got, picked)
-                        entry[f"ms_m{m}"] = ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype, config=config,
-                                                                  split=False))
+                        entry[f"ms_m{m}"] = ms(lambda: bic.matmul(x, w.T, out_dtype=out_dtype, config=config, split=False))
                         if config[2] == block_k and not entry[f"equal_m{m}"]:
                             broken.append(f"{shape} {name} M={m} {config}")
                     except Exception as exc:  # a config Triton cannot build (shared memory) is skipped
@@ -270,11 +292,14 @@ def invariant_sweep() -> None:
             row["best_train"] = min(timed, key=lambda c: c["ms_m16384"])
             rows.append(row)
             decode, train = row["picked_m256"], row["picked_m16384"]
-            print(f"{shape} {name} N={n} K={k}: M=256 cuBLAS {row['cublas_ms_m256'] * 1e3:.0f} us, picked "
-                  f"{decode['config']}{' split' if decode['split'] else ''} {decode['ms'] * 1e3:.0f} us, best "
-                  f"{row['best_decode']['ms_m256'] * 1e3:.0f} us {row['best_decode']['config']} | M=16384 cuBLAS "
-                  f"{row['cublas_ms_m16384']:.2f} ms, picked {train['config']} {train['ms']:.2f} ms, best "
-                  f"{row['best_train']['ms_m16384']:.2f} ms {row['best_train']['config']}", flush=True)
+            print(
+                f"{shape} {name} N={n} K={k}: M=256 cuBLAS {row['cublas_ms_m256'] * 1e3:.0f} us, picked "
+                f"{decode['config']}{' split' if decode['split'] else ''} {decode['ms'] * 1e3:.0f} us, best "
+                f"{row['best_decode']['ms_m256'] * 1e3:.0f} us {row['best_decode']['config']} | M=16384 cuBLAS "
+                f"{row['cublas_ms_m16384']:.2f} ms, picked {train['config']} {train['ms']:.2f} ms, best "
+                f"{row['best_train']['ms_m16384']:.2f} ms {row['best_train']['config']}",
+                flush=True,
+            )
         results["shapes"][shape] = rows
     results["same_block_k_bits_differ"] = broken
     print(f"configs of BLOCK_K {block_k} whose bits differ from the pick's: {broken or 'none'}", flush=True)
@@ -282,8 +307,18 @@ def invariant_sweep() -> None:
     write_result(results, INVARIANT_SWEEP_RESULTS)
 
 
-def invariant_attention_sweep(eager_ms, graphed_ms, num_seqs=8, seq_len=2048, num_q_heads=12, num_kv_heads=2,
-                              head_dim=128, decode_batch=256, decode_context=1024, block_size=16) -> dict:
+def invariant_attention_sweep(
+    eager_ms,
+    graphed_ms,
+    num_seqs=8,
+    seq_len=2048,
+    num_q_heads=12,
+    num_kv_heads=2,
+    head_dim=128,
+    decode_batch=256,
+    decode_context=1024,
+    block_size=16,
+) -> dict:
     """The mode's packed attention forward (the trainer's) with query tiles of 16 to 128 rows and its
     paged decode (the engine's) with tiles of 16 and 64 query heads, on the 1.5B shape's heads: time,
     and whether each gives the bits of the current tile sizes; beside the default packed attention
@@ -293,13 +328,15 @@ def invariant_attention_sweep(eager_ms, graphed_ms, num_seqs=8, seq_len=2048, nu
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = num_seqs * seq_len
-    q, k, v = (torch.randn(n, h, head_dim, device="cuda", generator=gen).bfloat16()
-               for h in (num_q_heads, num_kv_heads, num_kv_heads))
+    q, k, v = (
+        torch.randn(n, h, head_dim, device="cuda", generator=gen).bfloat16() for h in (num_q_heads, num_kv_heads, num_kv_heads)
+    )
     cu = torch.arange(0, n + 1, seq_len, device="cuda", dtype=torch.int32)
     scale = head_dim**-0.5
     blocks = decode_batch * decode_context // block_size
-    k_cache, v_cache = (torch.randn(blocks, block_size, num_kv_heads, head_dim, device="cuda", generator=gen).bfloat16()
-                        for _ in range(2))
+    k_cache, v_cache = (
+        torch.randn(blocks, block_size, num_kv_heads, head_dim, device="cuda", generator=gen).bfloat16() for _ in range(2)
+    )
     tables = torch.randperm(blocks, device="cuda", generator=gen).int().view(decode_batch, -1)
     lens = torch.full((decode_batch,), decode_context, dtype=torch.int32, device="cuda")
     dq = torch.randn(decode_batch, num_q_heads, head_dim, device="cuda", generator=gen).bfloat16()
@@ -312,8 +349,10 @@ def invariant_attention_sweep(eager_ms, graphed_ms, num_seqs=8, seq_len=2048, nu
 
     current = {"packed": (ia.BLOCK_M, packed()), "decode": (ia.DECODE_BLOCK_M, decoded())}
     rows = {}
-    for path, name, fn, sizes, ms in (("packed", "BLOCK_M", packed, (16, 64, 128), eager_ms),
-                                      ("decode", "DECODE_BLOCK_M", decoded, (16, 64), graphed_ms)):
+    for path, name, fn, sizes, ms in (
+        ("packed", "BLOCK_M", packed, (16, 64, 128), eager_ms),
+        ("decode", "DECODE_BLOCK_M", decoded, (16, 64), graphed_ms),
+    ):
         default = getattr(ia, name)
         try:
             for size in sizes:
@@ -321,22 +360,35 @@ def invariant_attention_sweep(eager_ms, graphed_ms, num_seqs=8, seq_len=2048, nu
                 rows[f"{path}_{size}"] = dict(ms=ms(fn), equal_to_current=torch.equal(fn(), current[path][1]))
         finally:
             setattr(ia, name, default)
-    result = {"shape": dict(seqs=num_seqs, seq_len=seq_len, q_heads=num_q_heads, kv_heads=num_kv_heads,
-                            head_dim=head_dim, decode_batch=decode_batch, decode_context=decode_context),
-              "current": {path: size for path, (size, _) in current.items()},
-              "default_packed_ms": eager_ms(lambda: fast_packed_attention(q, k, v, cu, seq_len, scale)),
-              "default_decode_ms": graphed_ms(lambda: paged_attention.paged_decode_attention(
-                  dq, k_cache, v_cache, tables, lens, scale)),
-              "tiles": rows}
-    print(f"invariant attention {num_seqs} x {seq_len} / decode {decode_batch} x {decode_context}: default "
-          f"{result['default_packed_ms']:.2f} / {result['default_decode_ms']:.3f} ms | "
-          + " | ".join(f"{key}: {r['ms']:.3f} ms, bits {'=' if r['equal_to_current'] else '!='} current"
-                       for key, r in rows.items()), flush=True)
+    result = {
+        "shape": dict(
+            seqs=num_seqs,
+            seq_len=seq_len,
+            q_heads=num_q_heads,
+            kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            decode_batch=decode_batch,
+            decode_context=decode_context,
+        ),
+        "current": {path: size for path, (size, _) in current.items()},
+        "default_packed_ms": eager_ms(lambda: fast_packed_attention(q, k, v, cu, seq_len, scale)),
+        "default_decode_ms": graphed_ms(
+            lambda: paged_attention.paged_decode_attention(dq, k_cache, v_cache, tables, lens, scale)
+        ),
+        "tiles": rows,
+    }
+    print(
+        f"invariant attention {num_seqs} x {seq_len} / decode {decode_batch} x {decode_context}: default "
+        f"{result['default_packed_ms']:.2f} / {result['default_decode_ms']:.3f} ms | "
+        + " | ".join(
+            f"{key}: {r['ms']:.3f} ms, bits {'=' if r['equal_to_current'] else '!='} current" for key, r in rows.items()
+        ),
+        flush=True,
+    )
     return result
 
 
-def bench_joint_linear(do_bench, num_tokens=32768, hidden_size=1536, widths=None,
-                       device="cuda") -> dict:
+def bench_joint_linear(do_bench, num_tokens=32768, hidden_size=1536, widths=None, device="cuda") -> dict:
     """Forward + backward of linear layers sharing their input, separate against joint."""
     gen = torch.Generator(device=device).manual_seed(0)
     cases = widths or {"qkv": ([1536, 256, 256], True), "gate_up": ([8960, 8960], False)}
@@ -376,8 +428,7 @@ def bench_joint_linear(do_bench, num_tokens=32768, hidden_size=1536, widths=None
     return result
 
 
-def bench_residual_addmm(do_bench, num_tokens=32768, hidden_size=1536, intermediate_size=8960,
-                         device="cuda") -> dict:
+def bench_residual_addmm(do_bench, num_tokens=32768, hidden_size=1536, intermediate_size=8960, device="cuda") -> dict:
     """addmm(r, x, w.T) (beta=1, 2-D r) against mm(x, w.T) alone and mm then add, eager, bf16."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -387,8 +438,11 @@ def bench_residual_addmm(do_bench, num_tokens=32768, hidden_size=1536, intermedi
     for name, width in (("o_proj", hidden_size), ("down_proj", intermediate_size)):
         x = torch.randn(num_tokens, width, device=device, generator=gen).bfloat16()
         w_t = torch.randn(hidden_size, width, device=device, generator=gen).bfloat16().T
-        variants = {"addmm": lambda: torch.addmm(residual, x, w_t), "mm": lambda: torch.mm(x, w_t),
-                    "mm_then_add": lambda: torch.mm(x, w_t) + residual}
+        variants = {
+            "addmm": lambda: torch.addmm(residual, x, w_t),
+            "mm": lambda: torch.mm(x, w_t),
+            "mm_then_add": lambda: torch.mm(x, w_t) + residual,
+        }
         case = {f"{k}_ms": do_bench(fn, return_mode="median") for k, fn in variants.items()}
         for k, fn in variants.items():
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -400,14 +454,19 @@ def bench_residual_addmm(do_bench, num_tokens=32768, hidden_size=1536, intermedi
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.kernel_bench",
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kernel_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
     parser.add_argument("--sample-sweep", action="store_true", help="time every sampler launch shape")
-    parser.add_argument("--decode-mixed", action="store_true",
-                        help="time the decode kernel on long-tailed contexts, longest first and in drawn order")
-    parser.add_argument("--invariant-sweep", action="store_true",
-                        help="time the true-on-policy matmul's candidate tile configs by (N, K)")
+    parser.add_argument(
+        "--decode-mixed",
+        action="store_true",
+        help="time the decode kernel on long-tailed contexts, longest first and in drawn order",
+    )
+    parser.add_argument(
+        "--invariant-sweep", action="store_true", help="time the true-on-policy matmul's candidate tile configs by (N, K)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernel_bench needs a CUDA device")
@@ -429,8 +488,7 @@ def main() -> None:
         "lora_merge": bench_lora_merge(do_bench),
     }
     write_result(results, RESULTS)
-    lp, pd, jl, ra, lm = (results[k] for k in ("token_logprobs", "paged_decode", "joint_linear", "residual_addmm",
-                                                "lora_merge"))
+    lp, pd, jl, ra, lm = (results[k] for k in ("token_logprobs", "paged_decode", "joint_linear", "residual_addmm", "lora_merge"))
     print(
         f"token_logprobs fwd+bwd {lp['fused_ms']:.1f} ms ({lp['fused_peak_extra_gib']:.2f} GiB) vs naive "
         f"{lp['naive_fp32_ms']:.1f} ms ({lp['naive_fp32_peak_extra_gib']:.1f} GiB) | paged decode "

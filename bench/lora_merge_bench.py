@@ -18,12 +18,21 @@ def bench_lora_merge(do_bench, rank=64, layers=28, hidden_size=1536, kv_size=256
     fp32, scale, add, rounding), and the bytes the kernel must move at the device's peak bandwidth."""
     from colocate.kernels.lora_merge import lora_merge
 
-    shapes = [(hidden_size, hidden_size), (kv_size, hidden_size), (kv_size, hidden_size), (hidden_size, hidden_size),
-              (intermediate_size, hidden_size), (intermediate_size, hidden_size), (hidden_size, intermediate_size)]
+    shapes = [
+        (hidden_size, hidden_size),
+        (kv_size, hidden_size),
+        (kv_size, hidden_size),
+        (hidden_size, hidden_size),
+        (intermediate_size, hidden_size),
+        (intermediate_size, hidden_size),
+        (hidden_size, intermediate_size),
+    ]
     g = torch.Generator(device="cuda").manual_seed(0)
     parts = [(0.02 * torch.randn(o, i, device="cuda", generator=g)).bfloat16() for o, i in shapes]
-    adapters = [(torch.randn(rank, i, device="cuda", generator=g) / 40,
-                 torch.randn(o, rank, device="cuda", generator=g) / 100) for o, i in shapes]
+    adapters = [
+        (torch.randn(rank, i, device="cuda", generator=g) / 40, torch.randn(o, rank, device="cuda", generator=g) / 100)
+        for o, i in shapes
+    ]
 
     def torch_ops(w, a, b):
         merged = torch.mm(b.to(w.dtype), a.to(w.dtype), out_dtype=torch.float32)
@@ -42,13 +51,19 @@ def bench_lora_merge(do_bench, rank=64, layers=28, hidden_size=1536, kv_size=256
         return lambda: [block(parts, adapters) for _ in range(layers)]
 
     weights = layers * sum(o * i for o, i in shapes)
-    return {"rank": rank, "layers": layers, "weights": weights,
-            "kernel_ms": do_bench(lambda: model(kernel)),
-            "torch_ops_ms": do_bench(lambda: model(torch_ops)),
-            "roofline_ms": 4 * weights / peak_hbm_bytes_per_s() * 1e3,
-            "host_ms": {"kernel_compiled": _host_ms(compiled_blocks(kernel)),
-                        "torch_ops_compiled": _host_ms(compiled_blocks(torch_ops)),
-                        "kernel_direct": _host_ms(lambda: model(kernel))}}
+    return {
+        "rank": rank,
+        "layers": layers,
+        "weights": weights,
+        "kernel_ms": do_bench(lambda: model(kernel)),
+        "torch_ops_ms": do_bench(lambda: model(torch_ops)),
+        "roofline_ms": 4 * weights / peak_hbm_bytes_per_s() * 1e3,
+        "host_ms": {
+            "kernel_compiled": _host_ms(compiled_blocks(kernel)),
+            "torch_ops_compiled": _host_ms(compiled_blocks(torch_ops)),
+            "kernel_direct": _host_ms(lambda: model(kernel)),
+        },
+    }
 
 
 def _host_ms(fn, repeats: int = 30) -> float:

@@ -57,8 +57,9 @@ def build_engine(shape: str, device: torch.device, w: dict) -> NativeEngine:
     model = from_config(ArchConfig(**cfg, eos_token_id=cfg["vocab_size"] - 1), dtype, device, init=True)
     episodes = w["prompts"] * w["samples"]
     per_episode = w["prompt_tokens"] + w["turns"] * w["turn_tokens"] + (w["turns"] - 1) * w["observation_tokens"]
-    return NativeEngine(model, device=device, max_num_seqs=episodes, max_kv_tokens=episodes * (per_episode + 64),
-                        cuda_graph_max_bs=episodes)
+    return NativeEngine(
+        model, device=device, max_num_seqs=episodes, max_kv_tokens=episodes * (per_episode + 64), cuda_graph_max_bs=episodes
+    )
 
 
 def observation(episode: int, turn: int, w: dict, vocab: int) -> list[int]:
@@ -97,9 +98,15 @@ def run_ours(engine: NativeEngine, prompts: list[list[int]], w: dict, tool_s: fl
     sampled = sum(sum(c.extra["loss_mask"]) for c in outs)
     assert sampled == len(outs) * w["turns"] * w["turn_tokens"]
     d = {k: engine.stats[k] - before[k] for k in before}
-    return {"seconds": seconds, "sampled_tokens": sampled, "tokens_per_s": sampled / seconds,
-            "env_wait_seconds": d["env_wait_seconds"], **_engine_work(d),
-            "kv_reuse": d["reused_history_tokens"] / max(d["history_tokens"], 1), "evictions": d["evictions"]}
+    return {
+        "seconds": seconds,
+        "sampled_tokens": sampled,
+        "tokens_per_s": sampled / seconds,
+        "env_wait_seconds": d["env_wait_seconds"],
+        **_engine_work(d),
+        "kv_reuse": d["reused_history_tokens"] / max(d["history_tokens"], 1),
+        "evictions": d["evictions"],
+    }
 
 
 def _engine_work(d: dict) -> dict:
@@ -123,8 +130,13 @@ def run_turn_by_turn(engine: NativeEngine, prompts: list[list[int]], w: dict, to
                 for j, c in enumerate(outs):
                     contexts[j] += c.output_ids + observation(i * w["samples"] + j, turn, w, vocab)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "sampled_tokens": sampled, "tokens_per_s": sampled / seconds, "groups": len(prompts),
-            **_engine_work({k: engine.stats[k] - before[k] for k in before})}
+    return {
+        "seconds": seconds,
+        "sampled_tokens": sampled,
+        "tokens_per_s": sampled / seconds,
+        "groups": len(prompts),
+        **_engine_work({k: engine.stats[k] - before[k] for k in before}),
+    }
 
 
 def run_resubmit(engine: NativeEngine, prompts: list[list[int]], w: dict, tool_s: float) -> dict:
@@ -167,8 +179,12 @@ def run_resubmit(engine: NativeEngine, prompts: list[list[int]], w: dict, tool_s
                 timer.start()
                 timers.append(timer)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "sampled_tokens": sampled, "tokens_per_s": sampled / seconds,
-            **_engine_work({k: engine.stats[k] - before[k] for k in before})}
+    return {
+        "seconds": seconds,
+        "sampled_tokens": sampled,
+        "tokens_per_s": sampled / seconds,
+        **_engine_work({k: engine.stats[k] - before[k] for k in before}),
+    }
 
 
 def run_single_turn(engine: NativeEngine, prompts: list[list[int]], w: dict) -> dict:
@@ -179,8 +195,12 @@ def run_single_turn(engine: NativeEngine, prompts: list[list[int]], w: dict) -> 
     outs = engine.generate(prompts, [_sampling(w, w["samples"], seed=i, tokens=tokens) for i in range(len(prompts))])
     seconds = time.perf_counter() - start
     sampled = sum(len(c.output_ids) for c in outs)
-    return {"seconds": seconds, "sampled_tokens": sampled, "tokens_per_s": sampled / seconds,
-            **_engine_work({k: engine.stats[k] - before[k] for k in before})}
+    return {
+        "seconds": seconds,
+        "sampled_tokens": sampled,
+        "tokens_per_s": sampled / seconds,
+        **_engine_work({k: engine.stats[k] - before[k] for k in before}),
+    }
 
 
 def run_shape(shape: str, device: torch.device, w: dict, tool_ms: list[int], sequential_groups: int) -> dict:
@@ -193,15 +213,22 @@ def run_shape(shape: str, device: torch.device, w: dict, tool_ms: list[int], seq
         engine.generate(warm[:1] * batch, SamplingParams(max_new_tokens=16, ignore_eos=True))
     run_ours(engine, prompts, {**w, "turns": 2, "turn_tokens": 8}, 0.0)  # prefills after a cached history
     run_resubmit(engine, prompts[:1], {**w, "turns": 2, "turn_tokens": 8}, 0.0)
-    result = {"shape": {"name": shape, **SHAPES[shape]}, "workload": w, "engine_init_seconds": time.perf_counter() - start,
-              "single_turn": run_single_turn(engine, prompts, w), "by_tool_ms": {}}
+    result = {
+        "shape": {"name": shape, **SHAPES[shape]},
+        "workload": w,
+        "engine_init_seconds": time.perf_counter() - start,
+        "single_turn": run_single_turn(engine, prompts, w),
+        "by_tool_ms": {},
+    }
     for ms in tool_ms:
         tool_s = ms / 1e3
         ours = run_ours(engine, prompts, w, tool_s)
         tbt = run_turn_by_turn(engine, prompts[:sequential_groups], w, tool_s)
         resubmit = run_resubmit(engine, prompts, w, tool_s)
         result["by_tool_ms"][str(ms)] = {
-            "ours": ours, "turn_by_turn": tbt, "resubmit": resubmit,
+            "ours": ours,
+            "turn_by_turn": tbt,
+            "resubmit": resubmit,
             "ratio_vs_single_turn": ours["tokens_per_s"] / result["single_turn"]["tokens_per_s"],
             "ratio_vs_turn_by_turn": ours["tokens_per_s"] / tbt["tokens_per_s"],
             "ratio_vs_resubmit": ours["tokens_per_s"] / resubmit["tokens_per_s"],
@@ -213,9 +240,11 @@ def run_shape(shape: str, device: torch.device, w: dict, tool_ms: list[int], seq
 def summary(r: dict) -> str:
     parts = []
     for ms, m in r["by_tool_ms"].items():
-        parts.append(f"{ms} ms tools: ours {m['ours']['tokens_per_s'] / 1e3:.1f}k tok/s, "
-                     f"{m['ratio_vs_single_turn']:.2f}x single-turn, {m['ratio_vs_turn_by_turn']:.1f}x turn-by-turn, "
-                     f"{m['ratio_vs_resubmit']:.2f}x resubmit, kv_reuse {m['ours']['kv_reuse']:.3f}")
+        parts.append(
+            f"{ms} ms tools: ours {m['ours']['tokens_per_s'] / 1e3:.1f}k tok/s, "
+            f"{m['ratio_vs_single_turn']:.2f}x single-turn, {m['ratio_vs_turn_by_turn']:.1f}x turn-by-turn, "
+            f"{m['ratio_vs_resubmit']:.2f}x resubmit, kv_reuse {m['ours']['kv_reuse']:.3f}"
+        )
     return f"multiturn {r['shape']['name']}: " + "; ".join(parts)
 
 

@@ -60,8 +60,9 @@ def run(device: torch.device, repeats: int, smoke: bool) -> dict:
     torch.manual_seed(0)
     dtype = torch.float32 if smoke else torch.bfloat16
     model = from_config(ArchConfig(**shape, eos_token_id=shape["vocab_size"] - 1), dtype, device, init=True)
-    engine = NativeEngine(model, device=device, max_num_seqs=256, max_kv_tokens=300_000 if not smoke else 1 << 16,
-                          compile_decode=True)
+    engine = NativeEngine(
+        model, device=device, max_num_seqs=256, max_kv_tokens=300_000 if not smoke else 1 << 16, compile_decode=True
+    )
     del model
     runner, threshold = engine.runner, engine.runner.compiled_prefill_min_tokens
     scale = 1 / 16 if smoke else 1.0
@@ -69,8 +70,14 @@ def run(device: torch.device, repeats: int, smoke: bool) -> dict:
         runner.compiled_prefill_min_tokens = threshold = 256  # the tiny prefills reach it
     rng = random.Random(0)
     vocab = shape["vocab_size"] - 1
-    out = {**machine(device), "shape": shape, "dtype": str(dtype), "compiled_prefill_min_tokens": threshold,
-           "repeats": repeats, "cases": {}}
+    out = {
+        **machine(device),
+        "shape": shape,
+        "dtype": str(dtype),
+        "compiled_prefill_min_tokens": threshold,
+        "repeats": repeats,
+        "cases": {},
+    }
     for case in ("prompts", "carried"):
         lengths = case_lengths(case, scale, rng)
         seconds = {"compiled": [], "eager": []}
@@ -85,12 +92,20 @@ def run(device: torch.device, repeats: int, smoke: bool) -> dict:
                     warmup[variant] = s
         tokens = sum(lengths)
         rate = {v: tokens / statistics.median(s) for v, s in seconds.items()}
-        out["cases"][case] = {"prompts": len(lengths), "tokens": tokens, "seconds": seconds,
-                              "warmup_seconds": warmup, "tokens_per_s": rate,
-                              "compiled_over_eager": rate["compiled"] / rate["eager"]}
-        print(f"{case}: {tokens} tokens, compiled {rate['compiled'] / 1e3:.1f}k tok/s, eager "
-              f"{rate['eager'] / 1e3:.1f}k tok/s ({rate['compiled'] / rate['eager']:.2f}x); warm-ups "
-              f"{warmup['compiled']:.1f} s and {warmup['eager']:.1f} s", flush=True)
+        out["cases"][case] = {
+            "prompts": len(lengths),
+            "tokens": tokens,
+            "seconds": seconds,
+            "warmup_seconds": warmup,
+            "tokens_per_s": rate,
+            "compiled_over_eager": rate["compiled"] / rate["eager"],
+        }
+        print(
+            f"{case}: {tokens} tokens, compiled {rate['compiled'] / 1e3:.1f}k tok/s, eager "
+            f"{rate['eager'] / 1e3:.1f}k tok/s ({rate['compiled'] / rate['eager']:.2f}x); warm-ups "
+            f"{warmup['compiled']:.1f} s and {warmup['eager']:.1f} s",
+            flush=True,
+        )
     from torch._dynamo.utils import counters
 
     out["compiled_graphs"] = counters["stats"]["unique_graphs"]

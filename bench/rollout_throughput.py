@@ -63,26 +63,66 @@ CASES = {
     "shared": (32, 8, 128, 256),
 }
 HF_CONFIG = dict(
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-    num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, max_position_embeddings=32768,
-    rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643,
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    bos_token_id=151643,
+    eos_token_id=151643,
 )
 
 
 TAIL_SHAPES = {
-    "4b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-               num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, qk_norm=True,
-               tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),
-    "tiny": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=True,
-                 rope_theta=1e6, max_position_embeddings=4096),
+    "4b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    ),
+    "tiny": dict(
+        model_type="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+    ),
 }
 TAIL_RUNS = {
     # points: (batch, context) of the decode-step roofline probes, each decoding probe_tokens
-    "4b": dict(samples=256, prompt_tokens=256, median_tokens=1536, sigma=0.75, max_tokens=8192,
-               points=((256, 2048), (8, 8192)), probe_tokens=32),
-    "tiny": dict(samples=16, prompt_tokens=16, median_tokens=16, sigma=0.75, max_tokens=64,
-                 points=((16, 64), (2, 256)), probe_tokens=8),
+    "4b": dict(
+        samples=256,
+        prompt_tokens=256,
+        median_tokens=1536,
+        sigma=0.75,
+        max_tokens=8192,
+        points=((256, 2048), (8, 8192)),
+        probe_tokens=32,
+    ),
+    "tiny": dict(
+        samples=16, prompt_tokens=16, median_tokens=16, sigma=0.75, max_tokens=64, points=((16, 64), (2, 256)), probe_tokens=8
+    ),
 }
 
 
@@ -105,8 +145,7 @@ def build_models():
     return hf, ours
 
 
-def make_prompts(num: int, length: int, seed: int = 0,
-                 vocab_size: int = HF_CONFIG["vocab_size"]) -> list[list[int]]:
+def make_prompts(num: int, length: int, seed: int = 0, vocab_size: int = HF_CONFIG["vocab_size"]) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (num, length), generator=g).tolist()
 
@@ -137,9 +176,11 @@ def tail_floors(engine: NativeEngine, prompt_len: int, lengths: list[int], seats
     longest sample), the tail with every seat always busy (what partial rollout strives for),
     and the same number of tokens in equal lengths; their ratio bounds the tail's utilization."""
     equal = [round(statistics.mean(lengths))] * len(lengths)
-    floors = {"continuous_batching_s": decode_floor_s(engine, prompt_len, lengths, max(lengths)),
-              "full_seats_s": decode_floor_s(engine, prompt_len, lengths, -(-sum(lengths) // seats)),
-              "equal_lengths_s": decode_floor_s(engine, prompt_len, equal, equal[0])}
+    floors = {
+        "continuous_batching_s": decode_floor_s(engine, prompt_len, lengths, max(lengths)),
+        "full_seats_s": decode_floor_s(engine, prompt_len, lengths, -(-sum(lengths) // seats)),
+        "equal_lengths_s": decode_floor_s(engine, prompt_len, equal, equal[0]),
+    }
     floors["utilization_ceiling"] = floors["equal_lengths_s"] / floors["full_seats_s"]
     return floors
 
@@ -161,9 +202,15 @@ def timed_generate(engine: NativeEngine, prompts: list[list[int]], sampling: lis
     assert tokens == sum(sp.n * sp.max_new_tokens for sp in sampling), "ignore_eos: every sample runs to its length"
     delta = {k: engine.stats[k] - before[k] for k in before}
     steps = delta["decode_steps"]
-    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "decode_steps": steps,
-            "ms_per_decode_step": 1e3 * delta["decode_seconds"] / steps,
-            "mean_decode_batch": delta["decode_tokens"] / steps, "prefill_seconds": delta["prefill_seconds"]}
+    return {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "decode_steps": steps,
+        "ms_per_decode_step": 1e3 * delta["decode_seconds"] / steps,
+        "mean_decode_batch": delta["decode_tokens"] / steps,
+        "prefill_seconds": delta["prefill_seconds"],
+    }
 
 
 def run_ours(engine: NativeEngine, case: str) -> dict:
@@ -171,15 +218,24 @@ def run_ours(engine: NativeEngine, case: str) -> dict:
     sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=output_len, ignore_eos=True, seed=0)
     result = timed_generate(engine, make_prompts(num, prompt_len), [sp] * num)
     step_s = result["ms_per_decode_step"] / 1e3
-    return {**result, "preemptions": engine.scheduler.num_preemptions,
-            "roofline_fraction": roofline_fraction(engine, num * n, prompt_len, output_len, step_s)}
+    return {
+        **result,
+        "preemptions": engine.scheduler.num_preemptions,
+        "roofline_fraction": roofline_fraction(engine, num * n, prompt_len, output_len, step_s),
+    }
 
 
 def run_hf(hf, case: str, static: bool) -> dict:
     num, n, prompt_len, output_len = CASES[case]
     ids = torch.tensor(make_prompts(num, prompt_len), device="cuda")
-    kwargs = dict(do_sample=True, temperature=1.0, max_new_tokens=output_len, min_new_tokens=output_len,
-                  pad_token_id=0, attention_mask=torch.ones_like(ids))
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+    )
     if static:
         kwargs["cache_implementation"] = "static"  # transformers compiles the forward for it
         compile_start = time.perf_counter()
@@ -228,41 +284,57 @@ def run_tail(shape: str, device: torch.device) -> dict:
     lengths = [tail_length(i, run["median_tokens"], run["sigma"], run["max_tokens"]) for i in range(n)]
     mean_len = round(statistics.mean(lengths))
     # KV room for the tail's last moment (every sample at full length) and for the largest probe.
-    kv_tokens = max(sum(lengths) + n * prompt_len, *(b * (c + run["probe_tokens"]) for b, c in run["points"]),
-                    n * (prompt_len + mean_len))
+    kv_tokens = max(
+        sum(lengths) + n * prompt_len, *(b * (c + run["probe_tokens"]) for b, c in run["points"]), n * (prompt_len + mean_len)
+    )
     cfg = TAIL_SHAPES[shape]
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = from_config(ArchConfig(**cfg, eos_token_id=cfg["vocab_size"] - 1), dtype, device, init=True)
     start = time.perf_counter()
-    engine = NativeEngine(model, device=device, max_num_seqs=n, max_kv_tokens=kv_tokens + 64 * 16,
-                          cuda_graph_max_bs=n)
+    engine = NativeEngine(model, device=device, max_num_seqs=n, max_kv_tokens=kv_tokens + 64 * 16, cuda_graph_max_bs=n)
     del model
     init_s = time.perf_counter() - start
     vocab = cfg["vocab_size"]
     for batch in (n, 8, 1):  # compile the sampler and touch every path before timing
-        engine.generate(make_prompts(batch, 16, seed=1, vocab_size=vocab),
-                        SamplingParams(max_new_tokens=16, ignore_eos=True))
+        engine.generate(make_prompts(batch, 16, seed=1, vocab_size=vocab), SamplingParams(max_new_tokens=16, ignore_eos=True))
     prompts = make_prompts(n, prompt_len, seed=2, vocab_size=vocab)
-    tail = timed_generate(engine, prompts, [SamplingParams(max_new_tokens=length, ignore_eos=True, seed=i)
-                                            for i, length in enumerate(lengths)])
-    full = timed_generate(engine, prompts, [SamplingParams(max_new_tokens=mean_len, ignore_eos=True, seed=i)
-                                            for i in range(n)])
+    tail = timed_generate(
+        engine, prompts, [SamplingParams(max_new_tokens=length, ignore_eos=True, seed=i) for i, length in enumerate(lengths)]
+    )
+    full = timed_generate(engine, prompts, [SamplingParams(max_new_tokens=mean_len, ignore_eos=True, seed=i) for i in range(n)])
     points = {}
     for batch, context in run["points"]:
         probe = run["probe_tokens"]
-        r = timed_generate(engine, make_prompts(batch, context, seed=3, vocab_size=vocab),
-                           [SamplingParams(max_new_tokens=probe, ignore_eos=True, seed=i) for i in range(batch)])
+        r = timed_generate(
+            engine,
+            make_prompts(batch, context, seed=3, vocab_size=vocab),
+            [SamplingParams(max_new_tokens=probe, ignore_eos=True, seed=i) for i in range(batch)],
+        )
         ideal_ms = 1e3 * ideal_decode_step_s(engine, batch, context + probe / 2, peak_hbm_bytes_per_s())
-        points[f"b{batch}_ctx{context}"] = {"ms_per_decode_step": r["ms_per_decode_step"], "roofline_ms": ideal_ms,
-                                            "roofline_fraction": ideal_ms / r["ms_per_decode_step"]}
+        points[f"b{batch}_ctx{context}"] = {
+            "ms_per_decode_step": r["ms_per_decode_step"],
+            "roofline_ms": ideal_ms,
+            "roofline_fraction": ideal_ms / r["ms_per_decode_step"],
+        }
     result = {
-        "shape": {"name": shape, **cfg}, "run": {k: v for k, v in run.items() if k != "points"},
-        "lengths": {"mean": statistics.mean(lengths), "median": statistics.median(lengths), "max": max(lengths),
-                    "at_cap": sum(x == run["max_tokens"] for x in lengths), "total": sum(lengths)},
-        "engine": {"init_seconds": init_s, "init_parts_seconds": engine.startup_seconds,
-                   "memory": engine.memory_stats(), "preemptions": engine.scheduler.num_preemptions},
-        "tail": tail, "full_batch": {"output_tokens_each": mean_len, **full},
+        "shape": {"name": shape, **cfg},
+        "run": {k: v for k, v in run.items() if k != "points"},
+        "lengths": {
+            "mean": statistics.mean(lengths),
+            "median": statistics.median(lengths),
+            "max": max(lengths),
+            "at_cap": sum(x == run["max_tokens"] for x in lengths),
+            "total": sum(lengths),
+        },
+        "engine": {
+            "init_seconds": init_s,
+            "init_parts_seconds": engine.startup_seconds,
+            "memory": engine.memory_stats(),
+            "preemptions": engine.scheduler.num_preemptions,
+        },
+        "tail": tail,
+        "full_batch": {"output_tokens_each": mean_len, **full},
         "utilization": tail["tokens_per_s"] / full["tokens_per_s"],
         "decode_batch_occupancy": tail["mean_decode_batch"] / n,
         "hbm_floor": tail_floors(engine, prompt_len, lengths, n),
@@ -274,14 +346,18 @@ def run_tail(shape: str, device: torch.device) -> dict:
 
 def tail_summary(r: dict) -> str:
     lengths, tail = r["lengths"], r["tail"]
-    probes = ", ".join(f"{name} {p['ms_per_decode_step']:.3g} ms/step ({100 * p['roofline_fraction']:.0f}% of "
-                       f"{p['roofline_ms']:.3g} ms)" for name, p in r["roofline"].items())
-    return (f"rollout tail ({r['shape']['name']} shape, {r['run']['samples']} samples, lengths median "
-            f"{lengths['median']:.0f} mean {lengths['mean']:.0f}, {lengths['at_cap']} at {r['run']['max_tokens']}): "
-            f"{tail['seconds']:.1f} s, {tail['tokens_per_s'] / 1e3:.1f}k tok/s, utilization "
-            f"{100 * r['utilization']:.0f}% of a full batch's {r['full_batch']['tokens_per_s'] / 1e3:.1f}k tok/s "
-            f"(at most {100 * r['hbm_floor']['utilization_ceiling']:.0f}% at the HBM roofline); "
-            f"decode {probes}")
+    probes = ", ".join(
+        f"{name} {p['ms_per_decode_step']:.3g} ms/step ({100 * p['roofline_fraction']:.0f}% of {p['roofline_ms']:.3g} ms)"
+        for name, p in r["roofline"].items()
+    )
+    return (
+        f"rollout tail ({r['shape']['name']} shape, {r['run']['samples']} samples, lengths median "
+        f"{lengths['median']:.0f} mean {lengths['mean']:.0f}, {lengths['at_cap']} at {r['run']['max_tokens']}): "
+        f"{tail['seconds']:.1f} s, {tail['tokens_per_s'] / 1e3:.1f}k tok/s, utilization "
+        f"{100 * r['utilization']:.0f}% of a full batch's {r['full_batch']['tokens_per_s'] / 1e3:.1f}k tok/s "
+        f"(at most {100 * r['hbm_floor']['utilization_ceiling']:.0f}% at the HBM roofline); "
+        f"decode {probes}"
+    )
 
 
 def main_tail(args) -> None:
@@ -295,14 +371,19 @@ def main_tail(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.rollout_throughput", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default="b256,b64,long,shared",
-                        help="comma-separated subset of " + ",".join(CASES) + "; or tail, alone")
+    parser.add_argument(
+        "--cases", default="b256,b64,long,shared", help="comma-separated subset of " + ",".join(CASES) + "; or tail, alone"
+    )
     parser.add_argument("--peers", default="plain,static", help="transformers runs for b256/b64: plain,static or none")
     parser.add_argument("--long-hf", action="store_true", help="also run HF plain on the long case (minutes)")
     parser.add_argument("--max-decode-steps", type=int, default=16, help="decode steps per host round trip")
     parser.add_argument("--no-compile-decode", action="store_true", help="run our decode forward uncompiled")
-    parser.add_argument("--out", type=pathlib.Path, default=None,
-                        help="JSON output path (default bench/results/rollout.json, or rollout_tail.json)")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="JSON output path (default bench/results/rollout.json, or rollout_tail.json)",
+    )
     parser.add_argument("--profile", type=pathlib.Path, default=None, help="write a decode kernel profile here")
     parser.add_argument("--cpu-smoke", action="store_true", help="--cases tail on a tiny shape on CPU")
     args = parser.parse_args(argv)
@@ -322,8 +403,13 @@ def main(argv: list[str] | None = None) -> None:
 
     hf, ours = build_models()
     start = time.perf_counter()
-    engine = NativeEngine(ours, max_kv_tokens=1 << 20, max_num_seqs=256, max_decode_steps=args.max_decode_steps,
-                          compile_decode=not args.no_compile_decode)
+    engine = NativeEngine(
+        ours,
+        max_kv_tokens=1 << 20,
+        max_num_seqs=256,
+        max_decode_steps=args.max_decode_steps,
+        compile_decode=not args.no_compile_decode,
+    )
     del ours
     init_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -333,15 +419,23 @@ def main(argv: list[str] | None = None) -> None:
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in engine.startup_seconds.items())
     print(f"engine ready: init {init_s:.1f} s ({parts}), warm-up {warmup_s:.1f} s", flush=True)
     results = {
-        **machine(), "model": HF_CONFIG,
-        "engine": {"init_seconds": init_s, "init_parts_seconds": engine.startup_seconds,
-                   "warmup_seconds": warmup_s, "memory": engine.memory_stats(),
-                   "max_decode_steps": args.max_decode_steps, "compile_decode": not args.no_compile_decode},
+        **machine(),
+        "model": HF_CONFIG,
+        "engine": {
+            "init_seconds": init_s,
+            "init_parts_seconds": engine.startup_seconds,
+            "warmup_seconds": warmup_s,
+            "memory": engine.memory_stats(),
+            "max_decode_steps": args.max_decode_steps,
+            "compile_decode": not args.no_compile_decode,
+        },
         "cases": {},
     }
     for case in cases:
-        results["cases"][case] = {"shape": dict(zip(("prompts", "n", "prompt_tokens", "output_tokens"), CASES[case])),
-                                  "ours": run_ours(engine, case)}
+        results["cases"][case] = {
+            "shape": dict(zip(("prompts", "n", "prompt_tokens", "output_tokens"), CASES[case])),
+            "ours": run_ours(engine, case),
+        }
         print(f"{case} ours: {results['cases'][case]['ours']}", flush=True)
     if args.profile:
         profile_decode(engine, args.profile)
@@ -361,8 +455,10 @@ def main(argv: list[str] | None = None) -> None:
     parts = []
     for case, r in results["cases"].items():
         o = r["ours"]
-        line = f"{case} {o['tokens_per_s'] / 1e3:.1f}k tok/s {o['ms_per_decode_step']:.2f} ms/step " \
-               f"{100 * o['roofline_fraction']:.0f}% roofline"
+        line = (
+            f"{case} {o['tokens_per_s'] / 1e3:.1f}k tok/s {o['ms_per_decode_step']:.2f} ms/step "
+            f"{100 * o['roofline_fraction']:.0f}% roofline"
+        )
         for peer in ("hf_static", "hf_plain"):
             if peer in r:
                 line += f", {o['tokens_per_s'] / r[peer]['tokens_per_s']:.1f}x {peer}"

@@ -54,8 +54,9 @@ RESULTS = RESULTS_DIR / "startup.json"
 TOY_STEPS = 10
 GENERATE = dict(prompts=256, prompt_tokens=128, new_tokens=256)
 SMOKE_GENERATE = dict(prompts=8, prompt_tokens=16, new_tokens=8)
-SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2)
+SMOKE_SHAPE = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 CASES = ("toy", "generate", "generate_compiled", "rollout_engine")
 NAMED_CASES = ("qwen3_4b", "pinning")
 """Cases that run only when --cases names them (minutes of GPU time, tens of GB of host memory)."""
@@ -86,8 +87,7 @@ print(seconds)
 def cache_env(root: pathlib.Path) -> dict:
     """An environment whose compile caches and colocate cache live under `root`."""
     env = dict(os.environ)
-    for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-                     ("COLOCATE_CACHE", "colocate")):
+    for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("COLOCATE_CACHE", "colocate")):
         env[var] = str(root / sub)
     return env
 
@@ -98,15 +98,15 @@ def timed_run(cmd: list[str], env: dict, log: pathlib.Path, timeout: float = 550
         done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} failed (rc {done.returncode}); last lines:\n"
-                           + "\n".join(log.read_text().splitlines()[-15:]))
+        raise RuntimeError(
+            f"{' '.join(cmd[:4])} failed (rc {done.returncode}); last lines:\n" + "\n".join(log.read_text().splitlines()[-15:])
+        )
     return seconds
 
 
 def memory_saver_preload(config: pathlib.Path, env: dict) -> dict:
     """The LD_PRELOAD that launch.sh sets on a GPU machine (the engine's pausable CUDA graphs)."""
-    out = subprocess.run(module_command("colocate.memory_saver", str(config)), env=env, cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run(module_command("colocate.memory_saver", str(config)), env=env, cwd=ROOT, capture_output=True, text=True)
     preload = out.stdout.strip()
     return {**env, "LD_PRELOAD": preload} if out.returncode == 0 and preload else env
 
@@ -115,12 +115,20 @@ def run_toy(work: pathlib.Path, env: dict, label: str) -> dict:
     return run_loop(work, env, f"toy_{label}", ROOT / "configs" / "default.yaml", TOY_STEPS)
 
 
-def run_loop(work: pathlib.Path, env: dict, name: str, config: pathlib.Path, steps: int,
-             timeout: float = 550) -> dict:
+def run_loop(work: pathlib.Path, env: dict, name: str, config: pathlib.Path, steps: int, timeout: float = 550) -> dict:
     """`python -m colocate.train` on this config for `steps` steps: wall time, start-up phases."""
     out_dir = work / name
-    cmd = module_command("colocate.train", "--config", str(config), "--output-dir", str(out_dir),
-                         "--train.num_rollout", str(steps), "--logging.console", "False")
+    cmd = module_command(
+        "colocate.train",
+        "--config",
+        str(config),
+        "--output-dir",
+        str(out_dir),
+        "--train.num_rollout",
+        str(steps),
+        "--logging.console",
+        "False",
+    )
     env = memory_saver_preload(config, env)  # before the clock starts: it runs a process of its own
     start = time.time()
     wall = timed_run(cmd, env, work / f"{name}.log", timeout)
@@ -134,10 +142,16 @@ def run_loop(work: pathlib.Path, env: dict, name: str, config: pathlib.Path, ste
     # What the logged phases leave out: before step 0, the process's spawn and what its phases do
     # not cover (where /proc is missing, the interpreter and imports too); after the last step, the
     # engine's shutdown, the process group's teardown and the exit.
-    outside = {"before_startup": first_done - top - rows[0]["perf/step_time"],
-               "after_last_step": end - rows[-1]["time"]}
-    return {"wall_s": wall, "startup_s": top, "phases_s": startup, "outside_s": outside,
-            "first_step_done_s": first_done, "steps_s": rows[-1]["time"] - rows[0]["time"], "steps": len(rows)}
+    outside = {"before_startup": first_done - top - rows[0]["perf/step_time"], "after_last_step": end - rows[-1]["time"]}
+    return {
+        "wall_s": wall,
+        "startup_s": top,
+        "phases_s": startup,
+        "outside_s": outside,
+        "first_step_done_s": first_done,
+        "steps_s": rows[-1]["time"] - rows[0]["time"],
+        "steps": len(rows),
+    }
 
 
 def write_4b_inputs(work: pathlib.Path, smoke: bool) -> pathlib.Path:
@@ -149,10 +163,12 @@ def write_4b_inputs(work: pathlib.Path, smoke: bool) -> pathlib.Path:
     model_dir, prompts = e2e.write_inputs(work / "qwen3_4b_inputs", shape, batch["prompts"])
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the weights were drawn on the GPU: the runs need that memory
-    cfg = e2e.ours_config(work, model_dir, prompts, shape, "qwen3_4b", offload=not smoke, compile=False,
-                          budget=None, num_steps=1)
-    cfg["rollout"].update(rollout_batch_size=batch["prompts"], n_samples_per_prompt=batch["samples_per_prompt"],
-                          max_response_len=batch["response_tokens"])
+    cfg = e2e.ours_config(work, model_dir, prompts, shape, "qwen3_4b", offload=not smoke, compile=False, budget=None, num_steps=1)
+    cfg["rollout"].update(
+        rollout_batch_size=batch["prompts"],
+        n_samples_per_prompt=batch["samples_per_prompt"],
+        max_response_len=batch["response_tokens"],
+    )
     cfg["model"]["gradient_checkpointing"] = not smoke
     config = work / "qwen3_4b.yaml"
     config.write_text(yaml.safe_dump(cfg))
@@ -168,8 +184,9 @@ def run_pinning() -> dict:
     """Seconds and GB/s to pin PIN_GIB GiB in 1 GiB pieces, per number of helper threads."""
     out = {}
     for threads in PIN_THREADS:
-        done = subprocess.run([sys.executable, "-c", PIN_CODE, str(PIN_GIB), str(threads)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", PIN_CODE, str(PIN_GIB), str(threads)], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
         if done.returncode != 0:
             raise RuntimeError(f"pinning with {threads} threads failed (rc {done.returncode}):\n{done.stderr[-2000:]}")
         seconds = float(done.stdout.split()[-1])
@@ -197,9 +214,20 @@ def write_generate_inputs(work: pathlib.Path, smoke: bool) -> tuple[pathlib.Path
 
 def run_generate(work: pathlib.Path, env: dict, label: str, inputs, new_tokens: int, compile_decode: str) -> dict:
     model_dir, prompts = inputs
-    cmd = module_command("colocate.generate", "--model", str(model_dir), "--prompts", str(prompts),
-                         "--out", str(work / f"generate_{label}.jsonl"), "--max-new-tokens", str(new_tokens),
-                         "--ignore-eos", "--compile-decode", compile_decode)
+    cmd = module_command(
+        "colocate.generate",
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(work / f"generate_{label}.jsonl"),
+        "--max-new-tokens",
+        str(new_tokens),
+        "--ignore-eos",
+        "--compile-decode",
+        compile_decode,
+    )
     log = work / f"generate_{label}.log"
     wall = timed_run(cmd, env, log)
     rows = [json.loads(line) for line in (work / f"generate_{label}.jsonl").read_text().splitlines()]
@@ -217,15 +245,19 @@ def run_rollout_engine(work: pathlib.Path, env: dict, label: str, smoke: bool) -
     wall = timed_run(cmd, child_env(env=env), work / f"rollout_{label}.log")
     r = json.loads(out.read_text())
     speed = r["tail"] if smoke else r["cases"]["b256"]["ours"]
-    return {"wall_s": wall, "init_s": r["engine"]["init_seconds"], "init_parts_s": r["engine"]["init_parts_seconds"],
-            "tokens_per_s": speed["tokens_per_s"]}
+    return {
+        "wall_s": wall,
+        "init_s": r["engine"]["init_seconds"],
+        "init_parts_s": r["engine"]["init_parts_seconds"],
+        "tokens_per_s": speed["tokens_per_s"],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.startup",
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=",".join(CASES),
-                        help=f"comma-separated subset of {','.join(CASES + NAMED_CASES)}")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.startup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES + NAMED_CASES)}")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--cpu-smoke", action="store_true", help="generate on a tiny shape")
     args = parser.parse_args(argv)
@@ -236,14 +268,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench.startup: no CUDA device here; --cpu-smoke runs the tiny shapes on CPU")
     if "pinning" in cases and args.cpu_smoke:
         raise SystemExit("bench.startup: the pinning case needs CUDA (no --cpu-smoke)")
-    result = {**machine(), "toy_steps": TOY_STEPS,
-              "generate": SMOKE_GENERATE if args.cpu_smoke else GENERATE}
+    result = {**machine(), "toy_steps": TOY_STEPS, "generate": SMOKE_GENERATE if args.cpu_smoke else GENERATE}
     if "qwen3_4b" in cases:
         result["qwen3_4b_batch"] = SMOKE_BATCH_4B if args.cpu_smoke else BATCH_4B
     with tempfile.TemporaryDirectory(prefix="colocate_startup_") as tmp:
         work = pathlib.Path(tmp)
-        inputs = (write_generate_inputs(work, args.cpu_smoke)
-                  if any(c.startswith("generate") for c in cases) else None)
+        inputs = write_generate_inputs(work, args.cpu_smoke) if any(c.startswith("generate") for c in cases) else None
         config_4b = write_4b_inputs(work, args.cpu_smoke) if "qwen3_4b" in cases else None
         for case in cases:
             if case == "pinning":
@@ -259,8 +289,14 @@ def main(argv: list[str] | None = None) -> None:
                 elif case == "rollout_engine":
                     r = run_rollout_engine(work, env, label, args.cpu_smoke)
                 else:
-                    r = run_generate(work, env, f"{case}_{label}", inputs, result["generate"]["new_tokens"],
-                                     "on" if case == "generate_compiled" else "auto")
+                    r = run_generate(
+                        work,
+                        env,
+                        f"{case}_{label}",
+                        inputs,
+                        result["generate"]["new_tokens"],
+                        "on" if case == "generate_compiled" else "auto",
+                    )
                 result[f"{case}_{label}"] = r
                 parts = {**r.get("init_parts_s", {}), **(r["phases_s"] if case == "qwen3_4b" else {})}
                 shown = {k: v for k, v in {**r, **parts}.items() if isinstance(v, float)}

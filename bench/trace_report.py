@@ -9,10 +9,15 @@ import pathlib
 import re
 import tempfile
 
-CATEGORIES = [("inductor", r"^triton_"), ("attention", r"flash|fmha|cudnn_sdpa|sm90_flash"),
-              ("gemm", r"gemm|cutlass|nvjet|xmma|cublas"),
-              ("log-prob kernel", r"^(stats|grad)$"), ("nccl", r"nccl"), ("foreach", r"multi_tensor|adam"),
-              ("memcpy/memset", r"^Memcpy|^Memset")]
+CATEGORIES = [
+    ("inductor", r"^triton_"),
+    ("attention", r"flash|fmha|cudnn_sdpa|sm90_flash"),
+    ("gemm", r"gemm|cutlass|nvjet|xmma|cublas"),
+    ("log-prob kernel", r"^(stats|grad)$"),
+    ("nccl", r"nccl"),
+    ("foreach", r"multi_tensor|adam"),
+    ("memcpy/memset", r"^Memcpy|^Memset"),
+]
 """Kernel name -> category, first match (foreach: the optimizer, clipping, some FSDP copies;
 attention before gemm: flash kernel names carry cutlass types)."""
 
@@ -26,8 +31,11 @@ PHASES = ("train.prepare", "micro_batch.inputs", "micro_batch.forward", "micro_b
 
 
 def device_spans(events: list[dict]) -> list[tuple[float, float, str]]:
-    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                  if e.get("ph") == "X" and "dur" in e and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    return sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("ph") == "X" and "dur" in e and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
 
 
 def busy_us(gpu: list[tuple[float, float, str]]) -> float:
@@ -78,22 +86,30 @@ def timeline(events: list[dict]) -> tuple[list[str], dict]:
     def ms(d: dict) -> str:
         return ", ".join(f"{k} {v / 1e3:.1f}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]))
 
-    lines = [f"window {window / 1e3:.1f} ms, device busy {busy / 1e3:.1f} ms, idle {1 - busy / window:.1%} "
-             f"({stalls / 1e3:.1f} ms of it in gaps over 0.1 ms)",
-             f"device idle by trainer phase (ms): {ms(idle)}",
-             f"device time by kernel category (ms, streams overlap): {ms(by_category)}",
-             "largest idle gaps: at ms, length ms, phase | host op running when the device ran dry "
-             "| longest host ops started in the gap (ms)"]
+    lines = [
+        f"window {window / 1e3:.1f} ms, device busy {busy / 1e3:.1f} ms, idle {1 - busy / window:.1%} "
+        f"({stalls / 1e3:.1f} ms of it in gaps over 0.1 ms)",
+        f"device idle by trainer phase (ms): {ms(idle)}",
+        f"device time by kernel category (ms, streams overlap): {ms(by_category)}",
+        "largest idle gaps: at ms, length ms, phase | host op running when the device ran dry "
+        "| longest host ops started in the gap (ms)",
+    ]
     for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:12]:
         phase = next((e["name"] for e in phases if e["ts"] <= a < e["ts"] + e["dur"]), "-")
         running = [e for e in host if e["ts"] <= a < e["ts"] + e["dur"]]
         inner = max(running, key=lambda e: e["ts"])["name"] if running else "-"
         started = sorted((e for e in host if a < e["ts"] < b), key=lambda e: -e["dur"])[:3]
-        lines.append(f"  {(a - begin) / 1e3:8.1f} {(b - a) / 1e3:6.2f}  {phase:20s} | {inner} | "
-                     + "; ".join(f"{e['name']} ({e['dur'] / 1e3:.2f})" for e in started))
-    summary = dict(window_ms=window / 1e3, gpu_idle_fraction=1 - busy / window, idle_ms_in_long_gaps=stalls / 1e3,
-                   idle_ms_by_phase={k: v / 1e3 for k, v in idle.items()},
-                   device_ms_by_category={k: v / 1e3 for k, v in by_category.items()})
+        lines.append(
+            f"  {(a - begin) / 1e3:8.1f} {(b - a) / 1e3:6.2f}  {phase:20s} | {inner} | "
+            + "; ".join(f"{e['name']} ({e['dur'] / 1e3:.2f})" for e in started)
+        )
+    summary = dict(
+        window_ms=window / 1e3,
+        gpu_idle_fraction=1 - busy / window,
+        idle_ms_in_long_gaps=stalls / 1e3,
+        idle_ms_by_phase={k: v / 1e3 for k, v in idle.items()},
+        device_ms_by_category={k: v / 1e3 for k, v in by_category.items()},
+    )
     return lines, summary
 
 
@@ -101,5 +117,8 @@ def matmul_shapes(prof, row_limit: int = 40) -> list[str]:
     """aten::mm / aten::addmm grouped by input shapes, by device time: one line each."""
     rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm")]
     rows.sort(key=lambda e: e.device_time_total, reverse=True)
-    return [f"  {e.key:12s} {e.count:6d} calls {e.device_time_total / 1e3:9.1f} ms "
-            f"{e.device_time_total / max(e.count, 1) / 1e3:7.3f} ms/call  {e.input_shapes}" for e in rows[:row_limit]]
+    return [
+        f"  {e.key:12s} {e.count:6d} calls {e.device_time_total / 1e3:9.1f} ms "
+        f"{e.device_time_total / max(e.count, 1) / 1e3:7.3f} ms/call  {e.input_shapes}"
+        for e in rows[:row_limit]
+    ]

@@ -22,8 +22,10 @@ from bench.common import timed
 from bench.train_plans import model_flops
 from colocate.models import ArchConfig
 
-TORCHTITAN = ("torchtitan 0.3.0 has no Qwen2 model: its only dense Qwen (qwen3) always adds q/k RMSNorm and "
-              "has no q/k/v bias, so it cannot build the Qwen2.5 shapes trained here")
+TORCHTITAN = (
+    "torchtitan 0.3.0 has no Qwen2 model: its only dense Qwen (qwen3) always adds q/k RMSNorm and "
+    "has no q/k/v bias, so it cannot build the Qwen2.5 shapes trained here"
+)
 """Why torchtitan (PyPI release 0.3.0) is not run beside the transformers peers."""
 CHUNK_ROWS = 4096
 """Rows (tokens) of logits the chunked cross-entropy forms at once: 2.3 GiB in fp32 at 151,936 vocab."""
@@ -44,9 +46,11 @@ class PeerPlan(NamedTuple):
         return self._asdict()
 
     def label(self) -> str:
-        return (f"{self.num_sequences} x {self.sequence_length}, "
-                f"{'every layer recomputed' if self.recompute else 'no recompute'}, "
-                f"{'compiled' if self.compile else 'eager'}, {'fused loss' if self.fused_loss else 'fp32 logits'}")
+        return (
+            f"{self.num_sequences} x {self.sequence_length}, "
+            f"{'every layer recomputed' if self.recompute else 'no recompute'}, "
+            f"{'compiled' if self.compile else 'eager'}, {'fused loss' if self.fused_loss else 'fp32 logits'}"
+        )
 
     @staticmethod
     def of(run: dict) -> "PeerPlan":
@@ -60,13 +64,27 @@ GRID = {
     "1.5b": [PeerPlan(False, 8, True), PeerPlan(True, 16, True), PeerPlan(False, 4, True), PeerPlan(False, 8, False)],
     "0.5b": [PeerPlan(False, 8, True), PeerPlan(False, 16, True), PeerPlan(True, 16, True)],
 }
-SMOKE_SHAPE = ArchConfig(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, attention_bias=True)
+SMOKE_SHAPE = ArchConfig(
+    model_type="qwen2",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    attention_bias=True,
+)
 """`bench/trainer_throughput.py --cpu-smoke`: the peers on a tiny Qwen2 in fp32 on CPU, 512 tokens a step."""
 SMOKE_DEFAULT = DEFAULT._replace(sequence_length=64)
-SMOKE_GRID = [PeerPlan(False, 8, False, sequence_length=64), PeerPlan(True, 8, True, sequence_length=64),
-              PeerPlan(True, 4, False, sequence_length=64)]
+SMOKE_GRID = [
+    PeerPlan(False, 8, False, sequence_length=64),
+    PeerPlan(True, 8, True, sequence_length=64),
+    PeerPlan(True, 4, False, sequence_length=64),
+]
 SMOKE_CHUNK_ROWS = 100
 """Chunks of the smoke's 504 loss rows: five full ones and a ragged last one."""
 
@@ -82,7 +100,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, n, chunk_rows):
-            h, t = hidden[start:start + chunk_rows], targets[start:start + chunk_rows]
+            h, t = hidden[start : start + chunk_rows], targets[start : start + chunk_rows]
             logits = (h @ weight.T).float()  # (C, V)
             lse = torch.logsumexp(logits, dim=-1)
             rows = torch.arange(len(t), device=t.device)
@@ -90,7 +108,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             grad[rows, t] -= 1.0
             grad = grad.div_(n).to(hidden.dtype)
-            grad_hidden[start:start + chunk_rows] = grad @ weight
+            grad_hidden[start : start + chunk_rows] = grad @ weight
             grad_weight += grad.T @ h  # (V, H), in the compute dtype, summed in fp32
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss / n
@@ -101,8 +119,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
 
 
-def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                 chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int = CHUNK_ROWS
+) -> torch.Tensor:
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_rows)
 
 
@@ -146,17 +165,24 @@ def hf_model(mcfg: ArchConfig, device: torch.device) -> nn.Module:
     """transformers' Qwen2 of this shape, sdpa attention, fp32 weights, seeded random init."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=mcfg.vocab_size, hidden_size=mcfg.hidden_size,
-                      intermediate_size=mcfg.intermediate_size, num_hidden_layers=mcfg.num_hidden_layers,
-                      num_attention_heads=mcfg.num_attention_heads, num_key_value_heads=mcfg.num_key_value_heads,
-                      tie_word_embeddings=True, max_position_embeddings=32768)
+    cfg = Qwen2Config(
+        vocab_size=mcfg.vocab_size,
+        hidden_size=mcfg.hidden_size,
+        intermediate_size=mcfg.intermediate_size,
+        num_hidden_layers=mcfg.num_hidden_layers,
+        num_attention_heads=mcfg.num_attention_heads,
+        num_key_value_heads=mcfg.num_key_value_heads,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    )
     torch.manual_seed(0)
     with device:
         return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
 
 
-def parallelize(lm: nn.Module, plan: PeerPlan, compute_dtype: torch.dtype, device: torch.device,
-                chunk_rows: int = CHUNK_ROWS) -> nn.Module:
+def parallelize(
+    lm: nn.Module, plan: PeerPlan, compute_dtype: torch.dtype, device: torch.device, chunk_rows: int = CHUNK_ROWS
+) -> nn.Module:
     """Checkpointing, compile, fully_shard per decoder layer, then the root: the loss module."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -175,8 +201,16 @@ def parallelize(lm: nn.Module, plan: PeerPlan, compute_dtype: torch.dtype, devic
     return fully_shard(loss, mp_policy=mp)
 
 
-def bench_peer(mcfg: ArchConfig, plan: PeerPlan, steps: int, step_tokens: int, peak_tflops: float,
-               device: torch.device, compute_dtype: torch.dtype = torch.bfloat16, chunk_rows: int = CHUNK_ROWS) -> dict:
+def bench_peer(
+    mcfg: ArchConfig,
+    plan: PeerPlan,
+    steps: int,
+    step_tokens: int,
+    peak_tflops: float,
+    device: torch.device,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    chunk_rows: int = CHUNK_ROWS,
+) -> dict:
     """Steps of step_tokens / (num_sequences x sequence_length) accumulated micro-batches of
     random tokens, after 2 untimed ones; the first micro-batch's loss and the first step's
     gradient norm (before any update: every plan starts from the same weights)."""
@@ -209,11 +243,17 @@ def bench_peer(mcfg: ArchConfig, plan: PeerPlan, steps: int, step_tokens: int, p
     num_logits = ids.numel() - (plan.num_sequences if plan.fused_loss else 0)
     palm, causal = model_flops(mcfg, [plan.sequence_length] * plan.num_sequences, num_logits)
     micro_batches = accumulate * steps
-    return dict(loss_kind=fused_loss_kind(device) if plan.fused_loss else "fp32 logits",
-                micro_batches_per_step=accumulate, tokens_per_s=ids.numel() * micro_batches / seconds,
-                mfu=palm * micro_batches / seconds / (peak_tflops * 1e12),
-                mfu_causal=causal * micro_batches / seconds / (peak_tflops * 1e12),
-                peak_gib=peak, warmup_s=warmup_s, first_loss=losses[0].item(), first_grad_norm=grad_norms[0].item())
+    return dict(
+        loss_kind=fused_loss_kind(device) if plan.fused_loss else "fp32 logits",
+        micro_batches_per_step=accumulate,
+        tokens_per_s=ids.numel() * micro_batches / seconds,
+        mfu=palm * micro_batches / seconds / (peak_tflops * 1e12),
+        mfu_causal=causal * micro_batches / seconds / (peak_tflops * 1e12),
+        peak_gib=peak,
+        warmup_s=warmup_s,
+        first_loss=losses[0].item(),
+        first_grad_norm=grad_norms[0].item(),
+    )
 
 
 def best(peers: list[dict]) -> dict | None:

@@ -17,10 +17,8 @@ GROUP = 4
 STEP_TOKENS = 131072
 """Tokens of one optimizer step: an RL rollout batch, e.g. 32 samples of up to 4k tokens."""
 SHAPES = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960),
 }
 
 
@@ -39,18 +37,32 @@ class Plan(NamedTuple):
     offload: bool = False
 
     def fields(self) -> dict:
-        return dict(full_fraction=round(self.full, 4), rest=self.rest, full_keeps_attention=self.keep_attention,
-                    max_tokens_per_gpu=self.max_tokens, keep_gathered=self.keep_gathered, offload=self.offload)
+        return dict(
+            full_fraction=round(self.full, 4),
+            rest=self.rest,
+            full_keeps_attention=self.keep_attention,
+            max_tokens_per_gpu=self.max_tokens,
+            keep_gathered=self.keep_gathered,
+            offload=self.offload,
+        )
 
     def label(self) -> str:
-        return (f"full {self.full:.2f}{' keeping attention' if self.keep_attention else ''} + {self.rest}, "
-                f"{self.max_tokens} tok/mb{'' if self.keep_gathered else ', resharded'}"
-                f"{', optimizer state offloaded' if self.offload else ''}")
+        return (
+            f"full {self.full:.2f}{' keeping attention' if self.keep_attention else ''} + {self.rest}, "
+            f"{self.max_tokens} tok/mb{'' if self.keep_gathered else ', resharded'}"
+            f"{', optimizer state offloaded' if self.offload else ''}"
+        )
 
     @staticmethod
     def of(run: dict) -> "Plan":
-        return Plan(run["full_fraction"], run["rest"], run["full_keeps_attention"], run["max_tokens_per_gpu"],
-                    run.get("keep_gathered", True), run.get("offload", False))
+        return Plan(
+            run["full_fraction"],
+            run["rest"],
+            run["full_keeps_attention"],
+            run["max_tokens_per_gpu"],
+            run.get("keep_gathered", True),
+            run.get("offload", False),
+        )
 
 
 # Most informative first; each block kind ("none", "ops", "mlp", "full", "attention") compiles once,
@@ -60,10 +72,16 @@ class Plan(NamedTuple):
 # offloaded between steps (11.5 GiB at 1.5B) smaller micro-batches pay off: activations shrink with
 # the tokens, so fewer blocks need recomputing, and a 20-22k-token GEMM loses little against 32k.
 GRID = {
-    "1.5b": [Plan(0.0, "none", False, 32768), Plan(0.82, "ops", True, 32768),
-             Plan(0.11, "ops", True, 22528, offload=True), Plan(0.18, "ops", True, 22528, offload=True),
-             Plan(0.0, "ops", True, 20480, offload=True), Plan(0.07, "ops", True, 20480, offload=True),
-             Plan(0.25, "ops", True, 26624, offload=True), Plan(0.46, "ops", True, 32768, offload=True)],
+    "1.5b": [
+        Plan(0.0, "none", False, 32768),
+        Plan(0.82, "ops", True, 32768),
+        Plan(0.11, "ops", True, 22528, offload=True),
+        Plan(0.18, "ops", True, 22528, offload=True),
+        Plan(0.0, "ops", True, 20480, offload=True),
+        Plan(0.07, "ops", True, 20480, offload=True),
+        Plan(0.25, "ops", True, 26624, offload=True),
+        Plan(0.46, "ops", True, 32768, offload=True),
+    ],
     "0.5b": [Plan(0.0, "none", False, 32768), Plan(0.0, "none", False, 16384)],
 }
 
@@ -90,8 +108,16 @@ def best_plan(entry: dict) -> dict | None:
 
 def model_config(name: str) -> ArchConfig:
     s = SHAPES[name]
-    return ArchConfig(model_type="qwen2", vocab_size=151936, head_dim=s["hidden_size"] // s["num_attention_heads"],
-                       rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, attention_bias=True, **s)
+    return ArchConfig(
+        model_type="qwen2",
+        vocab_size=151936,
+        head_dim=s["hidden_size"] // s["num_attention_heads"],
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        **s,
+    )
 
 
 def num_params(cfg: ArchConfig) -> int:
@@ -119,6 +145,7 @@ def make_samples(rng: random.Random, vocab: int, step_tokens: int) -> list[Sampl
             return samples
         group = len(samples) // GROUP
         for j, n in enumerate(lengths):
-            samples.append(Sample(prompt, [rng.randrange(vocab) for _ in range(n)], [0.0] * n, [1] * n, group, j,
-                                  reward=rng.random()))
+            samples.append(
+                Sample(prompt, [rng.randrange(vocab) for _ in range(n)], [0.0] * n, [1] * n, group, j, reward=rng.random())
+            )
             total += len(prompt) + n

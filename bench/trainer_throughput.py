@@ -117,12 +117,15 @@ def _graphs() -> tuple[int, int]:
 def _trainer(name: str, plan: Plan, info, num_samples: int, method: str = "pinned", compiled: bool = True):
     from colocate.trainer import Trainer
 
-    return Trainer(trainer_config(num_samples, plan, method, compiled), info, model_config=model_config(name),
-                   checkpointing=ActivationCheckpointing(plan.full, plan.rest, plan.keep_attention))
+    return Trainer(
+        trainer_config(num_samples, plan, method, compiled),
+        info,
+        model_config=model_config(name),
+        checkpointing=ActivationCheckpointing(plan.full, plan.rest, plan.keep_attention),
+    )
 
 
-def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None, step_tokens: int
-               ) -> tuple[dict, object]:
+def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None, step_tokens: int) -> tuple[dict, object]:
     mcfg = model_config(name)
     rng = random.Random(0)
     batches = [make_samples(rng, mcfg.vocab_size, step_tokens) for _ in range(2 + steps)]
@@ -159,16 +162,26 @@ def bench_ours(name: str, plan: Plan, steps: int, info, limit_gib: float | None,
         flops, causal = flops + palm, causal + caus
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     seconds = sum(times)
-    return dict(compile=True, **plan.fields(),
-                num_micro_batches=max(len(p) for p in parts),
-                max_micro_batch_tokens=max(sum(len(batches[2 + i][j].tokens) for j in q)
-                                           for i, p in enumerate(parts) for q in p),
-                tokens_per_s=tokens / seconds, mfu=_mfu(flops, seconds), mfu_causal=_mfu(causal, seconds),
-                peak_gib=peak, fits=None if limit_gib is None else peak <= limit_gib,
-                warmup_s=warmup_s, step_s=times, gc_s=gc_s, step_tokens=tokens / steps,
-                graphs_compiled=warm_graphs[0] - graphs[0], graph_breaks=warm_graphs[1] - graphs[1],
-                graphs_compiled_while_measured=_graphs()[0] - warm_graphs[0],
-                grad_norm=metrics.get("train/grad_norm"), offload_s=offload_s), trainer
+    return dict(
+        compile=True,
+        **plan.fields(),
+        num_micro_batches=max(len(p) for p in parts),
+        max_micro_batch_tokens=max(sum(len(batches[2 + i][j].tokens) for j in q) for i, p in enumerate(parts) for q in p),
+        tokens_per_s=tokens / seconds,
+        mfu=_mfu(flops, seconds),
+        mfu_causal=_mfu(causal, seconds),
+        peak_gib=peak,
+        fits=None if limit_gib is None else peak <= limit_gib,
+        warmup_s=warmup_s,
+        step_s=times,
+        gc_s=gc_s,
+        step_tokens=tokens / steps,
+        graphs_compiled=warm_graphs[0] - graphs[0],
+        graph_breaks=warm_graphs[1] - graphs[1],
+        graphs_compiled_while_measured=_graphs()[0] - warm_graphs[0],
+        grad_norm=metrics.get("train/grad_norm"),
+        offload_s=offload_s,
+    ), trainer
 
 
 def bench_offload(trainer, rounds: int = 2) -> list[dict]:
@@ -177,8 +190,15 @@ def bench_offload(trainer, rounds: int = 2) -> list[dict]:
     for _ in range(rounds):
         off = trainer.memory.offload(*STATE, *PARAMS)
         on = trainer.memory.onload(*STATE, *PARAMS)
-        out.append(dict(gib=off.num_bytes / 2**30, offload_s=off.seconds, onload_s=on.seconds,
-                        offload_gb_per_s=off.gb_per_s, onload_gb_per_s=on.gb_per_s))
+        out.append(
+            dict(
+                gib=off.num_bytes / 2**30,
+                offload_s=off.seconds,
+                onload_s=on.seconds,
+                offload_gb_per_s=off.gb_per_s,
+                onload_gb_per_s=on.gb_per_s,
+            )
+        )
     return out
 
 
@@ -189,8 +209,7 @@ def bench_pinned_copy(num_bytes: int, rounds: int = 3) -> dict:
     host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     to_host = statistics.median(timed(lambda: host.copy_(device, non_blocking=True)) for _ in range(rounds))
     to_device = statistics.median(timed(lambda: device.copy_(host, non_blocking=True)) for _ in range(rounds))
-    return dict(gib=num_bytes / 2**30, d2h_gb_per_s=num_bytes / to_host / 1e9,
-                h2d_gb_per_s=num_bytes / to_device / 1e9)
+    return dict(gib=num_bytes / 2**30, d2h_gb_per_s=num_bytes / to_host / 1e9, h2d_gb_per_s=num_bytes / to_device / 1e9)
 
 
 def _tms_offload(name: str, info) -> list[dict]:
@@ -224,25 +243,31 @@ def profile_plan(name: str, plan: Plan, info, trace_dir: str | None, step_tokens
     events = trace_events(prof)
     if trace_dir:
         (pathlib.Path(trace_dir) / f"train_trace_{name}.json.gz").write_bytes(
-            gzip.compress(json.dumps({"traceEvents": events}).encode()))
+            gzip.compress(json.dumps({"traceEvents": events}).encode())
+        )
     lines, summary = timeline(events)
     summary.update(device_only_step_wall_s=light_walls, device_only_busy_fraction=light_busy / sum(light_walls))
-    lines.insert(0, f"device-only trace: step walls {', '.join(f'{w:.3f}' for w in light_walls)} s, device busy "
-                    f"{light_busy:.3f} s = {summary['device_only_busy_fraction']:.1%} of the wall time")
+    lines.insert(
+        0,
+        f"device-only trace: step walls {', '.join(f'{w:.3f}' for w in light_walls)} s, device busy "
+        f"{light_busy:.3f} s = {summary['device_only_busy_fraction']:.1%} of the wall time",
+    )
     averages = prof.key_averages()
     phases = [e for e in averages if e.key in PHASES]
-    text = [f"== {name}: {plan.label()}; "
-            f"profiled step wall times {', '.join(f'{w:.3f}' for w in walls)} s", *lines,
-            "labelled phases (host ms total / device ms of kernels launched inside):",
-            *[f"  {e.key:22s} {e.cpu_time_total / 1e3:9.1f} {e.device_time_total / 1e3:9.1f}" for e in phases],
-            "top device ops by self device time:",
-            averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
-            "top scopes by device time of everything launched inside (compiled blocks, log-prob kernel, FSDP):",
-            averages.table(sort_by="device_time_total", row_limit=25, max_name_column_width=70),
-            "top host ops by self host time:",
-            averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
-            "matmuls by input shapes (which GEMM each kernel time belongs to):",
-            *matmul_shapes(prof)]
+    text = [
+        f"== {name}: {plan.label()}; profiled step wall times {', '.join(f'{w:.3f}' for w in walls)} s",
+        *lines,
+        "labelled phases (host ms total / device ms of kernels launched inside):",
+        *[f"  {e.key:22s} {e.cpu_time_total / 1e3:9.1f} {e.device_time_total / 1e3:9.1f}" for e in phases],
+        "top device ops by self device time:",
+        averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
+        "top scopes by device time of everything launched inside (compiled blocks, log-prob kernel, FSDP):",
+        averages.table(sort_by="device_time_total", row_limit=25, max_name_column_width=70),
+        "top host ops by self host time:",
+        averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70),
+        "matmuls by input shapes (which GEMM each kernel time belongs to):",
+        *matmul_shapes(prof),
+    ]
     return "\n".join(text), dict(summary, step_wall_s=walls, plan=plan.fields())
 
 
@@ -250,8 +275,16 @@ def _time_left(budget_s: float) -> float:
     return budget_s - (time.monotonic() - START)
 
 
-def run_peers(label: str, mcfg, plans: list, args, device: torch.device, dtype: torch.dtype,
-              reserve_s: float, chunk_rows: int = train_peers.CHUNK_ROWS) -> list[dict]:
+def run_peers(
+    label: str,
+    mcfg,
+    plans: list,
+    args,
+    device: torch.device,
+    dtype: torch.dtype,
+    reserve_s: float,
+    chunk_rows: int = train_peers.CHUNK_ROWS,
+) -> list[dict]:
     """The default peer (plans[0]), then the tuned peer's plans while more than reserve_s is left."""
     peers = []
     for k, plan in enumerate(plans):
@@ -259,27 +292,33 @@ def run_peers(label: str, mcfg, plans: list, args, device: torch.device, dtype: 
         if k and _time_left(args.budget_s) < reserve_s + SECONDS_PER_PEER_PLAN:
             peers.append(dict(record, skipped="time budget"))
             continue
-        run = guarded(train_peers.bench_peer, mcfg, plan, args.steps, args.step_tokens, PEAK_TFLOPS, device,
-                       dtype, chunk_rows)
+        run = guarded(train_peers.bench_peer, mcfg, plan, args.steps, args.step_tokens, PEAK_TFLOPS, device, dtype, chunk_rows)
         peers.append({**record, **run})
         if "mfu" in run:
-            print(f"  {label} peer {plan.label()} ({run['loss_kind']}): {run['mfu']:.1%} MFU, "
-                  f"{run['tokens_per_s'] / 1e3:.1f}k tok/s"
-                  + ("" if run["peak_gib"] is None else f", {run['peak_gib']:.1f} GiB"),
-                  flush=True)
+            print(
+                f"  {label} peer {plan.label()} ({run['loss_kind']}): {run['mfu']:.1%} MFU, "
+                f"{run['tokens_per_s'] / 1e3:.1f}k tok/s" + ("" if run["peak_gib"] is None else f", {run['peak_gib']:.1f} GiB"),
+                flush=True,
+            )
         free_memory()
     return peers
 
 
 def run_model(name: str, args, info, entry: dict) -> None:
     models = args.models.split(",")
-    later = 120 * len(models[models.index(name) + 1:])  # seconds kept for the models still to run
+    later = 120 * len(models[models.index(name) + 1 :])  # seconds kept for the models still to run
     reserve = later + (30 if args.profile else 0)
     plans = [int(i) for i in args.plans.split(",")] if args.plans else range(len(GRID[name]))
     peer_plans = [int(i) for i in args.peer_plans.split(",")] if args.peer_plans else range(len(train_peers.GRID[name]))
-    peers = entry["peers"] = run_peers(name, model_config(name),
-                                       [train_peers.DEFAULT, *(train_peers.GRID[name][i] for i in peer_plans)],
-                                       args, info.device, torch.bfloat16, reserve + SECONDS_PER_PLAN * len(plans))
+    peers = entry["peers"] = run_peers(
+        name,
+        model_config(name),
+        [train_peers.DEFAULT, *(train_peers.GRID[name][i] for i in peer_plans)],
+        args,
+        info.device,
+        torch.bfloat16,
+        reserve + SECONDS_PER_PLAN * len(plans),
+    )
     default = peers[0]
     limit = MEMORY_FRACTION * default["peak_gib"] if "peak_gib" in default and name in MEMORY_TARGET else None
     entry["memory_limit_gib"] = limit
@@ -291,12 +330,18 @@ def run_model(name: str, args, info, entry: dict) -> None:
         run, trainer = out if isinstance(out, tuple) else (out, None)
         entry["ours"].append(run)
         if "mfu" in run:
-            print(f"  {name} {plan.label()}: {run['mfu']:.1%} MFU, "
-                  f"{run['peak_gib']:.1f} GiB, steps {', '.join(f'{t:.3f}' for t in run['step_s'])} s "
-                  f"(garbage collection {', '.join(f'{t:.3f}' for t in run['gc_s'])} s)"
-                  + (f" [{run['graph_breaks']} graph breaks]" if run["graph_breaks"] else "")
-                  + (f" [untimed optimizer state offloads {', '.join(f'{t:.3f}' for t in run['offload_s'])} s]"
-                     if run["offload_s"] else ""), flush=True)
+            print(
+                f"  {name} {plan.label()}: {run['mfu']:.1%} MFU, "
+                f"{run['peak_gib']:.1f} GiB, steps {', '.join(f'{t:.3f}' for t in run['step_s'])} s "
+                f"(garbage collection {', '.join(f'{t:.3f}' for t in run['gc_s'])} s)"
+                + (f" [{run['graph_breaks']} graph breaks]" if run["graph_breaks"] else "")
+                + (
+                    f" [untimed optimizer state offloads {', '.join(f'{t:.3f}' for t in run['offload_s'])} s]"
+                    if run["offload_s"]
+                    else ""
+                ),
+                flush=True,
+            )
         if trainer is not None and name == "0.5b" and "offload_pinned" not in entry:
             entry["offload_pinned_reserve_s"] = trainer.memory.reserve()
             entry["offload_pinned"] = guarded(bench_offload, trainer)
@@ -325,21 +370,27 @@ def _peer(run: dict) -> str:
     if "mfu" not in run:
         return f"FAILED ({run.get('error') or run.get('skipped')})"
     peak = "" if run["peak_gib"] is None else f", {run['peak_gib']:.1f} GiB"
-    return (f"{run['mfu']:.1%} MFU ({run['mfu_causal']:.1%} causal), {run['tokens_per_s'] / 1e3:.1f}k tok/s{peak} "
-            f"({train_peers.PeerPlan.of(run).label()}, {run['micro_batches_per_step']} mb, loss: {run['loss_kind']})")
+    return (
+        f"{run['mfu']:.1%} MFU ({run['mfu_causal']:.1%} causal), {run['tokens_per_s'] / 1e3:.1f}k tok/s{peak} "
+        f"({train_peers.PeerPlan.of(run).label()}, {run['micro_batches_per_step']} mb, loss: {run['loss_kind']})"
+    )
 
 
 def _peers_summary(peers: list[dict]) -> str:
     ran = sum("mfu" in p for p in peers)
-    return (f"default peer {_peer(peers[0])} | best peer of {ran}/{len(peers)} configurations "
-            f"{_peer(train_peers.best(peers) or peers[0])}")
+    return (
+        f"default peer {_peer(peers[0])} | best peer of {ran}/{len(peers)} configurations "
+        f"{_peer(train_peers.best(peers) or peers[0])}"
+    )
 
 
 def _ratios(ours: dict, peer: dict, which: str) -> str:
     if "mfu" not in peer:
         return ""
-    return (f" | vs the {which} peer: tok/s ratio {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}, "
-            f"memory ratio {ours['peak_gib'] / peer['peak_gib']:.2f}")
+    return (
+        f" | vs the {which} peer: tok/s ratio {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}, "
+        f"memory ratio {ours['peak_gib'] / peer['peak_gib']:.2f}"
+    )
 
 
 def _summary(name: str, entry: dict) -> str:
@@ -351,17 +402,21 @@ def _summary(name: str, entry: dict) -> str:
     note = ""
     if best is None:
         best, note = max(runs, key=lambda r: r["mfu"]), " [no plan fits]"
-    line = (f"{name}: ours{note} {best['mfu']:.1%} MFU ({best['mfu_causal']:.1%} causal), "
-            f"{best['tokens_per_s'] / 1e3:.1f}k tok/s, {best['peak_gib']:.1f} GiB peak "
-            f"({Plan.of(best).label()}, {best['num_micro_batches']} mb) | {_peers_summary(peers)}"
-            f"{_ratios(best, peers[0], 'default')}{_ratios(best, best_peer, 'best')} | "
-            + (f"{sum(bool(r['fits']) for r in runs)}/{len(runs)} plans fit {entry['memory_limit_gib']:.1f} GiB"
-               if entry.get("memory_limit_gib") is not None else "no memory limit"))
+    line = (
+        f"{name}: ours{note} {best['mfu']:.1%} MFU ({best['mfu_causal']:.1%} causal), "
+        f"{best['tokens_per_s'] / 1e3:.1f}k tok/s, {best['peak_gib']:.1f} GiB peak "
+        f"({Plan.of(best).label()}, {best['num_micro_batches']} mb) | {_peers_summary(peers)}"
+        f"{_ratios(best, peers[0], 'default')}{_ratios(best, best_peer, 'best')} | "
+        + (
+            f"{sum(bool(r['fits']) for r in runs)}/{len(runs)} plans fit {entry['memory_limit_gib']:.1f} GiB"
+            if entry.get("memory_limit_gib") is not None
+            else "no memory limit"
+        )
+    )
     for key in ("offload_pinned", "offload_tms"):  # pinned: buffers reserved beforehand (offload_pinned_reserve_s)
         if isinstance(entry.get(key), list):
             last = entry[key][-1]
-            line += (f" | {key[8:]} offload {last['offload_gb_per_s']:.1f} GB/s, "
-                     f"onload {last['onload_gb_per_s']:.1f} GB/s")
+            line += f" | {key[8:]} offload {last['offload_gb_per_s']:.1f} GB/s, onload {last['onload_gb_per_s']:.1f} GB/s"
     copy = entry.get("pinned_copy")
     if isinstance(copy, dict) and "d2h_gb_per_s" in copy:
         line += f" | one pinned copy of the same bytes {copy['d2h_gb_per_s']:.1f} / {copy['h2d_gb_per_s']:.1f} GB/s"
@@ -374,16 +429,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.trainer_throughput", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1.5b,0.5b", help="comma-separated, from: " + ", ".join(SHAPES))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
-                        help="tokens of one optimizer step, for ours and the peers")
+    parser.add_argument(
+        "--step-tokens", type=int, default=STEP_TOKENS, help="tokens of one optimizer step, for ours and the peers"
+    )
     parser.add_argument("--profile", action="store_true", help="profile each model's best plan")
     parser.add_argument("--trace", default=None, help="directory for gzipped chrome traces of the profiles")
     parser.add_argument("--plans", default=None, help="comma-separated indices into each model's GRID (default all)")
-    parser.add_argument("--peer-plans", default=None,
-                        help="comma-separated indices into each model's tuned peer grid (train_peers.GRID; "
-                             "default all)")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="wall-clock budget: optional plans are skipped when it runs short")
+    parser.add_argument(
+        "--peer-plans",
+        default=None,
+        help="comma-separated indices into each model's tuned peer grid (train_peers.GRID; default all)",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=420.0, help="wall-clock budget: optional plans are skipped when it runs short"
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="the peers only, on a tiny shape in fp32 on CPU")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default bench/results/train.json)")
     args = parser.parse_args(argv)
@@ -397,16 +456,20 @@ def main(argv: list[str] | None = None) -> None:
     probe = torch.empty(1, 1, 128, device="cuda", dtype=torch.bfloat16)
     attention = "flash-attn-4" if flash.usable(probe) else "torch varlen (flash-attn 2)"
     print(f"our attention kernel: {attention}", flush=True)
-    results = {**machine(), "peak_tflops": PEAK_TFLOPS, "attention": attention,
-               "torchtitan": f"not run: {train_peers.TORCHTITAN}", "models": {}}
+    results = {
+        **machine(),
+        "peak_tflops": PEAK_TFLOPS,
+        "attention": attention,
+        "torchtitan": f"not run: {train_peers.TORCHTITAN}",
+        "models": {},
+    }
     out = args.out or RESULTS
     if out.exists():  # a run over some models keeps the other models' last entries
         results["models"] = json.loads(out.read_text()).get("models", {})
     if args.profile:
         PROFILE.write_text("")
     for name in args.models.split(","):
-        entry = results["models"][name] = {"params": num_params(model_config(name)), "step_tokens": args.step_tokens,
-                                           "ours": []}
+        entry = results["models"][name] = {"params": num_params(model_config(name)), "step_tokens": args.step_tokens, "ours": []}
         run_model(name, args, info, entry)
         entry["elapsed_s"] = time.monotonic() - START
         print(_summary(name, entry), flush=True)
@@ -419,12 +482,26 @@ def _cpu_smoke(args) -> None:
     step each of 512 tokens; the JSON lists every configuration, the line the default and the best."""
     dist.init(backend="gloo")
     args.steps, args.step_tokens = 1, 512
-    peers = run_peers("tiny", train_peers.SMOKE_SHAPE, [train_peers.SMOKE_DEFAULT, *train_peers.SMOKE_GRID], args,
-                      torch.device("cpu"), torch.float32, reserve_s=0.0, chunk_rows=train_peers.SMOKE_CHUNK_ROWS)
+    peers = run_peers(
+        "tiny",
+        train_peers.SMOKE_SHAPE,
+        [train_peers.SMOKE_DEFAULT, *train_peers.SMOKE_GRID],
+        args,
+        torch.device("cpu"),
+        torch.float32,
+        reserve_s=0.0,
+        chunk_rows=train_peers.SMOKE_CHUNK_ROWS,
+    )
     dist.destroy()
     out = result_path(args.out, RESULTS, smoke=True)
-    write_result({**machine(torch.device("cpu")), "torchtitan": f"not run: {train_peers.TORCHTITAN}",
-                  "models": {"tiny": {"step_tokens": args.step_tokens, "peers": peers}}}, out)
+    write_result(
+        {
+            **machine(torch.device("cpu")),
+            "torchtitan": f"not run: {train_peers.TORCHTITAN}",
+            "models": {"tiny": {"step_tokens": args.step_tokens, "peers": peers}},
+        },
+        out,
+    )
     print(f"tiny (cpu): {_peers_summary(peers)}", flush=True)
     print(f"wrote {out}")
 

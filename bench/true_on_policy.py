@@ -107,8 +107,10 @@ def pick_plan(name: str) -> tuple[Plan, str]:
 
 def bitwise_equal_frac(model, prompts: list[list[int]], outs, device: torch.device) -> float:
     """Fraction of the sampled tokens whose engine log-prob equals the trainer's forward's."""
-    samples = [Sample(prompts[c.prompt_index], c.output_ids, c.logprobs, [1] * len(c.output_ids), c.prompt_index,
-                      c.sample_index) for c in outs]
+    samples = [
+        Sample(prompts[c.prompt_index], c.output_ids, c.logprobs, [1] * len(c.output_ids), c.prompt_index, c.sample_index)
+        for c in outs
+    ]
     engine = torch.tensor([lp for c in outs for lp in c.logprobs], dtype=torch.float32)
     batch = RolloutBatch.from_samples(samples, device)
     trainer = torch.zeros(batch.mask.shape, dtype=torch.float32, device=device)
@@ -133,8 +135,9 @@ def kernel_table(fn, device: torch.device, label: str, tables: list[str] | None)
     tables.append(f"== {label}\n" + prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90))
 
 
-def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtype: torch.dtype,
-                tables: list[str] | None = None) -> dict:
+def run_rollout(
+    mcfg, on: bool, run: dict, reps: int, device: torch.device, dtype: torch.dtype, tables: list[str] | None = None
+) -> dict:
     prompts = make_prompts(run["prompts"], run["prompt_tokens"], vocab_size=mcfg.vocab_size)
     sp = SamplingParams(temperature=1.0, max_new_tokens=run["new_tokens"], ignore_eos=True, seed=0)
     sampling = [sp] * len(prompts)  # as bench/rollout_throughput.py's run_ours
@@ -143,16 +146,27 @@ def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtyp
         torch.manual_seed(0)
         model = from_config(mcfg, dtype, device, init=True).eval()
         model.set_ops(ops)
-        engine = NativeEngine(model, device=device, max_kv_tokens=1 << 20 if cuda else 4096,
-                              max_num_seqs=len(prompts), cuda_graph=True, compile_decode=cuda and not on, ops=ops)
+        engine = NativeEngine(
+            model,
+            device=device,
+            max_kv_tokens=1 << 20 if cuda else 4096,
+            max_num_seqs=len(prompts),
+            cuda_graph=True,
+            compile_decode=cuda and not on,
+            ops=ops,
+        )
         outs = engine.generate(prompts, sampling)  # warm-up
         runs = [timed_generate(engine, prompts, sampling) for _ in range(reps)]
-        kernel_table(functools.partial(engine.generate, prompts, sampling), device,
-                     f"generate, mode {'on' if on else 'off'}", tables)
-        result = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-                  "ms_per_decode_step": statistics.median(r["ms_per_decode_step"] for r in runs),
-                  "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
-                  "compile_decode": cuda and not on, "cuda_graphs": engine.runner.graphs is not None}
+        kernel_table(
+            functools.partial(engine.generate, prompts, sampling), device, f"generate, mode {'on' if on else 'off'}", tables
+        )
+        result = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "ms_per_decode_step": statistics.median(r["ms_per_decode_step"] for r in runs),
+            "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
+            "compile_decode": cuda and not on,
+            "cuda_graphs": engine.runner.graphs is not None,
+        }
         engine.shutdown()
         del engine
         if on:
@@ -162,14 +176,20 @@ def run_rollout(mcfg, on: bool, run: dict, reps: int, device: torch.device, dtyp
     return result
 
 
-def run_train(mcfg, plan: Plan, on: bool, compiled: bool, info, batches: list[list[Sample]],
-              tables: list[str] | None = None) -> dict:
+def run_train(
+    mcfg, plan: Plan, on: bool, compiled: bool, info, batches: list[list[Sample]], tables: list[str] | None = None
+) -> dict:
     device = info.device
     with mode(on, device) as ops:
         cfg = trainer_config(len(batches[0]), plan, "pinned", compiled)
         cfg.algorithm.true_on_policy = on
-        trainer = Trainer(cfg, info, ops=ops, model_config=mcfg,
-                          checkpointing=ActivationCheckpointing(plan.full, plan.rest, plan.keep_attention))
+        trainer = Trainer(
+            cfg,
+            info,
+            ops=ops,
+            model_config=mcfg,
+            checkpointing=ActivationCheckpointing(plan.full, plan.rest, plan.keep_attention),
+        )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
@@ -179,15 +199,24 @@ def run_train(mcfg, plan: Plan, on: bool, compiled: bool, info, batches: list[li
             trainer.train(batch, 1)
             sync(device)
             times.append(time.perf_counter() - start)
-        kernel_table(functools.partial(trainer.train, batches[-1], 1), device,
-                     f"train step, mode {'on' if on else 'off'}, {'compiled' if compiled else 'uncompiled'}", tables)
+        kernel_table(
+            functools.partial(trainer.train, batches[-1], 1),
+            device,
+            f"train step, mode {'on' if on else 'off'}, {'compiled' if compiled else 'uncompiled'}",
+            tables,
+        )
         del trainer
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     free_memory()
     tokens = [sum(len(s.tokens) for s in b) for b in batches[WARMUP_STEPS:]]
-    return {"compile": compiled, "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times[WARMUP_STEPS:])),
-            "step_s": times[WARMUP_STEPS:], "warmup_s": sum(times[:WARMUP_STEPS]), "step_tokens": tokens,
-            "peak_gib": peak}
+    return {
+        "compile": compiled,
+        "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times[WARMUP_STEPS:])),
+        "step_s": times[WARMUP_STEPS:],
+        "warmup_s": sum(times[:WARMUP_STEPS]),
+        "step_tokens": tokens,
+        "peak_gib": peak,
+    }
 
 
 def train_batches(vocab: int, step_tokens: int, reps: int, smoke: bool) -> list[list[Sample]]:
@@ -195,8 +224,21 @@ def train_batches(vocab: int, step_tokens: int, reps: int, smoke: bool) -> list[
     batches = [make_samples(rng, vocab, step_tokens) for _ in range(WARMUP_STEPS + reps)]
     if smoke:
         n = SMOKE_RESPONSE_TOKENS
-        batches = [[Sample(s.prompt_ids, s.response_ids[:n], s.rollout_logprobs[:n], s.loss_mask[:n], s.group_index,
-                           s.sample_index, reward=s.reward) for s in b] for b in batches]
+        batches = [
+            [
+                Sample(
+                    s.prompt_ids,
+                    s.response_ids[:n],
+                    s.rollout_logprobs[:n],
+                    s.loss_mask[:n],
+                    s.group_index,
+                    s.sample_index,
+                    reward=s.reward,
+                )
+                for s in b
+            ]
+            for b in batches
+        ]
     return batches
 
 
@@ -206,10 +248,13 @@ def run_shape(name: str, mcfg, plan: Plan, source: str, args, info) -> dict:
     run = SMOKE_ROLLOUT if smoke else ROLLOUT
     tables = [] if args.profile else None
     batches = train_batches(mcfg.vocab_size, args.step_tokens, args.reps, smoke)
-    cases = {"off": (False, not smoke), "off_uncompiled": (False, False), "on": (True, not smoke),
-             "on_uncompiled": (True, False)}  # a case that fails (out of memory, say) is recorded, not fatal
-    train = {case: guarded(run_train, mcfg, plan, on, compiled, info, batches, tables)
-             for case, (on, compiled) in cases.items()}
+    cases = {
+        "off": (False, not smoke),
+        "off_uncompiled": (False, False),
+        "on": (True, not smoke),
+        "on_uncompiled": (True, False),
+    }  # a case that fails (out of memory, say) is recorded, not fatal
+    train = {case: guarded(run_train, mcfg, plan, on, compiled, info, batches, tables) for case, (on, compiled) in cases.items()}
     off = run_rollout(mcfg, False, run, args.reps, device, dtype, tables)
     on = run_rollout(mcfg, True, run, args.reps, device, dtype, tables)
     if tables is not None:
@@ -219,13 +264,22 @@ def run_shape(name: str, mcfg, plan: Plan, source: str, args, info) -> dict:
         print(f"profile -> {path}", flush=True)
     rollout_slowdown = off["tokens_per_s"] / on["tokens_per_s"]
     train_slowdown = _slowdown(train["off"], train["on"])
-    return {"rollout_case": run, "plan": {**plan.fields(), "label": plan.label(), "source": source},
-            "rollout": {"off": off, "on": on, "slowdown": rollout_slowdown},
-            "train": {**train, "slowdown": train_slowdown,
-                      "slowdown_uncompiled": _slowdown(train["off_uncompiled"], train["on_uncompiled"])},
-            "bitwise_equal_frac": on.pop("bitwise_equal_frac"), "targets": TARGETS,
-            "met": {"rollout": rollout_slowdown <= TARGETS["rollout_slowdown"],
-                    "train": train_slowdown is not None and train_slowdown <= TARGETS["train_slowdown"]}}
+    return {
+        "rollout_case": run,
+        "plan": {**plan.fields(), "label": plan.label(), "source": source},
+        "rollout": {"off": off, "on": on, "slowdown": rollout_slowdown},
+        "train": {
+            **train,
+            "slowdown": train_slowdown,
+            "slowdown_uncompiled": _slowdown(train["off_uncompiled"], train["on_uncompiled"]),
+        },
+        "bitwise_equal_frac": on.pop("bitwise_equal_frac"),
+        "targets": TARGETS,
+        "met": {
+            "rollout": rollout_slowdown <= TARGETS["rollout_slowdown"],
+            "train": train_slowdown is not None and train_slowdown <= TARGETS["train_slowdown"],
+        },
+    }
 
 
 def _slowdown(off: dict, on: dict) -> float | None:
@@ -238,14 +292,14 @@ def summary(name: str, r: dict) -> str:
     k = lambda run: f"{run['tokens_per_s'] / 1e3:.1f}k" if "tokens_per_s" in run else "failed"  # noqa: E731
     x = lambda ratio: "n/a" if ratio is None else f"{ratio:.2f}x"  # noqa: E731
     ok = lambda met: "met" if met else "MISSED"  # noqa: E731
-    failed = "".join(f"; {case} failed: {run['error']}" for case, run in tr.items()
-                     if isinstance(run, dict) and "error" in run)
-    return (f"{name}: rollout {k(ro['off'])} -> {k(ro['on'])} tok/s, {ro['slowdown']:.2f}x slower "
-            f"(target <= {TARGETS['rollout_slowdown']}: {ok(r['met']['rollout'])}); train {k(tr['off'])} -> "
-            f"{k(tr['on'])} tok/s, {x(tr['slowdown'])} slower (target <= {TARGETS['train_slowdown']}: "
-            f"{ok(r['met']['train'])}; uncompiled {k(tr['off_uncompiled'])} -> {k(tr['on_uncompiled'])}, "
-            f"{x(tr['slowdown_uncompiled'])}); bitwise equal log-probs {r['bitwise_equal_frac']:.2%} of tokens"
-            + failed)
+    failed = "".join(f"; {case} failed: {run['error']}" for case, run in tr.items() if isinstance(run, dict) and "error" in run)
+    return (
+        f"{name}: rollout {k(ro['off'])} -> {k(ro['on'])} tok/s, {ro['slowdown']:.2f}x slower "
+        f"(target <= {TARGETS['rollout_slowdown']}: {ok(r['met']['rollout'])}); train {k(tr['off'])} -> "
+        f"{k(tr['on'])} tok/s, {x(tr['slowdown'])} slower (target <= {TARGETS['train_slowdown']}: "
+        f"{ok(r['met']['train'])}; uncompiled {k(tr['off_uncompiled'])} -> {k(tr['on_uncompiled'])}, "
+        f"{x(tr['slowdown_uncompiled'])}); bitwise equal log-probs {r['bitwise_equal_frac']:.2%} of tokens" + failed
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -253,12 +307,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="0.5b,1.5b", help="comma-separated, from: " + ", ".join(SHAPES))
     parser.add_argument("--reps", type=int, default=3, help="timed generates and timed train steps per case")
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help="tokens of one optimizer step")
-    parser.add_argument("--out", type=pathlib.Path, default=None,
-                        help="JSON path (default bench/results/true_on_policy.json; a temporary one with --cpu-smoke)")
-    parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
-                        help="the trainer plan's micro-batch tokens instead of the picked plan's")
-    parser.add_argument("--profile", type=pathlib.Path, default=None,
-                        help="op tables of one more generate and train step per case, to PATH's stem.<shape>.txt")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="JSON path (default bench/results/true_on_policy.json; a temporary one with --cpu-smoke)",
+    )
+    parser.add_argument(
+        "--max-tokens-per-gpu", type=int, default=None, help="the trainer plan's micro-batch tokens instead of the picked plan's"
+    )
+    parser.add_argument(
+        "--profile",
+        type=pathlib.Path,
+        default=None,
+        help="op tables of one more generate and train step per case, to PATH's stem.<shape>.txt",
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape in fp32 on CPU, nothing compiled")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
@@ -272,8 +335,10 @@ def main(argv: list[str] | None = None) -> None:
         shapes = {m: (model_config(m), *pick_plan(m)) for m in args.models.split(",")}
         out = args.out or RESULTS
     if args.max_tokens_per_gpu is not None:
-        shapes = {name: (mcfg, plan._replace(max_tokens=args.max_tokens_per_gpu), f"{source}, micro-batch overridden")
-                  for name, (mcfg, plan, source) in shapes.items()}
+        shapes = {
+            name: (mcfg, plan._replace(max_tokens=args.max_tokens_per_gpu), f"{source}, micro-batch overridden")
+            for name, (mcfg, plan, source) in shapes.items()
+        }
     if len(shapes) > 1:  # one process per shape: a shut-down engine's pools stay reserved in its process
         run_each(list(shapes), args, out)
         return
@@ -292,8 +357,9 @@ def run_each(names: list[str], args, out: pathlib.Path) -> None:
     results = None
     for name in names:
         part = out.with_name(f"{out.stem}.{name}.json")
-        cmd = module_command(MODULE, "--models", name, "--reps", str(args.reps),
-                             "--step-tokens", str(args.step_tokens), "--out", str(part))
+        cmd = module_command(
+            MODULE, "--models", name, "--reps", str(args.reps), "--step-tokens", str(args.step_tokens), "--out", str(part)
+        )
         if args.max_tokens_per_gpu is not None:
             cmd += ["--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
         if args.profile:

@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
-        print(f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)} (colocate --help)",
-              file=sys.stderr)
+        print(f"error: unknown command {name!r}; choose one of {', '.join(COMMANDS)} (colocate --help)", file=sys.stderr)
         return 2
     sys.argv = [f"colocate {name}", *rest]  # the program name train's --help prints
     code = importlib.import_module(f"colocate.{name}").main(rest)

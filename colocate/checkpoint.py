@@ -113,8 +113,13 @@ class ModelOptimizerState(Stateful):
     same rank, alpha and target modules (load_checkpoint, before anything is read).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: Any | None = None, adapters: dict | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+        adapters: dict | None = None,
+    ):
         if scheduler is not None and optimizer is None:
             raise ValueError("scheduler given without its optimizer")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -140,8 +145,13 @@ class ModelOptimizerState(Stateful):
         if self.optimizer is None:
             set_model_state_dict(self.model, state_dict[MODEL_KEY], options=self.options)
             return
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict[MODEL_KEY],
-                       optim_state_dict=state_dict["optimizer"], options=self.options)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict[MODEL_KEY],
+            optim_state_dict=state_dict["optimizer"],
+            options=self.options,
+        )
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])
 
@@ -166,11 +176,14 @@ def _check_adapters(path: Path, states: dict[str, Stateful]) -> None:
             continue
         saved = read_adapters(path, name)
         if state.adapters is not None and saved is None:
-            raise ValueError(f"checkpoint {path}: '{name}' is a whole model, not LoRA adapters "
-                             "(it was saved with model.lora_rank 0)")
+            raise ValueError(
+                f"checkpoint {path}: '{name}' is a whole model, not LoRA adapters (it was saved with model.lora_rank 0)"
+            )
         if state.adapters is None and saved is not None:
-            raise ValueError(f"checkpoint {path}: '{name}' holds LoRA adapters of rank {saved['rank']} "
-                             f"on the base {saved['base_path']}; resume it with model.lora_rank {saved['rank']}")
+            raise ValueError(
+                f"checkpoint {path}: '{name}' holds LoRA adapters of rank {saved['rank']} "
+                f"on the base {saved['base_path']}; resume it with model.lora_rank {saved['rank']}"
+            )
         if saved is not None:
             check_same_adapters(saved, state.adapters)
 
@@ -291,8 +304,13 @@ def _agreed(step: Callable[[], None]) -> OSError | None:
 
 
 def save_checkpoint(
-    root: str | Path, rollout_id: int, states: dict[str, Stateful], *, extra: dict | None = None,
-    model_dir: str | Path | None = None, keep_last: int = 0,
+    root: str | Path,
+    rollout_id: int,
+    states: dict[str, Stateful],
+    *,
+    extra: dict | None = None,
+    model_dir: str | Path | None = None,
+    keep_last: int = 0,
 ) -> Path:
     """Write a checkpoint of `states` (collective: every rank calls it) and return its directory.
 
@@ -317,8 +335,10 @@ def save_checkpoint(
         raise ValueError(f"model_dir {model_dir}: no config.json (expected the HF model directory)")
     rank, world = _rank_world()
     try:
-        meta_text = json.dumps({"format": FORMAT, "rollout_id": rollout_id, "world_size": world,
-                                "states": sorted(states), "extra": extra or {}}, indent=2)
+        meta_text = json.dumps(
+            {"format": FORMAT, "rollout_id": rollout_id, "world_size": world, "states": sorted(states), "extra": extra or {}},
+            indent=2,
+        )
     except (TypeError, ValueError) as e:
         raise ValueError(f"extra must be JSON-able: {e}") from e
     root = Path(root)
@@ -356,11 +376,14 @@ def save_checkpoint(
         error = _agreed(step)
         if error is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise OSError(f"cannot save checkpoint {final}: {error} (its temporary directory was removed; "
-                          "earlier checkpoints are intact)") from error
+            raise OSError(
+                f"cannot save checkpoint {final}: {error} (its temporary directory was removed; earlier checkpoints are intact)"
+            ) from error
     if rank == 0 and non_finite is not None:
-        warnings.warn(f"checkpoint {final}: {non_finite} holds NaN or inf; it is kept, but resuming skips it "
-                      "and pruning does not count it", stacklevel=2)
+        warnings.warn(
+            f"checkpoint {final}: {non_finite} holds NaN or inf; it is kept, but resuming skips it and pruning does not count it",
+            stacklevel=2,
+        )
     if rank == 0 and keep_last:
         _prune(root, keep_last, final)
     cdist.barrier()
@@ -374,8 +397,7 @@ def read_meta(path: str | Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not is_checkpoint(path):
-        hint = " (it holds checkpoints: pass one of them, or use latest_checkpoint)" if \
-            checkpoint_dirs(path, warn=False) else ""
+        hint = " (it holds checkpoints: pass one of them, or use latest_checkpoint)" if checkpoint_dirs(path, warn=False) else ""
         raise ValueError(f"{path} is not a checkpoint: no {META_FILE} or .metadata{hint}")
     verify_checkpoint(path)
     return json.loads((path / META_FILE).read_text())
@@ -397,11 +419,17 @@ def _check_compatible(path: Path, wanted: dict[str, Any]) -> None:
     for key, value in wanted.items():
         if key not in stored:
             missing.append(key)
-        elif isinstance(value, torch.Tensor) and isinstance(stored[key], TensorStorageMetadata) \
-                and tuple(stored[key].size) != tuple(value.shape):
+        elif (
+            isinstance(value, torch.Tensor)
+            and isinstance(stored[key], TensorStorageMetadata)
+            and tuple(stored[key].size) != tuple(value.shape)
+        ):
             misshapen.append(f"{key} {tuple(stored[key].size)} vs {tuple(value.shape)}")
-    problems = [f"{what} {_some(keys)}" for what, keys in (("missing keys", missing),
-                                                            ("shapes differ (saved vs given)", misshapen)) if keys]
+    problems = [
+        f"{what} {_some(keys)}"
+        for what, keys in (("missing keys", missing), ("shapes differ (saved vs given)", misshapen))
+        if keys
+    ]
     if problems:
         raise ValueError(f"checkpoint {path} is incompatible with the given states: {'; '.join(problems)}")
 
@@ -449,8 +477,11 @@ def _load_rng(path: Path, saved_world_size: int) -> None:
     rank, world = _rank_world()
     rng_file = path / f"rng_rank{rank}.pt"
     if saved_world_size != world:
-        warnings.warn(f"{path}: saved with world size {saved_world_size}, loading with {world}; "
-                      "model and optimizer are resharded, RNG state is not restored", stacklevel=5)
+        warnings.warn(
+            f"{path}: saved with world size {saved_world_size}, loading with {world}; "
+            "model and optimizer are resharded, RNG state is not restored",
+            stacklevel=5,
+        )
     elif not rng_file.is_file():
         warnings.warn(f"{rng_file} is missing; RNG state is not restored", stacklevel=5)
     else:
@@ -465,8 +496,7 @@ def _remove_leftovers(root: Path) -> None:
                 shutil.rmtree(path)
 
 
-def resume_newest(root: str | Path, states: dict[str, Stateful], *, load_rng: bool = True
-                  ) -> tuple[Path, dict] | None:
+def resume_newest(root: str | Path, states: dict[str, Stateful], *, load_rng: bool = True) -> tuple[Path, dict] | None:
     """Restore `states` from the newest checkpoint under root that loads cleanly (collective) and
     return its path and `extra`; None when root holds no checkpoint.
 

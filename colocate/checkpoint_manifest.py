@@ -69,8 +69,10 @@ def _read_json(path: Path) -> Any:
 
 def written_here(path: Path) -> bool:
     """Written by this module (its meta.json or manifest says so), so pruning may delete it."""
-    return any(isinstance(doc, dict) and doc.get("format") in _FORMATS
-               for doc in (_read_json(path / META_FILE), _read_json(path / MANIFEST_FILE)))
+    return any(
+        isinstance(doc, dict) and doc.get("format") in _FORMATS
+        for doc in (_read_json(path / META_FILE), _read_json(path / MANIFEST_FILE))
+    )
 
 
 def _crc32(path: Path) -> int:

@@ -227,9 +227,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage_estimator: Literal[
-        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"
-    ] = "grpo"
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
     """How advantages are computed from rewards (gae trains a critic); all but reinforce_plus_plus
     and gae need rollout.n_samples_per_prompt >= 2."""
     normalize_advantage_std: bool = True
@@ -466,9 +464,11 @@ class Config:
 
     def check_world_size(self, world_size: int) -> None:
         """Checks that need the number of ranks, run once the process group is up."""
-        per_rank = [("rollout.rollout_batch_size", self.rollout.rollout_batch_size),
-                    ("train.global_batch_size", self.global_batch_size),
-                    ("rollout.over_sampling_batch_size", self.rollout.over_sampling_batch_size)]
+        per_rank = [
+            ("rollout.rollout_batch_size", self.rollout.rollout_batch_size),
+            ("train.global_batch_size", self.global_batch_size),
+            ("rollout.over_sampling_batch_size", self.rollout.over_sampling_batch_size),
+        ]
         for name, value in per_rank:
             if value is None:
                 continue

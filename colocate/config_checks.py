@@ -65,16 +65,36 @@ def _unused_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
     "Set" means changed from the default: the default is what the run does anyway, and a run's
     saved config.yaml, meant to be loaded again, spells out every field."""
     r = cfg.rollout
-    needs = [("rollout.over_sampling_batch_size", r.dynamic_sampling or r.partial_rollout,
-              "rollout.dynamic_sampling or rollout.partial_rollout"),
-             ("rollout.max_staleness", r.partial_rollout, "rollout.partial_rollout"),
-             ("rollout.partial_mask_stale_tokens", r.partial_rollout, "rollout.partial_rollout")]
-    needs += [(f"rollout.{name}", r.env is not None, "rollout.env")
-              for name in ("env_args", "max_turns", "max_episode_tokens", "turn_max_new_tokens", "env_workers",
-                           "tool_timeout_s", "env_timeout_s")]
-    return [(name, on or not differs_from_default(cfg, name),
-             f"is set but takes effect only with {feature}, which is off", _get(cfg, name))
-            for name, on, feature in needs]
+    needs = [
+        (
+            "rollout.over_sampling_batch_size",
+            r.dynamic_sampling or r.partial_rollout,
+            "rollout.dynamic_sampling or rollout.partial_rollout",
+        ),
+        ("rollout.max_staleness", r.partial_rollout, "rollout.partial_rollout"),
+        ("rollout.partial_mask_stale_tokens", r.partial_rollout, "rollout.partial_rollout"),
+    ]
+    needs += [
+        (f"rollout.{name}", r.env is not None, "rollout.env")
+        for name in (
+            "env_args",
+            "max_turns",
+            "max_episode_tokens",
+            "turn_max_new_tokens",
+            "env_workers",
+            "tool_timeout_s",
+            "env_timeout_s",
+        )
+    ]
+    return [
+        (
+            name,
+            on or not differs_from_default(cfg, name),
+            f"is set but takes effect only with {feature}, which is off",
+            _get(cfg, name),
+        )
+        for name, on, feature in needs
+    ]
 
 
 def _env_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
@@ -86,21 +106,53 @@ def _env_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
     why = None if off else check_env_spec(r.env)
     return [
         ("rollout.env", why is None, why or "", r.env),
-        ("rollout.env", off or not r.partial_rollout, "cannot be combined with rollout.partial_rollout (an episode "
-         "waiting for its environment cannot be aborted and continued in a later step)", r.env),
-        ("rollout.env", off or r.custom_generate is None, "cannot be combined with rollout.custom_generate (both "
-         "own generation)", r.env),
-        ("rollout.reward", off or not differs_from_default(cfg, "rollout.reward"), "is not used with rollout.env (the "
-         "environment's reward is the reward)", r.reward),
-        ("rollout.env", off or a.overlong_buffer_len is None, "cannot be combined with "
-         "algorithm.overlong_buffer_len (the environment's reward is the reward; shape it there)", r.env),
-        ("eval.max_response_len", off or cfg.eval.max_response_len is None, "is not used with rollout.env (episodes "
-         "keep rollout.max_episode_tokens and rollout.turn_max_new_tokens)", cfg.eval.max_response_len),
-        *((f"eval.datasets.{i}.reward", off or d.reward is None, "is not used with rollout.env (the environment "
-           "scores the evaluation's episodes too)", d.reward) for i, d in enumerate(cfg.eval.datasets)),
-        ("rollout.turn_max_new_tokens", off or r.turn_max_new_tokens is None or r.turn_max_new_tokens <= r.response_budget,
-         f"must be <= the episode's budget ({r.response_budget} tokens: rollout.max_episode_tokens or "
-         f"rollout.max_response_len)", r.turn_max_new_tokens),
+        (
+            "rollout.env",
+            off or not r.partial_rollout,
+            "cannot be combined with rollout.partial_rollout (an episode "
+            "waiting for its environment cannot be aborted and continued in a later step)",
+            r.env,
+        ),
+        (
+            "rollout.env",
+            off or r.custom_generate is None,
+            "cannot be combined with rollout.custom_generate (both own generation)",
+            r.env,
+        ),
+        (
+            "rollout.reward",
+            off or not differs_from_default(cfg, "rollout.reward"),
+            "is not used with rollout.env (the environment's reward is the reward)",
+            r.reward,
+        ),
+        (
+            "rollout.env",
+            off or a.overlong_buffer_len is None,
+            "cannot be combined with algorithm.overlong_buffer_len (the environment's reward is the reward; shape it there)",
+            r.env,
+        ),
+        (
+            "eval.max_response_len",
+            off or cfg.eval.max_response_len is None,
+            "is not used with rollout.env (episodes keep rollout.max_episode_tokens and rollout.turn_max_new_tokens)",
+            cfg.eval.max_response_len,
+        ),
+        *(
+            (
+                f"eval.datasets.{i}.reward",
+                off or d.reward is None,
+                "is not used with rollout.env (the environment scores the evaluation's episodes too)",
+                d.reward,
+            )
+            for i, d in enumerate(cfg.eval.datasets)
+        ),
+        (
+            "rollout.turn_max_new_tokens",
+            off or r.turn_max_new_tokens is None or r.turn_max_new_tokens <= r.response_budget,
+            f"must be <= the episode's budget ({r.response_budget} tokens: rollout.max_episode_tokens or "
+            f"rollout.max_response_len)",
+            r.turn_max_new_tokens,
+        ),
     ]
 
 
@@ -114,90 +166,164 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
         ("model.path", bool(cfg.model.path), "must name a model directory", cfg.model.path),
         ("rollout.prompt_data", bool(r.prompt_data), "must name a data file", r.prompt_data),
         ("rollout.input_key", bool(r.input_key), "must be non-empty", r.input_key),
-        ("rollout.over_sampling_batch_size",
-         r.over_sampling_batch_size is None or r.over_sampling_batch_size >= r.rollout_batch_size,
-         f"must be >= rollout.rollout_batch_size ({r.rollout_batch_size})",
-         r.over_sampling_batch_size),
-        ("rollout.over_sampling_batch_size", not r.partial_rollout or r.over_sampling_batch_size is not None,
-         "must be set (>= rollout.rollout_batch_size: the groups in flight) with rollout.partial_rollout",
-         r.over_sampling_batch_size),
-        ("rollout.over_sampling_batch_size",
-         not r.partial_rollout or r.over_sampling_batch_size is None
-         or r.over_sampling_batch_size <= (r.max_staleness + 1) * r.rollout_batch_size,
-         f"must be <= (rollout.max_staleness + 1) x rollout.rollout_batch_size = "
-         f"{(r.max_staleness + 1) * r.rollout_batch_size} with rollout.partial_rollout: each step trains "
-         f"rollout_batch_size of the groups in flight, so a group waits over_sampling_batch_size / "
-         f"rollout_batch_size steps, past the staleness bound; raise rollout.max_staleness or "
-         f"over-sample less", r.over_sampling_batch_size),
-        ("rollout.partial_rollout", not (r.partial_rollout and r.engine == "sglang"),
-         "is not supported by rollout.engine=sglang (the adapter cannot abort a request and keep its "
-         "tokens)", r.partial_rollout),
-        ("rollout.partial_rollout", not (r.partial_rollout and r.custom_generate is not None),
-         "cannot be combined with rollout.custom_generate (which owns generation: nothing to abort "
-         "or continue)", r.partial_rollout),
-        ("rollout.partial_rollout", not (r.partial_rollout and r.dynamic_sampling),
-         "cannot be combined with rollout.dynamic_sampling", r.partial_rollout),
-        ("rollout.dynamic_sampling", not (r.dynamic_sampling and n == 1),
-         "needs rollout.n_samples_per_prompt >= 2 (a group of one always agrees)",
-         r.dynamic_sampling),
-        ("rollout.system_prompt", r.system_prompt is None or r.apply_chat_template or r.env is not None,
-         "needs rollout.apply_chat_template (or rollout.env)", r.system_prompt),
-        ("rollout.chat_template_kwargs", not r.chat_template_kwargs or r.apply_chat_template or r.env is not None,
-         "needs rollout.apply_chat_template (or rollout.env)", r.chat_template_kwargs),
-        ("rollout.reward", _reward_name_ok(r.reward),
-         f"must be one of {list(BUILTIN_REWARDS)} or {FORMS}", r.reward),
-        ("rollout.custom_generate",
-         r.custom_generate is None or is_function_spec(r.custom_generate),
-         f"must be {FORMS}", r.custom_generate),
+        (
+            "rollout.over_sampling_batch_size",
+            r.over_sampling_batch_size is None or r.over_sampling_batch_size >= r.rollout_batch_size,
+            f"must be >= rollout.rollout_batch_size ({r.rollout_batch_size})",
+            r.over_sampling_batch_size,
+        ),
+        (
+            "rollout.over_sampling_batch_size",
+            not r.partial_rollout or r.over_sampling_batch_size is not None,
+            "must be set (>= rollout.rollout_batch_size: the groups in flight) with rollout.partial_rollout",
+            r.over_sampling_batch_size,
+        ),
+        (
+            "rollout.over_sampling_batch_size",
+            not r.partial_rollout
+            or r.over_sampling_batch_size is None
+            or r.over_sampling_batch_size <= (r.max_staleness + 1) * r.rollout_batch_size,
+            f"must be <= (rollout.max_staleness + 1) x rollout.rollout_batch_size = "
+            f"{(r.max_staleness + 1) * r.rollout_batch_size} with rollout.partial_rollout: each step trains "
+            f"rollout_batch_size of the groups in flight, so a group waits over_sampling_batch_size / "
+            f"rollout_batch_size steps, past the staleness bound; raise rollout.max_staleness or "
+            f"over-sample less",
+            r.over_sampling_batch_size,
+        ),
+        (
+            "rollout.partial_rollout",
+            not (r.partial_rollout and r.engine == "sglang"),
+            "is not supported by rollout.engine=sglang (the adapter cannot abort a request and keep its tokens)",
+            r.partial_rollout,
+        ),
+        (
+            "rollout.partial_rollout",
+            not (r.partial_rollout and r.custom_generate is not None),
+            "cannot be combined with rollout.custom_generate (which owns generation: nothing to abort or continue)",
+            r.partial_rollout,
+        ),
+        (
+            "rollout.partial_rollout",
+            not (r.partial_rollout and r.dynamic_sampling),
+            "cannot be combined with rollout.dynamic_sampling",
+            r.partial_rollout,
+        ),
+        (
+            "rollout.dynamic_sampling",
+            not (r.dynamic_sampling and n == 1),
+            "needs rollout.n_samples_per_prompt >= 2 (a group of one always agrees)",
+            r.dynamic_sampling,
+        ),
+        (
+            "rollout.system_prompt",
+            r.system_prompt is None or r.apply_chat_template or r.env is not None,
+            "needs rollout.apply_chat_template (or rollout.env)",
+            r.system_prompt,
+        ),
+        (
+            "rollout.chat_template_kwargs",
+            not r.chat_template_kwargs or r.apply_chat_template or r.env is not None,
+            "needs rollout.apply_chat_template (or rollout.env)",
+            r.chat_template_kwargs,
+        ),
+        ("rollout.reward", _reward_name_ok(r.reward), f"must be one of {list(BUILTIN_REWARDS)} or {FORMS}", r.reward),
+        (
+            "rollout.custom_generate",
+            r.custom_generate is None or is_function_spec(r.custom_generate),
+            f"must be {FORMS}",
+            r.custom_generate,
+        ),
         *_env_checks(cfg),
-        ("algorithm.advantage_estimator",
-         n >= 2 or a.advantage_estimator in ("reinforce_plus_plus", "gae"),
-         "needs rollout.n_samples_per_prompt >= 2 (its baseline is the group)",
-         a.advantage_estimator),
-        ("rollout.temperature", r.temperature > 0 or a.advantage_estimator not in GROUP_ESTIMATORS,
-         f"is 0 (greedy): the {n} samples of a prompt are identical, so every advantage of "
-         f"algorithm.advantage_estimator={a.advantage_estimator} (relative to the group) is 0; "
-         f"sample with rollout.temperature > 0", r.temperature),
-        ("algorithm.eps_clip_high", a.eps_clip_high is None or a.eps_clip >= 1 or a.eps_clip_high >= a.eps_clip,
-         f"must be >= algorithm.eps_clip ({a.eps_clip}) unless that is >= 1 (no lower bound)", a.eps_clip_high),
-        ("algorithm.overlong_buffer_len",
-         a.overlong_buffer_len is None or 0 < a.overlong_buffer_len < r.max_response_len,
-         f"must be in (0, rollout.max_response_len={r.max_response_len})", a.overlong_buffer_len),
-        ("algorithm.true_on_policy", not (a.true_on_policy and r.engine != "native"),
-         "needs rollout.engine=native (the SGLang engine's kernels are its own)", a.true_on_policy),
-        ("model.lora_dropout", not (a.true_on_policy and cfg.model.lora_rank and cfg.model.lora_dropout),
-         "must be 0 with algorithm.true_on_policy (the engine's merged weights have no dropout, so the "
-         "trained forward would not be the rollout's)", cfg.model.lora_dropout),
-        ("algorithm.num_critic_only_steps", a.num_critic_only_steps == 0 or a.use_critic,
-         "needs algorithm.advantage_estimator=gae (no critic otherwise)", a.num_critic_only_steps),
-        ("train.num_rollout", t.num_rollout > 0 or (e.interval is not None and bool(e.datasets)),
-         "is 0 (eval-only) but eval is off: set eval.interval and eval.datasets", t.num_rollout),
-        ("train.max_tokens_per_gpu", t.max_tokens_per_gpu == "auto"
-         or t.max_tokens_per_gpu >= r.max_prompt_len + r.response_budget,
-         f"must hold one full sample (rollout.max_prompt_len + rollout.max_response_len, or "
-         f"rollout.max_episode_tokens with rollout.env = {r.max_prompt_len + r.response_budget})",
-         t.max_tokens_per_gpu),
-        ("train.global_batch_size", cfg.samples_per_rollout % cfg.global_batch_size == 0,
-         f"must divide rollout.rollout_batch_size * rollout.n_samples_per_prompt "
-         f"({cfg.samples_per_rollout})", t.global_batch_size),
-        ("offload.method", not (cfg.offload.method == "tms" and _expandable_segments()),
-         "tms cannot pause memory from expandable segments: unset expandable_segments in "
-         "PYTORCH_CUDA_ALLOC_CONF", cfg.offload.method),
-        ("offload.offload_rollout", not (cfg.offload.offload_rollout and _expandable_segments()),
-         "releases engine memory through torch_memory_saver, which cannot pause expandable "
-         "segments: unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF",
-         cfg.offload.offload_rollout),
-        ("eval.datasets", e.interval is None or bool(e.datasets),
-         "must not be empty when eval is on", e.datasets),
+        (
+            "algorithm.advantage_estimator",
+            n >= 2 or a.advantage_estimator in ("reinforce_plus_plus", "gae"),
+            "needs rollout.n_samples_per_prompt >= 2 (its baseline is the group)",
+            a.advantage_estimator,
+        ),
+        (
+            "rollout.temperature",
+            r.temperature > 0 or a.advantage_estimator not in GROUP_ESTIMATORS,
+            f"is 0 (greedy): the {n} samples of a prompt are identical, so every advantage of "
+            f"algorithm.advantage_estimator={a.advantage_estimator} (relative to the group) is 0; "
+            f"sample with rollout.temperature > 0",
+            r.temperature,
+        ),
+        (
+            "algorithm.eps_clip_high",
+            a.eps_clip_high is None or a.eps_clip >= 1 or a.eps_clip_high >= a.eps_clip,
+            f"must be >= algorithm.eps_clip ({a.eps_clip}) unless that is >= 1 (no lower bound)",
+            a.eps_clip_high,
+        ),
+        (
+            "algorithm.overlong_buffer_len",
+            a.overlong_buffer_len is None or 0 < a.overlong_buffer_len < r.max_response_len,
+            f"must be in (0, rollout.max_response_len={r.max_response_len})",
+            a.overlong_buffer_len,
+        ),
+        (
+            "algorithm.true_on_policy",
+            not (a.true_on_policy and r.engine != "native"),
+            "needs rollout.engine=native (the SGLang engine's kernels are its own)",
+            a.true_on_policy,
+        ),
+        (
+            "model.lora_dropout",
+            not (a.true_on_policy and cfg.model.lora_rank and cfg.model.lora_dropout),
+            "must be 0 with algorithm.true_on_policy (the engine's merged weights have no dropout, so the "
+            "trained forward would not be the rollout's)",
+            cfg.model.lora_dropout,
+        ),
+        (
+            "algorithm.num_critic_only_steps",
+            a.num_critic_only_steps == 0 or a.use_critic,
+            "needs algorithm.advantage_estimator=gae (no critic otherwise)",
+            a.num_critic_only_steps,
+        ),
+        (
+            "train.num_rollout",
+            t.num_rollout > 0 or (e.interval is not None and bool(e.datasets)),
+            "is 0 (eval-only) but eval is off: set eval.interval and eval.datasets",
+            t.num_rollout,
+        ),
+        (
+            "train.max_tokens_per_gpu",
+            t.max_tokens_per_gpu == "auto" or t.max_tokens_per_gpu >= r.max_prompt_len + r.response_budget,
+            f"must hold one full sample (rollout.max_prompt_len + rollout.max_response_len, or "
+            f"rollout.max_episode_tokens with rollout.env = {r.max_prompt_len + r.response_budget})",
+            t.max_tokens_per_gpu,
+        ),
+        (
+            "train.global_batch_size",
+            cfg.samples_per_rollout % cfg.global_batch_size == 0,
+            f"must divide rollout.rollout_batch_size * rollout.n_samples_per_prompt ({cfg.samples_per_rollout})",
+            t.global_batch_size,
+        ),
+        (
+            "offload.method",
+            not (cfg.offload.method == "tms" and _expandable_segments()),
+            "tms cannot pause memory from expandable segments: unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF",
+            cfg.offload.method,
+        ),
+        (
+            "offload.offload_rollout",
+            not (cfg.offload.offload_rollout and _expandable_segments()),
+            "releases engine memory through torch_memory_saver, which cannot pause expandable "
+            "segments: unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF",
+            cfg.offload.offload_rollout,
+        ),
+        ("eval.datasets", e.interval is None or bool(e.datasets), "must not be empty when eval is on", e.datasets),
     ]
     names = [ds.name for ds in e.datasets]
     for i, ds in enumerate(e.datasets):
         checks += [
-            (f"eval.datasets.{i}.name", bool(ds.name) and names.count(ds.name) == 1,
-             "must be non-empty and unique", ds.name),
+            (f"eval.datasets.{i}.name", bool(ds.name) and names.count(ds.name) == 1, "must be non-empty and unique", ds.name),
             (f"eval.datasets.{i}.path", bool(ds.path), "must name a data file", ds.path),
-            (f"eval.datasets.{i}.reward", ds.reward is None or _reward_name_ok(ds.reward),
-             f"must be one of {list(BUILTIN_REWARDS)} or {FORMS}", ds.reward),
+            (
+                f"eval.datasets.{i}.reward",
+                ds.reward is None or _reward_name_ok(ds.reward),
+                f"must be one of {list(BUILTIN_REWARDS)} or {FORMS}",
+                ds.reward,
+            ),
         ]
     return checks
 
@@ -206,13 +332,24 @@ def _lora_checks(m: Any) -> list[tuple[str, bool, str, Any]]:
     targets = m.lora_target_modules
     unknown = [t for t in targets if t not in lora.TARGET_MODULES]
     return [
-        ("model.lora_target_modules", not unknown,
-         f"has unknown names {unknown}: expected some of {list(lora.TARGET_MODULES)}", targets),
-        ("model.lora_target_modules", not m.lora_rank or (targets and len(set(targets)) == len(targets)),
-         "must name each adapted projection once (model.lora_rank > 0)", targets),
-        ("model.ref_path", not m.lora_rank or m.ref_path in (None, m.path),
-         "must be unset with model.lora_rank > 0: the reference policy is the base with the adapters off",
-         m.ref_path),
+        (
+            "model.lora_target_modules",
+            not unknown,
+            f"has unknown names {unknown}: expected some of {list(lora.TARGET_MODULES)}",
+            targets,
+        ),
+        (
+            "model.lora_target_modules",
+            not m.lora_rank or (targets and len(set(targets)) == len(targets)),
+            "must name each adapted projection once (model.lora_rank > 0)",
+            targets,
+        ),
+        (
+            "model.ref_path",
+            not m.lora_rank or m.ref_path in (None, m.path),
+            "must be unset with model.lora_rank > 0: the reference policy is the base with the adapters off",
+            m.ref_path,
+        ),
     ]
 
 
@@ -259,7 +396,6 @@ def _expandable_segments() -> bool:
 def _in_range(value: float, spec: str) -> bool:
     if spec[0] in "[(":
         lo, hi = (float(x) for x in spec[1:-1].split(","))
-        return (lo <= value if spec[0] == "[" else lo < value) and (
-            value <= hi if spec[-1] == "]" else value < hi)
+        return (lo <= value if spec[0] == "[" else lo < value) and (value <= hi if spec[-1] == "]" else value < hi)
     op, bound = spec.split()
     return value >= float(bound) if op == ">=" else value > float(bound)

@@ -139,8 +139,9 @@ def raw_rows(spec: str) -> Iterator[tuple[str, Any]]:
         return _dataset_rows(spec, location, config or None, split)
     repo = hub_repo(spec)
     if repo is None:
-        raise ValueError(f"{spec}: prompt data not found (not a file, a directory, or a Hub data set id "
-                         "owner/name[:config[:split]])")
+        raise ValueError(
+            f"{spec}: prompt data not found (not a file, a directory, or a Hub data set id owner/name[:config[:split]])"
+        )
     return _dataset_rows(spec, snapshot(*repo, "dataset", spec), config or None, split)
 
 
@@ -169,8 +170,10 @@ def _file_rows(path: str) -> Iterator[tuple[str, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x}, {e.start + 1} bytes "
-                                 "into the line): save the file as UTF-8") from None
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x}, {e.start + 1} bytes "
+                    "into the line): save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -193,8 +196,11 @@ def _dataset_rows(spec: str, directory: str, config: str | None, split: str | No
         raise ValueError(f"{spec}: a save_to_disk directory takes DIR[:SPLIT], not a config and a split")
     with tempfile.TemporaryDirectory(prefix="colocate-data-") as cache:
         try:
-            data = datasets.load_from_disk(directory) if saved else datasets.load_dataset(
-                directory, config, split=split or "train", cache_dir=cache)
+            data = (
+                datasets.load_from_disk(directory)
+                if saved
+                else datasets.load_dataset(directory, config, split=split or "train", cache_dir=cache)
+            )
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"{spec}: {e}") from None
         if isinstance(data, datasets.DatasetDict):
@@ -208,8 +214,7 @@ def _dataset_rows(spec: str, directory: str, config: str | None, split: str | No
             yield f"{spec}:row {i}", row
 
 
-def prepare(name: str, out: str | Path, split: str | None = None, source: str | None = None, *,
-            overwrite: bool = False) -> int:
+def prepare(name: str, out: str | Path, split: str | None = None, source: str | None = None, *, overwrite: bool = False) -> int:
     """Convert a public set to our JSONL at `out`; returns the number of rows written.
 
     `source` replaces the Hub id (a local copy: JSONL, Parquet, save_to_disk directory or a data
@@ -238,11 +243,11 @@ def prepare_generated(name: str, out: str | Path, size: int, seed: int, *, overw
         if name.startswith(REASONING_GYM):
             from colocate.envs.reasoning_gym import task_rows
 
-            rows = task_rows(name[len(REASONING_GYM):], size, seed)
+            rows = task_rows(name[len(REASONING_GYM) :], size, seed)
         else:
             from colocate.envs.verifiers_env import VerifiersEnv, task_rows
 
-            rows = task_rows(VerifiersEnv(name[len(VERIFIERS):]), size)
+            rows = task_rows(VerifiersEnv(name[len(VERIFIERS) :]), size)
     except ImportError as e:  # the optional extra is missing: a user error, in one line
         raise ValueError(str(e)) from None
     with replacing_file(out, overwrite=overwrite) as tmp:
@@ -253,25 +258,34 @@ def prepare_generated(name: str, out: str | Path, size: int, seed: int, *, overw
 def _set_name(name: str) -> str:
     if name in PUBLIC_SETS or any(name.startswith(g) and name != g for g in GENERATED):
         return name
-    raise argparse.ArgumentTypeError(f"{name!r} is neither a public set ({', '.join(sorted(PUBLIC_SETS))}) "
-                                     f"nor {REASONING_GYM}TASK nor {VERIFIERS}TASKSET")
+    raise argparse.ArgumentTypeError(
+        f"{name!r} is neither a public set ({', '.join(sorted(PUBLIC_SETS))}) nor {REASONING_GYM}TASK nor {VERIFIERS}TASKSET"
+    )
 
 
 @entry_point
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m colocate.data", description=__doc__.split("\n\n")[0],
-                                epilog=DEBUG_HELP)
+    p = argparse.ArgumentParser(prog="python -m colocate.data", description=__doc__.split("\n\n")[0], epilog=DEBUG_HELP)
     sub = p.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare", help="convert a public set, or write a reasoning-gym task's or a verifiers "
-                          "taskset's problems, to our JSONL (prompt, label)")
-    prep.add_argument("name", type=_set_name, help=f"the public set ({', '.join(sorted(PUBLIC_SETS))}), "
-                      f"{REASONING_GYM}TASK for a task of the reasoning-gym package (pip install 'colocate[envs]'), "
-                      f"or {VERIFIERS}TASKSET for an installed verifiers taskset (pip install 'colocate[verifiers]')")
+    prep = sub.add_parser(
+        "prepare",
+        help="convert a public set, or write a reasoning-gym task's or a verifiers "
+        "taskset's problems, to our JSONL (prompt, label)",
+    )
+    prep.add_argument(
+        "name",
+        type=_set_name,
+        help=f"the public set ({', '.join(sorted(PUBLIC_SETS))}), "
+        f"{REASONING_GYM}TASK for a task of the reasoning-gym package (pip install 'colocate[envs]'), "
+        f"or {VERIFIERS}TASKSET for an installed verifiers taskset (pip install 'colocate[verifiers]')",
+    )
     prep.add_argument("out", help="output JSONL")
-    prep.add_argument("--split", default=None, help="split of the Hub data set (default: the set's "
-                      + ", ".join(f"{k} {v.split}" for k, v in PUBLIC_SETS.items()) + ")")
-    prep.add_argument("--source", default=None,
-                      help="read this local copy instead of the Hub (same columns as the Hub set)")
+    prep.add_argument(
+        "--split",
+        default=None,
+        help="split of the Hub data set (default: the set's " + ", ".join(f"{k} {v.split}" for k, v in PUBLIC_SETS.items()) + ")",
+    )
+    prep.add_argument("--source", default=None, help="read this local copy instead of the Hub (same columns as the Hub set)")
     prep.add_argument("--size", type=int, default=1000, help="reasoning-gym and verifiers: the number of rows")
     prep.add_argument("--seed", type=int, default=0, help=f"{REASONING_GYM}TASK: the seed they are generated from")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing OUT")

@@ -50,7 +50,10 @@ def init(timeout_minutes: int = 30, backend: str | None = None, store: dist.Stor
             store = dist.HashStore()
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world, store=store,
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            store=store,
             timeout=datetime.timedelta(minutes=timeout_minutes),
             device_id=device if device.type == "cuda" else None,
         )

@@ -27,8 +27,14 @@ from colocate.rollout.protocol import Completion, SamplingParams
 from colocate.timing import process_age_s
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-         "n_samples_per_prompt": "--n", "max_response_len": "--max-new-tokens"}
+FLAGS = {
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "n_samples_per_prompt": "--n",
+    "max_response_len": "--max-new-tokens",
+}
 """The rollout config fields whose checks apply to these flags."""
 MAX_NUM_SEQS = 256
 """Sequences the engine decodes at once."""
@@ -74,8 +80,9 @@ def read_prompts(path: Path, tokenizer, chat: bool = False) -> list[tuple[int, l
                 if tokenizer is None:
                     raise ValueError(f"{where}: a text 'prompt' needs a tokenizer in the model directory")
                 if not (isinstance(prompt, str) or chat and _is_messages(prompt)):
-                    raise ValueError(f"{where}: 'prompt' must be a string"
-                                     + (" or a list of {'role', 'content'} messages" if chat else ""))
+                    raise ValueError(
+                        f"{where}: 'prompt' must be a string" + (" or a list of {'role', 'content'} messages" if chat else "")
+                    )
                 if chat:  # the template writes the special tokens (BOS too) itself
                     ids = tokenizer.encode(render_chat(tokenizer, prompt), add_special_tokens=False)
                 else:
@@ -87,9 +94,11 @@ def read_prompts(path: Path, tokenizer, chat: bool = False) -> list[tuple[int, l
 
 
 def _is_messages(prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in prompt)
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+    )
 
 
 class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -102,10 +111,10 @@ class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m colocate.generate", description=__doc__.split("\n\n")[0],
-                                formatter_class=_ShowDefaults, epilog=DEBUG_HELP)
-    p.add_argument("--model", required=True,
-                   help="HF model directory (Llama, Qwen2, Qwen3) or a Hub id owner/name[@revision]")
+    p = argparse.ArgumentParser(
+        prog="python -m colocate.generate", description=__doc__.split("\n\n")[0], formatter_class=_ShowDefaults, epilog=DEBUG_HELP
+    )
+    p.add_argument("--model", required=True, help="HF model directory (Llama, Qwen2, Qwen3) or a Hub id owner/name[@revision]")
     p.add_argument("--prompts", type=Path, required=True, help="input JSONL, one prompt per line")
     p.add_argument("--out", type=Path, required=True, help="output JSONL (not replaced without --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -115,18 +124,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 keeps all")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the top probability")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="new tokens per completion, cut to what the model's context leaves after the prompt")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="new tokens per completion, cut to what the model's context leaves after the prompt",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's stop ids")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (sample j of a prompt uses seed + j)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU"
+    )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--max-kv-tokens", type=int, default=None,
-                   help="KV-cache capacity in tokens (default: 65536 on CPU, a share of free memory on CUDA)")
-    p.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"],
-                   help=f"torch.compile the decode forward; auto: on CUDA for jobs of at least "
-                        f"{COMPILE_DECODE_MIN_STEPS} decode steps, where the compile pays for itself")
+    p.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=None,
+        help="KV-cache capacity in tokens (default: 65536 on CPU, a share of free memory on CUDA)",
+    )
+    p.add_argument(
+        "--compile-decode",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help=f"torch.compile the decode forward; auto: on CUDA for jobs of at least "
+        f"{COMPILE_DECODE_MIN_STEPS} decode steps, where the compile pays for itself",
+    )
     args = p.parse_args(argv)
     check_sampling(args)
     return args
@@ -137,27 +159,37 @@ def check_sampling(args: argparse.Namespace) -> None:
     from colocate.config import RolloutConfig
     from colocate.config_checks import sampling_checks
 
-    values = RolloutConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                           n_samples_per_prompt=args.n, max_response_len=args.max_new_tokens)
+    values = RolloutConfig(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        n_samples_per_prompt=args.n,
+        max_response_len=args.max_new_tokens,
+    )
     for name, ok, why, value in sampling_checks(values, FLAGS):
         if not ok:
             raise ValueError(f"{name} {why}, got {value!r}")
 
 
-def fit_budgets(prompts: list[tuple[int, list[int]]], max_new_tokens: int, max_len: int,
-                where: Path) -> list[int]:
+def fit_budgets(prompts: list[tuple[int, list[int]]], max_new_tokens: int, max_len: int, where: Path) -> list[int]:
     """Per prompt, the new-token budget cut to what `max_len` leaves; warns once when any is cut."""
     budgets = []
     for lineno, ids in prompts:
         room = max_len - len(ids)
         if room < 1:
-            raise ValueError(f"{where}:{lineno}: the prompt's {len(ids)} tokens leave no room for a new "
-                             f"token in the model's context of {max_len}")
+            raise ValueError(
+                f"{where}:{lineno}: the prompt's {len(ids)} tokens leave no room for a new "
+                f"token in the model's context of {max_len}"
+            )
         budgets.append(min(max_new_tokens, room))
     cut = sum(b < max_new_tokens for b in budgets)
     if cut:
-        print(f"warning: --max-new-tokens {max_new_tokens} cut to fit the model's context of {max_len} "
-              f"tokens for {cut} of {len(prompts)} prompts", file=sys.stderr)
+        print(
+            f"warning: --max-new-tokens {max_new_tokens} cut to fit the model's context of {max_len} "
+            f"tokens for {cut} of {len(prompts)} prompts",
+            file=sys.stderr,
+        )
     return budgets
 
 
@@ -188,8 +220,13 @@ def startup_line(seconds: float, engine, process_s: float | None = None) -> str:
 
 def completion_row(c: Completion, tokenizer) -> dict:
     """One output line; log-probs that are not finite (overflow in half precision) become null."""
-    row = dict(prompt_index=c.prompt_index, sample_index=c.sample_index, output_ids=c.output_ids,
-               logprobs=[lp if math.isfinite(lp) else None for lp in c.logprobs], finish_reason=c.finish_reason)
+    row = dict(
+        prompt_index=c.prompt_index,
+        sample_index=c.sample_index,
+        output_ids=c.output_ids,
+        logprobs=[lp if math.isfinite(lp) else None for lp in c.logprobs],
+        finish_reason=c.finish_reason,
+    )
     if tokenizer is not None:
         row["text"] = tokenizer.decode(c.output_ids, skip_special_tokens=True)
     return row
@@ -210,19 +247,32 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     check_output_file(args.out, overwrite=args.overwrite, reading=[args.prompts])  # before any model work
     sampling = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_new_tokens=args.max_new_tokens,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
     model_dir = Path(resolve_model(args.model, "--model"))
     tokenizer = load_tokenizer(model_dir)
     if args.chat and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"--chat: the tokenizer of {args.model} has no chat template")
     prompts = read_prompts(args.prompts, tokenizer, chat=args.chat)
     steps = decode_steps(len(prompts), args.n, args.max_new_tokens)
-    engine = NativeEngine(str(model_dir), dtype=args.dtype, device=args.device, max_kv_tokens=args.max_kv_tokens,
-                          eos_token_ids=stop_token_ids(model_dir, tokenizer), seed=args.seed,
-                          max_num_seqs=MAX_NUM_SEQS,
-                          cuda_graph_max_bs=max(1, min(MAX_NUM_SEQS, len(prompts) * args.n)),  # the job's batch
-                          compile_decode=compile_decode(args.compile_decode, steps))
+    engine = NativeEngine(
+        str(model_dir),
+        dtype=args.dtype,
+        device=args.device,
+        max_kv_tokens=args.max_kv_tokens,
+        eos_token_ids=stop_token_ids(model_dir, tokenizer),
+        seed=args.seed,
+        max_num_seqs=MAX_NUM_SEQS,
+        cuda_graph_max_bs=max(1, min(MAX_NUM_SEQS, len(prompts) * args.n)),  # the job's batch
+        compile_decode=compile_decode(args.compile_decode, steps),
+    )
     budgets = fit_budgets(prompts, args.max_new_tokens, engine.max_model_len, args.prompts)
     for index, ((lineno, ids), budget) in enumerate(zip(prompts, budgets)):
         try:
@@ -231,8 +281,7 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"{args.prompts}:{lineno}: {e}") from None
     print(startup_line(time.perf_counter() - start, engine, process_s), file=sys.stderr)
     completions = []
-    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
-               TimeElapsedColumn())
+    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"), TimeElapsedColumn())
     with Progress(*columns, transient=False) as progress:
         task = progress.add_task("generate", total=len(prompts) * args.n, tps="")
         while engine.has_unfinished_requests():

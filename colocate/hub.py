@@ -17,8 +17,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 MODEL_FILES = [
-    "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "chat_template.*", "*.safetensors", "model.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.*",
+    "*.safetensors",
+    "model.safetensors.index.json",
 ]
 """What a run reads of a model repository; other weights (pytorch_model.bin, gguf, onnx) are skipped."""
 
@@ -74,21 +82,33 @@ def snapshot(repo_id: str, revision: str | None, repo_type: str, field: str, loc
     name = repo_id + (f"@{revision}" if revision else "")
     offline = constants.HF_HUB_OFFLINE or local_only
     try:
-        local = snapshot_download(repo_id, repo_type=repo_type, revision=revision, local_files_only=offline,
-                                  allow_patterns=MODEL_FILES if repo_type == "model" else None)
+        local = snapshot_download(
+            repo_id,
+            repo_type=repo_type,
+            revision=revision,
+            local_files_only=offline,
+            allow_patterns=MODEL_FILES if repo_type == "model" else None,
+        )
     except GatedRepoError:
-        raise ValueError(f"{field}: the Hub {kind} {name} is gated: accept its conditions on its Hub page, "
-                         "then set HF_TOKEN to a token of that account") from None
+        raise ValueError(
+            f"{field}: the Hub {kind} {name} is gated: accept its conditions on its Hub page, "
+            "then set HF_TOKEN to a token of that account"
+        ) from None
     except RevisionNotFoundError:
         raise ValueError(f"{field}: the Hub {kind} {repo_id} has no revision {revision!r}") from None
     except RepositoryNotFoundError:
-        raise ValueError(f"{field}: {name} is not a local path, and the Hub has no {kind} repository "
-                         f"{repo_id} (a private one needs HF_TOKEN)") from None
+        raise ValueError(
+            f"{field}: {name} is not a local path, and the Hub has no {kind} repository {repo_id} (a private one needs HF_TOKEN)"
+        ) from None
     except LocalEntryNotFoundError:
-        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else
-               "another process was to download it" if local_only else "the Hub could not be reached")
-        raise ValueError(f"{field}: the Hub {kind} {name} is not in the cache {constants.HF_HUB_CACHE}, "
-                         f"and {why}") from None
+        why = (
+            "HF_HUB_OFFLINE is set"
+            if constants.HF_HUB_OFFLINE
+            else "another process was to download it"
+            if local_only
+            else "the Hub could not be reached"
+        )
+        raise ValueError(f"{field}: the Hub {kind} {name} is not in the cache {constants.HF_HUB_CACHE}, and {why}") from None
     _fetched[key] = local
     return local
 
@@ -108,6 +128,5 @@ def fetch_once_per_node(fetch: Callable[[bool], list[str]], local_rank: int) -> 
     if error is not None:
         raise error
     if failed:
-        raise ValueError("the download from the Hugging Face Hub failed on another process (its error "
-                         "says why)")
+        raise ValueError("the download from the Hugging Face Hub failed on another process (its error says why)")
     return result if result is not None else fetch(True)

@@ -58,16 +58,25 @@ def _check_tokenizer_files(model_dir: str) -> None:
     """Without tokenizer files transformers may still build a tokenizer, one that encodes every
     prompt as nothing; say what is missing instead."""
     if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"model.path: {model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
-                         "copy the model's tokenizer into it")
+        raise ValueError(
+            f"model.path: {model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+            "copy the model's tokenizer into it"
+        )
 
 
 def _projection_shapes(mc: ArchConfig) -> dict[str, tuple[int, int]]:
     """(in features, out features) of each projection of a block that can carry LoRA adapters."""
     q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
     h, i = mc.hidden_size, mc.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
 def _check_model_fit(cfg: Config, field: str, mc: ArchConfig) -> None:
@@ -79,13 +88,16 @@ def _check_model_fit(cfg: Config, field: str, mc: ArchConfig) -> None:
     if field == "path":
         outside = [t for t in cfg.rollout.stop_token_ids if t >= mc.vocab_size]
         if outside:
-            raise ValueError(f"rollout.stop_token_ids {outside} lie outside the vocabulary of {where} "
-                             f"(vocab_size {mc.vocab_size})")
+            raise ValueError(
+                f"rollout.stop_token_ids {outside} lie outside the vocabulary of {where} (vocab_size {mc.vocab_size})"
+            )
     rank, shapes = cfg.model.lora_rank, _projection_shapes(mc)
     for name in cfg.model.lora_target_modules if rank else ():
         if rank > min(shapes[name]):
-            raise ValueError(f"model.lora_rank {rank} exceeds the smaller side of {name} "
-                             f"({shapes[name][0]} -> {shapes[name][1]} in {where}): at most {min(shapes[name])}")
+            raise ValueError(
+                f"model.lora_rank {rank} exceeds the smaller side of {name} "
+                f"({shapes[name][0]} -> {shapes[name][1]} in {where}): at most {min(shapes[name])}"
+            )
 
 
 def _check_prompt_count(cfg: Config, data: PromptDataset) -> None:
@@ -93,9 +105,11 @@ def _check_prompt_count(cfg: Config, data: PromptDataset) -> None:
     r = cfg.rollout
     if len(data) < r.rollout_batch_size:
         dropped = f", after dropping {data.num_dropped} longer than rollout.max_prompt_len={r.max_prompt_len}"
-        raise ValueError(f"rollout.prompt_data {r.prompt_data} holds {len(data)} prompts"
-                         f"{dropped if data.num_dropped else ''}, fewer than rollout.rollout_batch_size="
-                         f"{r.rollout_batch_size}")
+        raise ValueError(
+            f"rollout.prompt_data {r.prompt_data} holds {len(data)} prompts"
+            f"{dropped if data.num_dropped else ''}, fewer than rollout.rollout_batch_size="
+            f"{r.rollout_batch_size}"
+        )
 
 
 def _episode_runner(cfg: Config, tokenizer):
@@ -107,11 +121,18 @@ def _episode_runner(cfg: Config, tokenizer):
     from colocate.envs.registry import load_env
 
     budget = r.response_budget
-    limits = EpisodeLimits(r.max_turns, budget, r.turn_max_new_tokens or budget, r.tool_timeout_s, r.max_prompt_len,
-                           r.env_timeout_s)
-    return EpisodeRunner(load_env(r.env, r.env_args), tokenizer, limits, workers=r.env_workers,
-                         strict=cfg.train.strict, template_kwargs=r.chat_template_kwargs,
-                         system_prompt=r.system_prompt)
+    limits = EpisodeLimits(
+        r.max_turns, budget, r.turn_max_new_tokens or budget, r.tool_timeout_s, r.max_prompt_len, r.env_timeout_s
+    )
+    return EpisodeRunner(
+        load_env(r.env, r.env_args),
+        tokenizer,
+        limits,
+        workers=r.env_workers,
+        strict=cfg.train.strict,
+        template_kwargs=r.chat_template_kwargs,
+        system_prompt=r.system_prompt,
+    )
 
 
 @dataclass
@@ -152,15 +173,21 @@ class RunInputs:
         reward_fn = load_reward_fn(r.reward)
 
         def dataset(path, input_key, label_key, metadata_key):
-            return PromptDataset(path, tokenizer, input_key=input_key, label_key=label_key,
-                                 metadata_key=metadata_key, max_prompt_len=r.max_prompt_len,
-                                 apply_chat_template=r.apply_chat_template, system_prompt=r.system_prompt,
-                                 chat_template_kwargs=r.chat_template_kwargs)
+            return PromptDataset(
+                path,
+                tokenizer,
+                input_key=input_key,
+                label_key=label_key,
+                metadata_key=metadata_key,
+                max_prompt_len=r.max_prompt_len,
+                apply_chat_template=r.apply_chat_template,
+                system_prompt=r.system_prompt,
+                chat_template_kwargs=r.chat_template_kwargs,
+            )
 
         train_set = dataset(r.prompt_data, r.input_key, r.label_key, r.metadata_key)
         _check_prompt_count(cfg, train_set)
-        data = PromptSampler(train_set, rank=info.rank, world_size=info.world_size, seed=r.seed,
-                             shuffle=r.shuffle)
+        data = PromptSampler(train_set, rank=info.rank, world_size=info.world_size, seed=r.seed, shuffle=r.shuffle)
         eval_sets = []
         for d in cfg.eval.datasets:
             ds = dataset(d.path, d.input_key, d.label_key, d.metadata_key)
@@ -171,5 +198,14 @@ class RunInputs:
         a = cfg.algorithm
         overlong = (a.overlong_buffer_len, a.overlong_penalty_factor) if a.overlong_buffer_len else None
         hook = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else None
-        return cls(tokenizer, data, reward_fn, eval_sets, eos, overlong, hook,
-                   num_dropped_prompts=train_set.num_dropped, episodes=_episode_runner(cfg, tokenizer))
+        return cls(
+            tokenizer,
+            data,
+            reward_fn,
+            eval_sets,
+            eos,
+            overlong,
+            hook,
+            num_dropped_prompts=train_set.num_dropped,
+            episodes=_episode_runner(cfg, tokenizer),
+        )

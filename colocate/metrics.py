@@ -121,7 +121,7 @@ def plain_metrics(metrics: dict[str, Any]) -> dict[str, int | float | None]:
 def startup_phases(record: dict[str, Any]) -> dict[str, float]:
     """The `perf/startup/<part>_s` values of a record (the first step's), keyed by part."""
     prefix, suffix = "perf/startup/", "_s"
-    return {k[len(prefix):-len(suffix)]: v for k, v in record.items() if k.startswith(prefix)}
+    return {k[len(prefix) : -len(suffix)]: v for k, v in record.items() if k.startswith(prefix)}
 
 
 def split_startup(parts: dict[str, float]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
@@ -229,8 +229,13 @@ class MetricsLogger:
             import wandb
 
             self._wandb_run = wandb.init(
-                project=project, name=run_name, config=config, dir=str(self.output_dir),
-                id=run_id, resume="allow", mode=_wandb_mode(),
+                project=project,
+                name=run_name,
+                config=config,
+                dir=str(self.output_dir),
+                id=run_id,
+                resume="allow",
+                mode=_wandb_mode(),
             )
         except Exception as err:  # noqa: BLE001 - a logging backend must never stop training
             self._wandb_failed("could not start", err)
@@ -285,8 +290,11 @@ class MetricsLogger:
             yield _NoProgress()
             return
         columns = (
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
         )
         # A bar only helps a live terminal; in a redirected log it would leave blank lines.
         live = self._console.is_terminal
@@ -369,8 +377,7 @@ def _steps_line(records: list[dict[str, Any]], seconds: float) -> str:
     This run's records are those written in its last `seconds`, less a step's record that it
     restored from the checkpoint (that step ran before the resume)."""
     since = time.time() - seconds
-    mine = sorted({r["step"] for r in records
-                   if r.get("time", 0) >= since and not r.get("resume/record_from_checkpoint")})
+    mine = sorted({r["step"] for r in records if r.get("time", 0) >= since and not r.get("resume/record_from_checkpoint")})
     earlier = sorted({r["step"] for r in records} - set(mine))
     if not earlier:
         return f"{len(mine)} steps in {seconds:.1f} s"

@@ -35,17 +35,16 @@ def check_output_dir(out: str | Path, *, overwrite: bool = False, reading: Itera
     if overwrite or not (out.exists() or out.is_symlink()):
         return
     if not out.is_dir():
-        raise ValueError(f"output {out} exists and is not a directory: choose another path, or replace "
-                         "it with --overwrite")
+        raise ValueError(f"output {out} exists and is not a directory: choose another path, or replace it with --overwrite")
     if (out / MARKER).is_file() or not any(out.iterdir()):
         return
-    raise ValueError(f"output {out} is not empty and was not written by colocate: choose a new "
-                     "directory, or replace it with --overwrite")
+    raise ValueError(
+        f"output {out} is not empty and was not written by colocate: choose a new directory, or replace it with --overwrite"
+    )
 
 
 @contextmanager
-def replacing_dir(out: str | Path, writer: str, *, overwrite: bool = False,
-                  reading: Iterable[str | Path] = ()) -> Iterator[Path]:
+def replacing_dir(out: str | Path, writer: str, *, overwrite: bool = False, reading: Iterable[str | Path] = ()) -> Iterator[Path]:
     """Yield an empty temporary sibling of `out` to fill; on success it becomes `out` (with the
     marker naming `writer`), on an error it is removed and `out` is left as it was."""
     out = Path(out)
@@ -95,8 +94,7 @@ def check_output_file(out: str | Path, *, overwrite: bool = False, reading: Iter
 
 
 @contextmanager
-def replacing_file(out: str | Path, *, overwrite: bool = False, reading: Iterable[str | Path] = ()
-                   ) -> Iterator[Path]:
+def replacing_file(out: str | Path, *, overwrite: bool = False, reading: Iterable[str | Path] = ()) -> Iterator[Path]:
     """The file version of `replacing_dir`: yield a temporary sibling of `out` to write; on success
     it becomes `out`. An existing `out` is replaced only with `overwrite`, and never when it is a
     file being read."""

@@ -41,8 +41,7 @@ def _prompts(args, vocab_size: int) -> list[list[int]]:
         if "input_ids" in row:
             ids = row["input_ids"]
             if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)):
-                raise ValueError(f"{args.prompts}:{n}: input_ids must be a non-empty list of token ids in "
-                                 f"[0, {vocab_size})")
+                raise ValueError(f"{args.prompts}:{n}: input_ids must be a non-empty list of token ids in [0, {vocab_size})")
             out.append(ids)
         elif "prompt" in row:
             tok = tok or load_tokenizer(args.model)
@@ -63,8 +62,7 @@ def sequence_logprobs(logits: torch.Tensor, tokens: list[int], start: int, tempe
 
 @entry_point
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m colocate.parity", description=__doc__.split("\n\n")[0],
-                                epilog=DEBUG_HELP)
+    p = argparse.ArgumentParser(prog="python -m colocate.parity", description=__doc__.split("\n\n")[0], epilog=DEBUG_HELP)
     p.add_argument("--model", required=True, help="HF model directory or Hub id owner/name[@revision]")
     p.add_argument("--prompts", default=None, help="JSONL with 'prompt' or 'input_ids' per line")
     p.add_argument("--num-prompts", type=int, default=4)
@@ -91,14 +89,16 @@ def main(argv: list[str]) -> int:
     prompts = _prompts(args, ours.config.vocab_size)
     if args.no_engine:
         g = torch.Generator().manual_seed(args.seed + 1)
-        outputs = [(torch.randint(0, ours.config.vocab_size, (args.max_new_tokens,), generator=g).tolist(), None)
-                   for _ in prompts]
+        outputs = [
+            (torch.randint(0, ours.config.vocab_size, (args.max_new_tokens,), generator=g).tolist(), None) for _ in prompts
+        ]
     else:
         from colocate.rollout.native import NativeEngine
 
         engine = NativeEngine(args.model, dtype=dtype, device=args.device, cuda_graph=False)
-        sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                                  ignore_eos=True, seed=args.seed)
+        sampling = SamplingParams(
+            temperature=args.temperature, max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=args.seed
+        )
         outputs = [(c.output_ids, torch.tensor(c.logprobs)) for c in engine.generate(prompts, sampling)]
         engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()

@@ -73,15 +73,18 @@ def collect_series(
     return series
 
 
-def latest_startup(
-    steps: dict[int, dict[str, Any]], patterns: list[str] | None = None
-) -> tuple[int, dict[str, float]] | None:
+def latest_startup(steps: dict[int, dict[str, Any]], patterns: list[str] | None = None) -> tuple[int, dict[str, float]] | None:
     """(step, {part: seconds}) of the last step that logged start-up parts (a resumed run logs its
     own with its first step), or None; `patterns` as in `collect_series`."""
     for step in reversed(steps):
-        record = {k: v for k, v in steps[step].items() if k.startswith(_STARTUP_PREFIX)
-                  and isinstance(v, (int, float)) and math.isfinite(v)
-                  and (patterns is None or any(fnmatch.fnmatchcase(k, p) for p in patterns))}
+        record = {
+            k: v
+            for k, v in steps[step].items()
+            if k.startswith(_STARTUP_PREFIX)
+            and isinstance(v, (int, float))
+            and math.isfinite(v)
+            and (patterns is None or any(fnmatch.fnmatchcase(k, p) for p in patterns))
+        }
         if record:
             return step, startup_phases(record)
     return None
@@ -118,9 +121,7 @@ def _draw_startup(ax: Any, step: int, parts: dict[str, float]) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
-def plot(
-    output_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, keys: list[str] | None = None
-) -> list[Path]:
+def plot(output_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, keys: list[str] | None = None) -> list[Path]:
     """Write one PNG per metric group into `out_dir` (default OUTPUT_DIR/plots); return their paths."""
     records = read_metrics(output_dir)
     if not records:
@@ -168,7 +169,7 @@ def plot(
             ax.grid(alpha=0.3)
             if len(lines) > 1:
                 ax.legend(fontsize=7)
-        for ax in list(axes.flat)[len(panels):]:
+        for ax in list(axes.flat)[len(panels) :]:
             ax.set_visible(False)
         fig.suptitle(f"{group}  ({Path(output_dir).name})", fontsize=11)
         fig.tight_layout()
@@ -181,8 +182,7 @@ def plot(
 
 @entry_point
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colocate.plot", description=__doc__.splitlines()[0],
-                                     epilog=DEBUG_HELP)
+    parser = argparse.ArgumentParser(prog="python -m colocate.plot", description=__doc__.splitlines()[0], epilog=DEBUG_HELP)
     parser.add_argument("output_dir", help="a run's output directory (holds metrics.jsonl)")
     parser.add_argument("--out", default=None, help="where to write the PNGs (default OUTPUT_DIR/plots)")
     parser.add_argument("--keys", default=None, help="comma-separated names or globs, e.g. 'train/*,eval/*'")

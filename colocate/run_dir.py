@@ -83,8 +83,9 @@ def _lock(path: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise ValueError(f"output_dir {path} is in use by another run (process {holder}): "
-                         "wait for it, or choose another output_dir") from None
+        raise ValueError(
+            f"output_dir {path} is in use by another run (process {holder}): wait for it, or choose another output_dir"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -97,11 +98,15 @@ def _check_owner(path: Path, cfg: Config) -> None:
     has_checkpoint = latest_checkpoint(ckpt_dir) is not None
     if has_checkpoint and cfg.overwrite:
         # A fresh run would resume from them, and overwrite never deletes a checkpoint.
-        raise ValueError(f"--overwrite starts a fresh run, but {ckpt_dir} holds checkpoints: drop --overwrite "
-                         "to resume from them, or choose another output_dir or checkpoint.dir")
+        raise ValueError(
+            f"--overwrite starts a fresh run, but {ckpt_dir} holds checkpoints: drop --overwrite "
+            "to resume from them, or choose another output_dir or checkpoint.dir"
+        )
     if has_checkpoint and not cfg.checkpoint.resume:
-        raise ValueError(f"{ckpt_dir} holds another run's checkpoints and checkpoint.resume is off: "
-                         "resume that run, or choose another output_dir or checkpoint.dir")
+        raise ValueError(
+            f"{ckpt_dir} holds another run's checkpoints and checkpoint.resume is off: "
+            "resume that run, or choose another output_dir or checkpoint.dir"
+        )
     metrics = path / METRICS_FILE
     if has_checkpoint:
         for name in (metrics, *path.glob("memory_rank*.jsonl")):
@@ -109,9 +114,11 @@ def _check_owner(path: Path, cfg: Config) -> None:
         return
     earlier = metrics.is_file() and metrics.stat().st_size > 0
     if earlier and not cfg.overwrite:
-        raise ValueError(f"output_dir {path} holds another run's {METRICS_FILE} and no checkpoint to "
-                         "resume from: choose another output_dir, or pass --overwrite True to replace "
-                         "that run's metrics and log")
+        raise ValueError(
+            f"output_dir {path} holds another run's {METRICS_FILE} and no checkpoint to "
+            "resume from: choose another output_dir, or pass --overwrite True to replace "
+            "that run's metrics and log"
+        )
     if earlier:
         for name in (METRICS_FILE, LOG_FILE, WANDB_ID_FILE):
             (path / name).unlink(missing_ok=True)

@@ -49,6 +49,7 @@ AUTO_RESTS = ("none", "ops", "mlp")
 @dataclass(frozen=True)
 class Shape:
     """What the plan needs of a model: widths per token and parameter counts."""
+
     hidden: int
     q_width: int  # heads x head_dim
     kv_width: int  # KV heads x head_dim
@@ -60,16 +61,35 @@ class Shape:
 
     @classmethod
     def of(cls, mcfg, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> "Shape":
-        h, i, q, kv = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_attention_heads * mcfg.head_dim, \
-            mcfg.num_key_value_heads * mcfg.head_dim
+        h, i, q, kv = (
+            mcfg.hidden_size,
+            mcfg.intermediate_size,
+            mcfg.num_attention_heads * mcfg.head_dim,
+            mcfg.num_key_value_heads * mcfg.head_dim,
+        )
         per_block = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h  # projections and norms
         per_block += (q + 2 * kv) * mcfg.attention_bias + 2 * mcfg.head_dim * mcfg.qk_norm
         embeddings = mcfg.vocab_size * h * (1 if mcfg.tie_word_embeddings else 2)
-        widths = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        widths = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
         adapters = sum(lora_rank * (widths[t][0] + widths[t][1]) for t in lora_targets if t in widths)
-        return cls(h, q, kv, i, mcfg.num_hidden_layers, mcfg.qk_norm,
-                   mcfg.num_hidden_layers * per_block + embeddings + h, adapters * mcfg.num_hidden_layers)
+        return cls(
+            h,
+            q,
+            kv,
+            i,
+            mcfg.num_hidden_layers,
+            mcfg.qk_norm,
+            mcfg.num_hidden_layers * per_block + embeddings + h,
+            adapters * mcfg.num_hidden_layers,
+        )
 
     def kept_per_token(self, mode: str) -> int:
         """Elements one block keeps for its backward per token, by recompute mode."""
@@ -91,6 +111,7 @@ class Shape:
 @dataclass(frozen=True)
 class RunNeeds:
     """What the run's settings ask of one rank, in tokens and flags (`needs_of` builds it)."""
+
     step_tokens: int  # tokens of this rank's share of one optimizer step, at full length
     sample_tokens: int  # one sample at full length: the smallest micro-batch that trains it
     kv_tokens: int  # one sampling round's sequences at full length
@@ -120,8 +141,7 @@ class MemoryPlan:
         return f"sizes from free memory: {self.reason}" if self.reason else None
 
 
-def plan_memory(shape: Shape, needs: RunNeeds, free_bytes: int, total_bytes: int, kv_bytes_per_token: int
-                ) -> MemoryPlan:
+def plan_memory(shape: Shape, needs: RunNeeds, free_bytes: int, total_bytes: int, kv_bytes_per_token: int) -> MemoryPlan:
     """The sizes for one rank with `free_bytes` of `total_bytes` free before anything is loaded."""
     usable = free_bytes - HEADROOM * total_bytes
     trainer = _trainer_bytes(shape, needs)
@@ -134,7 +154,8 @@ def plan_memory(shape: Shape, needs: RunNeeds, free_bytes: int, total_bytes: int
                 f"rollout.gpu_memory_fraction auto: {free_bytes / GIB:.1f} GiB free leave no room for a KV cache "
                 f"beside the engine's weights ({engine_weights / GIB:.1f} GiB) and the trainer's state while "
                 f"generating ({gen_trainer / GIB:.1f} GiB): turn on offload.offload_train, use more GPUs, or set "
-                "rollout.gpu_memory_fraction")
+                "rollout.gpu_memory_fraction"
+            )
         wanted = max(MIN_KV_BYTES, int(needs.kv_tokens * kv_bytes_per_token * KV_SLACK))
         kv_bytes = int(min(wanted, gen_room))
     else:  # the engine's share of what is free once it has loaded its weights
@@ -152,17 +173,21 @@ def plan_memory(shape: Shape, needs: RunNeeds, free_bytes: int, total_bytes: int
     per_token = _activation_bytes_per_token(shape, needs, modes)
     fit = max(0, int(room // per_token))
     max_tokens = needs.max_tokens or max(needs.sample_tokens, min(needs.step_tokens, fit))
-    forecast = {"memory/plan/train_peak_gib": (trainer + held + LOGPROB_WORKSPACE + max_tokens * per_token) / GIB,
-                "memory/plan/kv_cache_gib": kv_bytes / GIB,
-                "memory/plan/activation_mib_per_token": per_token / (1 << 20)}
+    forecast = {
+        "memory/plan/train_peak_gib": (trainer + held + LOGPROB_WORKSPACE + max_tokens * per_token) / GIB,
+        "memory/plan/kv_cache_gib": kv_bytes / GIB,
+        "memory/plan/activation_mib_per_token": per_token / (1 << 20),
+    }
     parts = [f"{free_bytes / GIB:.1f} of {total_bytes / GIB:.1f} GiB free"]
     if needs.max_tokens is None:
         parts.append(f"train.max_tokens_per_gpu {max_tokens} ({_why_tokens(needs, max_tokens, fit, room, per_token)})")
     if rest is not None:
         parts.append(f"model.recompute_rest {rest!r}")
     if needs.kv_fraction is None:
-        parts.append(f"KV cache {kv_bytes / GIB:.2f} GiB (a sampling round's {needs.kv_tokens} tokens x {KV_SLACK}, "
-                     f"at least {MIN_KV_BYTES >> 20} MiB, at most what generation leaves)")
+        parts.append(
+            f"KV cache {kv_bytes / GIB:.2f} GiB (a sampling round's {needs.kv_tokens} tokens x {KV_SLACK}, "
+            f"at least {MIN_KV_BYTES >> 20} MiB, at most what generation leaves)"
+        )
     if needs.kv_fraction is not None:
         return MemoryPlan(max_tokens, None, None, rest, "; ".join(parts), forecast)
     # SGLang's KV cache is what is free after its weights less (1 - mem_fraction_static) of the device.
@@ -187,8 +212,9 @@ def _trainer_bytes(shape: Shape, needs: RunNeeds) -> float:
         state = shard * needs.itemsize + shape.lora_params / needs.world_size * 16
     else:
         state = shard * 16  # fp32 master, fp32 gradient, two fp32 moments
-    gathered = shape.num_params * needs.itemsize if needs.keep_gathered else \
-        2 * shape.num_params / shape.num_layers * needs.itemsize
+    gathered = (
+        shape.num_params * needs.itemsize if needs.keep_gathered else 2 * shape.num_params / shape.num_layers * needs.itemsize
+    )
     return (2 if needs.critic else 1) * (state + gathered)
 
 
@@ -224,17 +250,26 @@ def needs_of(cfg, world_size: int, itemsize: int, keep_gathered: bool, modes: tu
     prompts = max(1, max(r.rollout_batch_size, r.over_sampling_batch_size or 0) // world_size)
     sequences = prompts * r.n_samples_per_prompt
     return RunNeeds(
-        step_tokens=per_rank * sample, sample_tokens=sample,
-        kv_tokens=min(sequences, r.max_running_requests) * sample, world_size=world_size, itemsize=itemsize,
-        keep_gathered=keep_gathered, offload_train=cfg.offload.offload_train,
-        offload_rollout=cfg.offload.offload_rollout, critic=cfg.algorithm.use_critic, lora=cfg.model.lora_rank > 0,
-        modes=modes, max_tokens=None if t.max_tokens_per_gpu == AUTO else t.max_tokens_per_gpu,
-        kv_fraction=None if r.gpu_memory_fraction == AUTO else r.gpu_memory_fraction)
+        step_tokens=per_rank * sample,
+        sample_tokens=sample,
+        kv_tokens=min(sequences, r.max_running_requests) * sample,
+        world_size=world_size,
+        itemsize=itemsize,
+        keep_gathered=keep_gathered,
+        offload_train=cfg.offload.offload_train,
+        offload_rollout=cfg.offload.offload_rollout,
+        critic=cfg.algorithm.use_critic,
+        lora=cfg.model.lora_rank > 0,
+        modes=modes,
+        max_tokens=None if t.max_tokens_per_gpu == AUTO else t.max_tokens_per_gpu,
+        kv_fraction=None if r.gpu_memory_fraction == AUTO else r.gpu_memory_fraction,
+    )
 
 
 def cpu_plan(needs: RunNeeds) -> MemoryPlan:
     """Without a GPU there is no device memory to plan: the step's tokens up to CPU_MAX_TOKENS."""
     max_tokens = needs.max_tokens or max(needs.sample_tokens, min(needs.step_tokens, CPU_MAX_TOKENS))
-    reason = "" if needs.max_tokens else f"no GPU: train.max_tokens_per_gpu {max_tokens} (the step's tokens, " \
-        f"at most {CPU_MAX_TOKENS})"
+    reason = (
+        "" if needs.max_tokens else f"no GPU: train.max_tokens_per_gpu {max_tokens} (the step's tokens, at most {CPU_MAX_TOKENS})"
+    )
     return MemoryPlan(max_tokens, None, None, None if needs.modes else "none", reason, {})

@@ -43,8 +43,10 @@ class StopSignals:
     def _handle(self, signum: int, frame) -> None:
         if self.signum is None:
             self.signum = signum
-            self._say(f"{signal.Signals(signum).name}: stopping after the step in flight, then saving a "
-                      "checkpoint (Ctrl-C again to exit at once, without saving)")
+            self._say(
+                f"{signal.Signals(signum).name}: stopping after the step in flight, then saving a "
+                "checkpoint (Ctrl-C again to exit at once, without saving)"
+            )
         elif signum == signal.SIGINT:
             self._say("second SIGINT: exiting at once, without saving the step in flight")
             os._exit(128 + signum)

@@ -52,7 +52,7 @@ def toy_prompt(distractors: list[str], start: str) -> str:
 
 
 def toy_answer(start: str) -> str:
-    return " ".join(TOY_SYMBOLS[TOY_SYMBOLS.index(start) + 1:])
+    return " ".join(TOY_SYMBOLS[TOY_SYMBOLS.index(start) + 1 :])
 
 
 def toy_score(response: str, label: str) -> float:
@@ -176,13 +176,14 @@ def _is_current(path: Path) -> bool:
 
 @entry_point
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colocate.toy", description=__doc__.splitlines()[0],
-                                     epilog=DEBUG_HELP)
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output directory (default: the toy cache); an existing one is replaced "
-                             "only if colocate wrote it")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace --out even if it holds files colocate did not write")
+    parser = argparse.ArgumentParser(prog="python -m colocate.toy", description=__doc__.splitlines()[0], epilog=DEBUG_HELP)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: the toy cache); an existing one is replaced only if colocate wrote it",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace --out even if it holds files colocate did not write")
     args = parser.parse_args(argv)
     path = write_toy(args.out, args.overwrite) if args.out is not None else ensure_toy()
     print(path)

@@ -66,8 +66,9 @@ def _add_parts(startup: dict[str, float], part: str, seconds: dict[str, float]) 
 
 
 class Loop:
-    def __init__(self, cfg: Config, info: dist.DistInfo, startup: dict[str, float] | None = None,
-                 stop: StopSignals | None = None):
+    def __init__(
+        self, cfg: Config, info: dist.DistInfo, startup: dict[str, float] | None = None, stop: StopSignals | None = None
+    ):
         from colocate.colocation.ledger import MemoryLedger
         from colocate.inputs import RunInputs
         from colocate.metrics import MetricsLogger
@@ -80,9 +81,15 @@ class Loop:
         # Everything that can be wrong with the user's input is checked before any model is built.
         with timed(self.startup, "perf/startup/inputs_s", info.device):
             self.inputs = RunInputs.load(cfg, info)
-        self.log = MetricsLogger(self.out, enabled=info.is_main, use_wandb=cfg.logging.wandb,
-                                 wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
-                                 config=cfg.to_dict(), console=cfg.logging.console)
+        self.log = MetricsLogger(
+            self.out,
+            enabled=info.is_main,
+            use_wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            run_name=cfg.logging.run_name,
+            config=cfg.to_dict(),
+            console=cfg.logging.console,
+        )
         self.ledger = MemoryLedger(info.device, strict=cfg.train.strict)
         self.phase = Phases(self.ledger, info.device, cfg)
         self.weight_version = 0
@@ -111,8 +118,10 @@ class Loop:
         if cfg.algorithm.true_on_policy:
             ops = Ops.true_on_policy(info.device)
             if cfg.rollout.compile_decode and info.device.type == "cuda":
-                self.log.info("algorithm.true_on_policy: the engine's decode runs uncompiled "
-                              "(rollout.compile_decode is ignored in the mode)")
+                self.log.info(
+                    "algorithm.true_on_policy: the engine's decode runs uncompiled "
+                    "(rollout.compile_decode is ignored in the mode)"
+                )
         with timed(startup, "perf/startup/trainer_s", info.device):  # load, shard, reserve pinned buffers
             self.trainer = Trainer(cfg, info, ops=ops)
         _add_parts(startup, "trainer", self.trainer.startup_seconds)
@@ -121,22 +130,38 @@ class Loop:
         startup.update(self.trainer.memory_plan.forecast)
         with timed(startup, "perf/startup/resume_s", info.device):
             self._maybe_resume()
-        self.colocation = Colocation(self.trainer, cfg.offload, dtype=resolve_dtype(cfg.model.dtype, info.device),
-                                     bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+        self.colocation = Colocation(
+            self.trainer,
+            cfg.offload,
+            dtype=resolve_dtype(cfg.model.dtype, info.device),
+            bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
+        )
         if cfg.offload.offload_train:
             with timed(startup, "perf/startup/offload_s", info.device):
                 self.colocation.make_room()
             _add_parts(startup, "offload", {"pinned_wait": self.trainer.memory.wait_seconds})
         eval_prompts = max((len(prompts) for _, prompts, _ in self.inputs.eval_sets), default=0)
         with timed(startup, "perf/startup/engine_s", info.device):
-            self.engine = build_engine(cfg, info, self.inputs.eos_token_ids,
-                                       reachable_batch_size(cfg, info.world_size, eval_prompts),
-                                       self.trainer.memory_plan, ops=ops)
+            self.engine = build_engine(
+                cfg,
+                info,
+                self.inputs.eos_token_ids,
+                reachable_batch_size(cfg, info.world_size, eval_prompts),
+                self.trainer.memory_plan,
+                ops=ops,
+            )
         _add_parts(startup, "engine", getattr(self.engine, "startup_seconds", {}))
         self.rollout = RolloutManager(
-            self.engine, self.inputs.tokenizer, cfg.rollout, reward_fn=self.inputs.reward_fn,
-            strict=cfg.train.strict, overlong=self.inputs.overlong,
-            custom_generate=self.inputs.custom_generate, episodes=self.inputs.episodes, seed=cfg.rollout.seed)
+            self.engine,
+            self.inputs.tokenizer,
+            cfg.rollout,
+            reward_fn=self.inputs.reward_fn,
+            strict=cfg.train.strict,
+            overlong=self.inputs.overlong,
+            custom_generate=self.inputs.custom_generate,
+            episodes=self.inputs.episodes,
+            seed=cfg.rollout.seed,
+        )
         if self.resumed_rollouts is not None:
             self.rollout.load_state_dict(self.resumed_rollouts, self.inputs.data.dataset)
         # The engine always starts from the trainer's weights (they differ from disk after resume).
@@ -194,12 +219,22 @@ class Loop:
         from colocate.metrics import plain_metrics
 
         version = self.weight_version if weight_version is None else weight_version
-        extra = {"rollout_id": rollout_id, "weight_version": version,
-                 "data": self.inputs.data.state_dict(), "metrics": plain_metrics(step_metrics)}
+        extra = {
+            "rollout_id": rollout_id,
+            "weight_version": version,
+            "data": self.inputs.data.state_dict(),
+            "metrics": plain_metrics(step_metrics),
+        }
         if self.cfg.rollout.partial_rollout:  # the groups in flight, carried into the next step
             extra["partial_rollout"] = self.rollout.state_dict()
-        save_checkpoint(self.cfg.checkpoint_dir, rollout_id, self.trainer.checkpoint_states(), extra=extra,
-                        model_dir=Path(self.cfg.model.path), keep_last=self.cfg.checkpoint.keep_last)
+        save_checkpoint(
+            self.cfg.checkpoint_dir,
+            rollout_id,
+            self.trainer.checkpoint_states(),
+            extra=extra,
+            model_dir=Path(self.cfg.model.path),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
         self.saved.add(rollout_id)
 
     def run(self):
@@ -264,8 +299,14 @@ class Loop:
 
     def _log_step(self, rollout_id, step_start, metrics, rollout_metrics, train_metrics, to_train) -> None:
         """The step's record: its phases' metrics, times and memory, once per step."""
-        for part in (rollout_metrics, train_metrics, to_train.metrics(), self.phase.take(), self.startup,
-                     self.ledger.step_metrics(rollout_id)):
+        for part in (
+            rollout_metrics,
+            train_metrics,
+            to_train.metrics(),
+            self.phase.take(),
+            self.startup,
+            self.ledger.step_metrics(rollout_id),
+        ):
             metrics.update(part)
         self.startup = {}  # the first step's record only
         self.ledger.append_to(self.out / f"memory_rank{self.info.rank}.jsonl", rollout_id)
@@ -340,8 +381,10 @@ def stop_line(loop: Loop, signal_name: str) -> str:
         when, why = f"before step {loop.start_rollout_id}", "no step trained in this run"
     else:
         when, why = f"after step {step}", "checkpoint.save_on_exit is off"
-    return f"stopped by {signal_name} {when}, nothing saved ({why}); the same command resumes from " \
-           f"the newest checkpoint under {loop.cfg.checkpoint_dir}, if any"
+    return (
+        f"stopped by {signal_name} {when}, nothing saved ({why}); the same command resumes from "
+        f"the newest checkpoint under {loop.cfg.checkpoint_dir}, if any"
+    )
 
 
 if __name__ == "__main__":

@@ -59,14 +59,16 @@ def resources(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-        sass = subprocess.run([str(CUOBJDUMP), "--dump-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(CUOBJDUMP), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
     line = next(line for line in out.splitlines() if "REG:" in line)
     fields = dict(part.split(":", 1) for part in line.split() if ":" in part)
-    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"]),
-            "fp32_fma": " FFMA" in sass}
+    return {
+        "registers": int(fields["REG"]),
+        "stack": int(fields["STACK"]),
+        "local": int(fields["LOCAL"]),
+        "fp32_fma": " FFMA" in sass,
+    }
 
 
 def compile_all(arch: int) -> list[dict]:
@@ -78,8 +80,15 @@ def compile_all(arch: int) -> list[dict]:
         constexprs = {k: v for k, v in kwargs.items() if k.isupper()}
         ptx = kernel.asm["ptx"]
         mma = next((name for name in ("tcgen05.mma", "wgmma", "mma.sync") if name in ptx), None)
-        compiled.append({"kernel": self.__name__, "constexprs": constexprs, "shared": kernel.metadata.shared,
-                         "mma": mma, **resources(kernel.asm["cubin"])})
+        compiled.append(
+            {
+                "kernel": self.__name__,
+                "constexprs": constexprs,
+                "shared": kernel.metadata.shared,
+                "mma": mma,
+                **resources(kernel.asm["cubin"]),
+            }
+        )
         return kernel
 
     driver.set_active(StandInDriver(arch))  # for the rest of this process, which does nothing else
@@ -128,24 +137,23 @@ def launch_every_kernel() -> None:
         n = sum(lens)
         q, k, v = randn(n, heads, dim), randn(n, kv_heads, dim), randn(n, kv_heads, dim)
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-        invariant_attention.packed_attention(q, k, v, cu, dim ** -0.5)
+        invariant_attention.packed_attention(q, k, v, cu, dim**-0.5)
         cache_q, k_cache, v_cache, tables, context = _paged_inputs(lens, heads, kv_heads, dim, 16, dtype=BF16)
-        invariant_attention.paged_decode_attention(cache_q, k_cache, v_cache, tables, context, dim ** -0.5)
-        invariant_attention.paged_prefill_attention(q[:41], k_cache, v_cache, tables[:2], [40, 1], [40, 1],
-                                                    dim ** -0.5)
+        invariant_attention.paged_decode_attention(cache_q, k_cache, v_cache, tables, context, dim**-0.5)
+        invariant_attention.paged_prefill_attention(q[:41], k_cache, v_cache, tables[:2], [40, 1], [40, 1], dim**-0.5)
         rotary._launch(q, k, randn(n, dim), randn(n, dim), False)
         for splits in (1, 4):
-            config = paged_attention.DecodeConfig(block_n=128 if dim <= 64 else 64, num_splits=splits, num_warps=4,
-                                                  num_stages=3)
-            paged_attention._paged_decode_triton(cache_q, k_cache, v_cache, tables, context, dim ** -0.5, config)
+            config = paged_attention.DecodeConfig(block_n=128 if dim <= 64 else 64, num_splits=splits, num_warps=4, num_stages=3)
+            paged_attention._paged_decode_triton(cache_q, k_cache, v_cache, tables, context, dim**-0.5, config)
     logits = randn(8, 151936, dtype=torch.float32)
     temperature, seed, counter = torch.ones(8), torch.arange(8), torch.arange(8)
     for config in (sampling.SampleConfig(1), sampling.SampleConfig(4)):
         sampling._gumbel_sample_triton(logits, temperature, seed, counter, None, None, config)
     sampling.invariant_gumbel_sample(logits, temperature, seed, counter)  # the mode's: no division
     for rank in (8, 64, 128):  # a rank padded up to tl.dot's 16, one chunk, two chunks
-        lora_merge._launch(randn(8960, 1536), randn(rank, 1536, dtype=torch.float32),
-                           randn(8960, rank, dtype=torch.float32), 0.5, BF16)
+        lora_merge._launch(
+            randn(8960, 1536), randn(rank, 1536, dtype=torch.float32), randn(8960, rank, dtype=torch.float32), 0.5, BF16
+        )
     rows = 16
     chunk, targets = randn(rows, 8192, dtype=torch.float32), torch.randint(0, 151936, (rows,))
     state = [torch.zeros(rows) for _ in range(4)]
@@ -170,14 +178,17 @@ def lora_merge_graph(arch: int) -> dict:
         return lambda *args: [torch.empty(40, 24, dtype=BF16)]  # nothing runs here
 
     driver.set_active(StandInDriver(arch))
-    merge = torch.compile(lambda w, a, b: lora_merge(w, a, b, 2 / 3, BF16),
-                          backend=aot_autograd(fw_compiler=keep_graph), fullgraph=True)
+    merge = torch.compile(
+        lambda w, a, b: lora_merge(w, a, b, 2 / 3, BF16), backend=aot_autograd(fw_compiler=keep_graph), fullgraph=True
+    )
     merge(torch.randn(40, 24, dtype=BF16), torch.randn(16, 24), torch.randn(40, 16))
     calls = [node for node in graphs[0].graph.nodes if node.op == "call_function" and "getitem" not in node.name]
     launch = calls[-1].kwargs
-    return {"calls": [str(node.target) for node in calls],
-            "kernel": kernel_side_table.get_kernel(launch["kernel_idx"]).fn.__name__,
-            "tensors_to_clone": launch["tensors_to_clone"]}
+    return {
+        "calls": [str(node.target) for node in calls],
+        "kernel": kernel_side_table.get_kernel(launch["kernel_idx"]).fn.__name__,
+        "tensors_to_clone": launch["tensors_to_clone"],
+    }
 
 
 if __name__ == "__main__":

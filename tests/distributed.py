@@ -23,8 +23,7 @@ def free_port() -> int:
 
 def _worker(rank, world_size, store_path, fn, args, errors):
     faulthandler.enable(all_threads=True)  # a rank that aborts prints every thread's Python stack
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     from colocate import dist
 
     finished = False
@@ -45,8 +44,10 @@ def run_ranks(fn, world_size: int, *args):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as store_dir:
-        procs = [ctx.Process(target=_worker, args=(r, world_size, os.path.join(store_dir, "store"), fn, args, errors))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, os.path.join(store_dir, "store"), fn, args, errors))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         for p in procs:

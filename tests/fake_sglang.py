@@ -40,19 +40,60 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-SERVER_ARG_FIELDS = frozenset({
-    "model_path", "tokenizer_path", "dtype", "load_format", "skip_tokenizer_init", "tp_size",
-    "dp_size", "base_gpu_id", "gpu_id_step", "host", "port", "nccl_port", "random_seed",
-    "enable_memory_saver", "enable_weights_cpu_backup", "mem_fraction_static",
-    "max_running_requests", "max_total_tokens", "chunked_prefill_size", "context_length",
-    "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill", "disable_cuda_graph", "log_level",
-    "weight_version", "enable_deterministic_inference", "disable_radix_cache", "trust_remote_code",
-})
-SAMPLING_FIELDS = frozenset({
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
-    "ignore_eos", "skip_special_tokens", "no_stop_trim", "logit_bias", "sampling_seed",
-})
+SERVER_ARG_FIELDS = frozenset(
+    {
+        "model_path",
+        "tokenizer_path",
+        "dtype",
+        "load_format",
+        "skip_tokenizer_init",
+        "tp_size",
+        "dp_size",
+        "base_gpu_id",
+        "gpu_id_step",
+        "host",
+        "port",
+        "nccl_port",
+        "random_seed",
+        "enable_memory_saver",
+        "enable_weights_cpu_backup",
+        "mem_fraction_static",
+        "max_running_requests",
+        "max_total_tokens",
+        "chunked_prefill_size",
+        "context_length",
+        "cuda_graph_max_bs_decode",
+        "cuda_graph_max_bs_prefill",
+        "disable_cuda_graph",
+        "log_level",
+        "weight_version",
+        "enable_deterministic_inference",
+        "disable_radix_cache",
+        "trust_remote_code",
+    }
+)
+SAMPLING_FIELDS = frozenset(
+    {
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "n",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "logit_bias",
+        "sampling_seed",
+    }
+)
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 ABORT_TOKEN = 999
 """A prompt holding this token is aborted by the fake scheduler."""
@@ -83,8 +124,9 @@ class FlattenedTensorBucket:
             parts, self.metadata, offset = [], [], 0
             for name, tensor in named_tensors:
                 raw = tensor.flatten().view(torch.uint8)
-                self.metadata.append(FlattenedTensorMetadata(
-                    name, tensor.shape, tensor.dtype, offset, offset + raw.numel(), raw.numel()))
+                self.metadata.append(
+                    FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + raw.numel(), raw.numel())
+                )
                 parts.append(raw)
                 offset += raw.numel()
             self.flattened_tensor = torch.cat(parts)
@@ -98,8 +140,7 @@ class FlattenedTensorBucket:
         return self.metadata
 
     def reconstruct_tensors(self):
-        return [(m.name, self.flattened_tensor[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape))
-                for m in self.metadata]
+        return [(m.name, self.flattened_tensor[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in self.metadata]
 
 
 class MultiprocessingSerializer:
@@ -227,8 +268,7 @@ class Engine:
         if "torch_memory_saver" in os.environ.get("LD_PRELOAD", ""):
             raise RuntimeError("scheduler died: the memory saver hook is in LD_PRELOAD twice")
         child_env = {"PATH": os.environ.get("PATH", "")}
-        scheduler = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE,
-                                     env=child_env)
+        scheduler = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, env=child_env)
         self.scheduler_child_pid = int(scheduler.stdout.readline())
         scheduler.stdout.close()
         self.procs = [scheduler, subprocess.Popen(["sleep", "300"], env=child_env)]
@@ -275,8 +315,7 @@ class Engine:
 
     def release_memory_occupation(self, tags=None):
         self.tokenizer_manager.auto_create_handle_loop()
-        assert not (self.in_generate or self.dirty), \
-            "release_memory_occupation should be called only when server is idle."
+        assert not (self.in_generate or self.dirty), "release_memory_occupation should be called only when server is idle."
         tags = list(tags) if tags else list(MEMORY_TAGS)
         for tag in tags:
             assert tag in MEMORY_TAGS and tag not in self.offloaded, tag
@@ -314,10 +353,12 @@ class Engine:
         assert "weights" not in self.offloaded, "writing into paused weight memory"
         assert load_format == "flattened_bucket" and isinstance(named_tensors, list) and len(named_tensors) == 1
         data = MultiprocessingSerializer.deserialize(named_tensors[0])
-        tensors = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
-                                        metadata=data["metadata"]).reconstruct_tensors()
-        self.update_calls.append(dict(keys=tuple(data), names=[n for n, _ in tensors],
-                                      flush_cache=flush_cache, load_format=load_format))
+        tensors = FlattenedTensorBucket(
+            flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+        ).reconstruct_tensors()
+        self.update_calls.append(
+            dict(keys=tuple(data), names=[n for n, _ in tensors], flush_cache=flush_cache, load_format=load_format)
+        )
         if self.fail_next_update is not None:
             message, self.fail_next_update = self.fail_next_update, None
             return False, message
@@ -368,9 +409,14 @@ class Engine:
                 reason = {"type": "stop", "matched": token}
                 break
         reason = reason or {"type": "length", "length": len(out)}
-        meta = {"id": uuid.uuid4().hex, "finish_reason": reason, "prompt_tokens": len(ids),
-                "weight_version": self.tokenizer_manager.weight_version, "completion_tokens": len(out),
-                "cached_tokens": 0}
+        meta = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": reason,
+            "prompt_tokens": len(ids),
+            "weight_version": self.tokenizer_manager.weight_version,
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+        }
         if return_logprob:
             meta["output_token_logprobs"] = [(fake_logprob(t), t, None) for t in out]
             meta["output_token_logprobs_length"] = len(out)
@@ -394,11 +440,15 @@ class Engine:
 MODULES = {
     "sglang.srt.entrypoints.engine": {"Engine": Engine},
     "sglang.srt.weight_sync.tensor_bucket": {
-        "FlattenedTensorBucket": FlattenedTensorBucket, "FlattenedTensorMetadata": FlattenedTensorMetadata},
+        "FlattenedTensorBucket": FlattenedTensorBucket,
+        "FlattenedTensorMetadata": FlattenedTensorMetadata,
+    },
     "sglang.srt.utils.common": {"MultiprocessingSerializer": MultiprocessingSerializer},
     "sglang.srt.utils.patch_torch": {"monkey_patch_torch_reductions": monkey_patch_torch_reductions},
     "sglang.srt.managers.io_struct": {
-        "UpdateWeightVersionReqInput": UpdateWeightVersionReqInput, "FlushCacheReqOutput": FlushCacheReqOutput},
+        "UpdateWeightVersionReqInput": UpdateWeightVersionReqInput,
+        "FlushCacheReqOutput": FlushCacheReqOutput,
+    },
 }
 
 

@@ -9,27 +9,49 @@ import torch
 
 FAMILIES = {
     # name: (config class, model class, extra config kwargs) — uneven shapes on purpose.
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=60, num_attention_heads=6, num_key_value_heads=2, head_dim=20, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
-        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        num_attention_heads=7, num_key_value_heads=1, head_dim=12, tie_word_embeddings=False)),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=60,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=20,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_attention_heads=7, num_key_value_heads=1, head_dim=12, tie_word_embeddings=False),
+    ),
 }
 
 
-def write_hf_model(tmp_path, family: str, seed: int = 0, vocab_size: int = 101, bf16_weights: bool = False,
-                   **overrides):
+def write_hf_model(tmp_path, family: str, seed: int = 0, vocab_size: int = 101, bf16_weights: bool = False, **overrides):
     """Save a random transformers model of this family; return (directory, transformers model).
     bf16_weights: round every weight to bf16 (kept in fp32), so that an fp32 forward of these
     weights is the exact reference of a bf16 one and their errors measure compute rounding only."""
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
-    kwargs = dict(vocab_size=vocab_size, hidden_size=56, intermediate_size=72, num_hidden_layers=2,
-                  max_position_embeddings=256, eos_token_id=1, bos_token_id=0)
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=56,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        eos_token_id=1,
+        bos_token_id=0,
+    )
     kwargs.update(extra)
     kwargs.update(overrides)
     config = getattr(transformers, cfg_name)(**kwargs)
@@ -81,7 +103,7 @@ def hf_logprobs(hf, sequences, temperature: float = 1.0) -> torch.Tensor:
     with torch.no_grad(), exact_fp32_matmuls():
         for prompt, response in sequences:
             ids = torch.tensor([list(prompt) + list(response)], device=device)
-            hidden = hf.model(input_ids=ids).last_hidden_state[0, len(prompt) - 1:-1]  # (T, H)
+            hidden = hf.model(input_ids=ids).last_hidden_state[0, len(prompt) - 1 : -1]  # (T, H)
             logp = torch.log_softmax((hidden.float() @ weight.T) / temperature, dim=-1)  # (T, V)
             out.append(logp.gather(1, torch.tensor(response, device=device)[:, None]).squeeze(1))
     return torch.cat(out).cpu()

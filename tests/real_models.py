@@ -40,13 +40,25 @@ class ChatFamily:
 
 
 FAMILIES = {
-    "qwen2.5": ChatFamily("qwen2", "qwen2.5.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-                          "<|im_end|>", "<|endoftext|>"),
-    "qwen3": ChatFamily("qwen3", "qwen3.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-                        "<|im_end|>", "<|endoftext|>", added=("<think>", "</think>")),
-    "llama3": ChatFamily("llama", "llama3.jinja", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                                                   "<|end_header_id|>", "<|eot_id|>"),
-                         "<|eot_id|>", "<|end_of_text|>", bos="<|begin_of_text|>"),
+    "qwen2.5": ChatFamily(
+        "qwen2", "qwen2.5.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|im_end|>", "<|endoftext|>"
+    ),
+    "qwen3": ChatFamily(
+        "qwen3",
+        "qwen3.jinja",
+        ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        "<|im_end|>",
+        "<|endoftext|>",
+        added=("<think>", "</think>"),
+    ),
+    "llama3": ChatFamily(
+        "llama",
+        "llama3.jinja",
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        "<|eot_id|>",
+        "<|end_of_text|>",
+        bos="<|begin_of_text|>",
+    ),
 }
 
 
@@ -65,9 +77,9 @@ def chat_tokenizer(name: str):
     if fam.bos is not None:
         bos_id = tok.token_to_id(fam.bos)
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{fam.bos} $A", pair=f"{fam.bos} $A {fam.bos} $B", special_tokens=[(fam.bos, bos_id)])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=fam.end_of_text, bos_token=fam.bos,
-                                 pad_token=fam.end_of_text)
+            single=f"{fam.bos} $A", pair=f"{fam.bos} $A {fam.bos} $B", special_tokens=[(fam.bos, bos_id)]
+        )
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=fam.end_of_text, bos_token=fam.bos, pad_token=fam.end_of_text)
     hf.chat_template = (TEMPLATES / fam.template).read_text()
     return hf
 
@@ -78,9 +90,15 @@ def write_chat_model(root: Path, name: str) -> Path:
     fam = FAMILIES[name]
     tokenizer = chat_tokenizer(name)
     eot, eos = tokenizer.convert_tokens_to_ids([fam.end_of_turn, fam.end_of_text])
-    path, model = write_hf_model(root, fam.model_family, vocab_size=len(tokenizer), eos_token_id=eos,
-                                 bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False,
-                                 max_position_embeddings=512)
+    path, model = write_hf_model(
+        root,
+        fam.model_family,
+        vocab_size=len(tokenizer),
+        eos_token_id=eos,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
     answer = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(ANSWER))[0]
     with torch.no_grad():
         for layer in model.model.layers:  # the residual stream stays the current token's embedding
@@ -102,8 +120,9 @@ def write_chat_model(root: Path, name: str) -> Path:
     return path
 
 
-def lay_out_hub_repo(cache: Path, repo_id: str, source: Path, repo_type: str = "model",
-                     commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+def lay_out_hub_repo(
+    cache: Path, repo_id: str, source: Path, repo_type: str = "model", commit: str = "0123456789abcdef0123456789abcdef01234567"
+) -> Path:
     """Copy the files under `source` into a Hub cache as the `main` snapshot of `repo_id`, the
     layout snapshot_download writes (blobs omitted: files are copied into the snapshot)."""
     import shutil
@@ -122,8 +141,12 @@ def offline_hub(monkeypatch, cache: Path) -> None:
     import datasets
     from huggingface_hub import constants
 
-    for var, value in (("HF_HUB_CACHE", cache), ("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-                       ("HF_DATASETS_CACHE", cache.parent / "datasets-cache")):
+    for var, value in (
+        ("HF_HUB_CACHE", cache),
+        ("HF_HUB_OFFLINE", "1"),
+        ("HF_DATASETS_OFFLINE", "1"),
+        ("HF_DATASETS_CACHE", cache.parent / "datasets-cache"),
+    ):
         monkeypatch.setenv(var, str(value))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

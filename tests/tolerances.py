@@ -65,7 +65,8 @@ def check_baseline(mean: float, label: str) -> None:
     assert mean > 0, f"{label}: baseline equals the reference exactly: no bf16 error was measured"
     assert mean <= MAX_BASELINE_MEAN, (
         f"{label}: baseline is {mean:.3f} nats from the reference on average (limit "
-        f"{MAX_BASELINE_MEAN}): the reference cannot be the same model on the same tokens")
+        f"{MAX_BASELINE_MEAN}): the reference cannot be the same model on the same tokens"
+    )
 
 
 def assert_mean_within_noise(ours_mean: float, baseline_mean: float, label: str) -> None:
@@ -73,7 +74,8 @@ def assert_mean_within_noise(ours_mean: float, baseline_mean: float, label: str)
     check_baseline(baseline_mean, label)
     bound = K_MEAN * baseline_mean + EPS
     assert math.isfinite(ours_mean) and ours_mean <= bound, (
-        f"{label}: mean error {ours_mean:.3e} > {K_MEAN} x baseline mean {baseline_mean:.3e} + {EPS}")
+        f"{label}: mean error {ours_mean:.3e} > {K_MEAN} x baseline mean {baseline_mean:.3e} + {EPS}"
+    )
 
 
 def assert_within_noise(ours: ErrorStats, baseline: ErrorStats, label: str) -> None:
@@ -83,23 +85,30 @@ def assert_within_noise(ours: ErrorStats, baseline: ErrorStats, label: str) -> N
     assert math.isfinite(baseline.max), f"{label}: baseline error is not finite ({baseline})"
     assert_mean_within_noise(ours.mean, baseline.mean, label)
     bound = K_P99 * baseline.p99 + EPS
-    assert ours.p99 <= bound, (
-        f"{label}: p99 error {ours.p99:.3e} > {K_P99} x baseline p99 {baseline.p99:.3e} + {EPS} ({ours})")
+    assert ours.p99 <= bound, f"{label}: p99 error {ours.p99:.3e} > {K_P99} x baseline p99 {baseline.p99:.3e} + {EPS} ({ours})"
 
 
-def assert_grads_within_noise(candidate: dict[str, torch.Tensor], eager: dict[str, torch.Tensor],
-                              fp32: dict[str, torch.Tensor], label: str) -> dict[str, float]:
+def assert_grads_within_noise(
+    candidate: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], fp32: dict[str, torch.Tensor], label: str
+) -> dict[str, float]:
     """Per parameter: |candidate - eager| <= K_GRAD * |eager - fp32| + GRAD_FLOOR * |fp32 (all)|,
     Frobenius norms, `eager` and `candidate` bf16-computed gradients and `fp32` the same
     gradients computed in fp32. Returns each parameter's distance over its bound."""
     assert set(candidate) == set(eager) == set(fp32), f"{label}: the runs have different parameters"
-    norms = {name: (g.double().norm(), (eager[name].double() - g.double()).norm(),
-                    (candidate[name].double() - eager[name].double()).norm()) for name, g in fp32.items()}
+    norms = {
+        name: (
+            g.double().norm(),
+            (eager[name].double() - g.double()).norm(),
+            (candidate[name].double() - eager[name].double()).norm(),
+        )
+        for name, g in fp32.items()
+    }
     total = math.sqrt(sum(n[0].item() ** 2 for n in norms.values()))
     total_noise = math.sqrt(sum(n[1].item() ** 2 for n in norms.values()))
     assert math.isfinite(total) and total > 0, f"{label}: the fp32 gradient is {total}"
     assert 0 < total_noise < total, (
-        f"{label}: bf16 noise {total_noise:.3e} against an fp32 gradient of {total:.3e}: not a measure of rounding")
+        f"{label}: bf16 noise {total_noise:.3e} against an fp32 gradient of {total:.3e}: not a measure of rounding"
+    )
     ratios = {}
     for name, (_, noise, dist) in norms.items():
         assert math.isfinite(dist.item()), f"{label}: {name} differs by {dist.item()}"
@@ -108,7 +117,8 @@ def assert_grads_within_noise(candidate: dict[str, torch.Tensor], eager: dict[st
     _, noise, dist = norms[worst]
     assert ratios[worst] <= 1.0, (
         f"{label}: {worst} differs from eager by {dist.item():.3e} > {K_GRAD} x its bf16 noise "
-        f"{noise.item():.3e} + {GRAD_FLOOR} x the gradient norm {total:.3e}")
+        f"{noise.item():.3e} + {GRAD_FLOOR} x the gradient norm {total:.3e}"
+    )
     return ratios
 
 

@@ -26,18 +26,13 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (S,), got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.shape[0] % group_size != 0:
-        raise ValueError(
-            f"group_size={group_size} must be >= 1 and divide the number of sequences "
-            f"{rewards.shape[0]}"
-        )
+        raise ValueError(f"group_size={group_size} must be >= 1 and divide the number of sequences {rewards.shape[0]}")
     if not rewards.is_floating_point():
         rewards = rewards.float()
     return rewards.view(-1, group_size)  # (num_groups, group_size)
 
 
-def grpo(
-    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
-) -> torch.Tensor:
+def grpo(rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: A_i = (r_i - mean_g(r)) / (std_g(r) + eps), per sequence (S,).
 
     std_g is the unbiased (Bessel-corrected, divide by G - 1) standard deviation of the group, as
@@ -73,9 +68,7 @@ def rloo(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (grouped - others_mean).reshape(-1)
 
 
-def broadcast_to_tokens(
-    seq_values: torch.Tensor, seq_index: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
+def broadcast_to_tokens(seq_values: torch.Tensor, seq_index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """A_t = v[seq_index[t]] * mask[t]: each token takes its sequence's value, (S,) -> (T,)."""
     return seq_values[seq_index] * mask.to(seq_values.dtype)
 
@@ -174,9 +167,7 @@ def _reverse_discounted_cumsum(x: torch.Tensor, factor: float) -> torch.Tensor:
     return torch.stack(columns[::-1], dim=1)  # (S, L)
 
 
-def discounted_returns(
-    token_rewards: torch.Tensor, seq_index: torch.Tensor, mask: torch.Tensor, gamma: float
-) -> torch.Tensor:
+def discounted_returns(token_rewards: torch.Tensor, seq_index: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """Return-to-go G_t = sum_{k >= t} gamma^(k - t) r_k over the masked tokens of t's sequence
     (steps counted in masked tokens), (T,), 0 where mask is 0."""
     layout = _masked_layout(seq_index, mask)
@@ -252,8 +243,6 @@ def dapo_overlong_penalty(
     so responses close to the length limit lose reward gradually instead of abruptly.
     """
     if not 0 < buffer_len <= max_response_len:
-        raise ValueError(
-            f"buffer_len={buffer_len} must be in (0, max_response_len={max_response_len}]"
-        )
+        raise ValueError(f"buffer_len={buffer_len} must be in (0, max_response_len={max_response_len}]")
     excess = response_lengths.float() - (max_response_len - buffer_len)  # (S,)
     return -penalty_factor * (excess / buffer_len).clamp(min=0.0, max=1.0)

@@ -44,11 +44,11 @@ def _seq_mean(x: torch.Tensor, seq_index: torch.Tensor, m: torch.Tensor) -> torc
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi, with d = ref - lp:
-        k1 = -d = lp - ref            unbiased, high variance, can be negative
-        k2 = d^2 / 2                  biased, low variance
-        k3 = exp(d) - d - 1           unbiased, >= 0, low variance (Schulman's estimator)
-        low_var_kl = clamp(k3, -10, 10) with d clamped to [-20, 20] first, so a token far from
-                     the reference cannot blow up the loss (nor exp(d) overflow to inf).
+    k1 = -d = lp - ref            unbiased, high variance, can be negative
+    k2 = d^2 / 2                  biased, low variance
+    k3 = exp(d) - d - 1           unbiased, >= 0, low variance (Schulman's estimator)
+    low_var_kl = clamp(k3, -10, 10) with d clamped to [-20, 20] first, so a token far from
+                 the reference cannot blow up the loss (nor exp(d) overflow to inf).
     """
     if kind not in KL_KINDS:
         raise ValueError(f"kind={kind!r} must be one of {KL_KINDS}")
@@ -105,8 +105,14 @@ def policy_loss(
             raise ValueError(f"dual_clip_c applies to kind='ppo' only, got kind={kind!r}")
         if dual_clip_c <= 1:
             raise ValueError(f"dual_clip_c={dual_clip_c} must be > 1")
-    _check_flat(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
-                seq_index=seq_index, tis_weights=tis_weights)
+    _check_flat(
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        mask=mask,
+        seq_index=seq_index,
+        tis_weights=tis_weights,
+    )
     lo, hi = max(1.0 - eps_clip, 0.0), 1.0 + eps_high
     m = mask.to(logprobs.dtype)
     keep = m > 0
@@ -203,8 +209,7 @@ def mis_mask(
     """
     if not 0 <= low <= 1 <= high:
         raise ValueError(f"low={low}, high={high} must satisfy 0 <= low <= 1 <= high")
-    _check_flat(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
-                seq_index=seq_index, mask=mask)
+    _check_flat(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, seq_index=seq_index, mask=mask)
     m = mask.to(old_logprobs.dtype)
     rho = torch.exp(_seq_mean(old_logprobs - rollout_logprobs, seq_index, m))  # (T,)
     kept = ((rho >= low) & (rho <= high)).to(m.dtype)
@@ -271,8 +276,14 @@ def aggregate_metrics(
     sequence); seq_mean_token_sum gives per-sequence sums instead.
     """
     return {
-        f"train/{name}": aggregate(value.detach(), mask, seq_index, mode,
-                                   global_num_tokens=global_num_tokens,
-                                   global_num_seqs=global_num_seqs, norm_len=norm_len)
+        f"train/{name}": aggregate(
+            value.detach(),
+            mask,
+            seq_index,
+            mode,
+            global_num_tokens=global_num_tokens,
+            global_num_seqs=global_num_seqs,
+            norm_len=norm_len,
+        )
         for name, value in metrics.items()
     }

@@ -117,8 +117,7 @@ class Colocation:
     def to_train(self) -> Handoff:
         out = Handoff()
         if self.offload_rollout:
-            self._engine(out, "engine_release",
-                         lambda: (self.engine.flush_cache(), self.engine.release_memory(self._released())))
+            self._engine(out, "engine_release", lambda: (self.engine.flush_cache(), self.engine.release_memory(self._released())))
             if not self.engine_keeps_weights:
                 self.engine_holds_last_push = False
         if self.offload_train:
@@ -136,14 +135,19 @@ class Colocation:
             torch.cuda.empty_cache()  # the step's cached activations, for the engine to use
         if self.offload_rollout and not self.engine_keeps_weights:
             self._engine(out, "engine_resume_weights", lambda: self.engine.resume_memory(["weights"]))
-        out.sync = sync_weights(self.trainer.actor_module, self.engine, version=version, dtype=self.dtype,
-                                bucket_bytes=self.bucket_bytes, since_last=self.engine_holds_last_push)
+        out.sync = sync_weights(
+            self.trainer.actor_module,
+            self.engine,
+            version=version,
+            dtype=self.dtype,
+            bucket_bytes=self.bucket_bytes,
+            since_last=self.engine_holds_last_push,
+        )
         self.engine_holds_last_push = True
         if self.offload_train:
             self._trainer(out, "trainer_params_offload", self.memory.offload(*PARAMS))
         if self.offload_rollout:
-            self._engine(out, "engine_resume_cache",
-                         lambda: self.engine.resume_memory(["cuda_graph", "kv_cache"]))
+            self._engine(out, "engine_resume_cache", lambda: self.engine.resume_memory(["cuda_graph", "kv_cache"]))
         return out
 
     def _released(self) -> list[str] | None:

@@ -83,8 +83,11 @@ def out_of_memory(cfg, phase: str, step: int, device: torch.device, error: BaseE
         advice = [f"a lower train.max_tokens_per_gpu (now {t.max_tokens_per_gpu}: one micro-batch's tokens)"]
         full = m.full_recompute_fraction
         if full < 1:
-            advice.append("model.gradient_checkpointing (each block recomputes its forward in the backward)"
-                          if full == 0 else f"a higher model.recompute_fraction (now {full})")
+            advice.append(
+                "model.gradient_checkpointing (each block recomputes its forward in the backward)"
+                if full == 0
+                else f"a higher model.recompute_fraction (now {full})"
+            )
         if not o.offload_rollout:
             advice.append("offload.offload_rollout (the engine now keeps its KV cache through training)")
     else:  # the switches between the two, and checkpoint writing
@@ -94,8 +97,10 @@ def out_of_memory(cfg, phase: str, step: int, device: torch.device, error: BaseE
         free, total = torch.cuda.mem_get_info(device)
         used = f" ({(total - free) / GIB:.1f} of {total / GIB:.1f} GiB in use)"
     lines = str(error).strip().splitlines()
-    return DeviceMemoryError(f"step {step}: the {phase} phase ran out of GPU memory{used}. For more room: "
-                             f"{'; or '.join(advice)}. ({lines[0] if lines else type(error).__name__})")
+    return DeviceMemoryError(
+        f"step {step}: the {phase} phase ran out of GPU memory{used}. For more room: "
+        f"{'; or '.join(advice)}. ({lines[0] if lines else type(error).__name__})"
+    )
 
 
 class MemoryLedger:
@@ -105,8 +110,15 @@ class MemoryLedger:
     MiB on a tiny CPU run is not reported as a leak.
     """
 
-    def __init__(self, device: torch.device, *, warmup_steps: int = 2, tolerance: float = 0.01,
-                 min_bytes: int = 64 << 20, strict: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        warmup_steps: int = 2,
+        tolerance: float = 0.01,
+        min_bytes: int = 64 << 20,
+        strict: bool = False,
+    ):
         self.device = device
         self.warmup_steps, self.tolerance, self.min_bytes, self.strict = warmup_steps, tolerance, min_bytes, strict
         self.rows: list[MemoryRow] = []
@@ -128,8 +140,10 @@ class MemoryLedger:
         growth = row.device_used - base.device_used
         if growth <= limit:
             return
-        msg = (f"memory at phase '{row.phase}' grew by {growth / GIB:.3f} GiB since step {base.step} "
-               f"({base.device_used / GIB:.3f} -> {row.device_used / GIB:.3f} GiB device used)")
+        msg = (
+            f"memory at phase '{row.phase}' grew by {growth / GIB:.3f} GiB since step {base.step} "
+            f"({base.device_used / GIB:.3f} -> {row.device_used / GIB:.3f} GiB device used)"
+        )
         self.reports.append(msg)
         if self.strict:
             raise MemoryGrowthError(msg)
@@ -149,10 +163,13 @@ class MemoryLedger:
             out["memory/alloc_retries"] = new
             self._retries = retries
             if new and first:
-                warnings.warn(f"step {step}: the CUDA caching allocator freed its cache and retried {new} "
-                              f"allocation(s), each a device-wide synchronisation: memory is nearly full. Lower "
-                              f"rollout.gpu_memory_fraction or train.max_tokens_per_gpu, or offload "
-                              f"(memory/alloc_retries counts them every step; this is said once)", stacklevel=2)
+                warnings.warn(
+                    f"step {step}: the CUDA caching allocator freed its cache and retried {new} "
+                    f"allocation(s), each a device-wide synchronisation: memory is nearly full. Lower "
+                    f"rollout.gpu_memory_fraction or train.max_tokens_per_gpu, or offload "
+                    f"(memory/alloc_retries counts them every step; this is said once)",
+                    stacklevel=2,
+                )
         return out
 
     def append_to(self, path: Path, step: int) -> None:

@@ -45,9 +45,12 @@ class SyncStats:
     """Only what can have changed since the previous push was sent."""
 
     def metrics(self) -> dict[str, float]:
-        return {"perf/sync_gib": self.num_bytes / (1 << 30), "perf/sync_buckets": self.num_buckets,
-                "perf/sync_tensors": self.num_tensors,
-                "perf/sync_gb_per_s": self.num_bytes / max(self.seconds, 1e-9) / 1e9}
+        return {
+            "perf/sync_gib": self.num_bytes / (1 << 30),
+            "perf/sync_buckets": self.num_buckets,
+            "perf/sync_tensors": self.num_tensors,
+            "perf/sync_gb_per_s": self.num_bytes / max(self.seconds, 1e-9) / 1e9,
+        }
 
 
 def _is_fsdp(module: nn.Module) -> bool:
@@ -72,7 +75,7 @@ def fsdp_units(model: nn.Module) -> list[tuple[nn.Module, list[tuple[str, str]]]
         if owner is None:
             root.append((name, name))
         else:
-            units[owner][1].append((name, name[len(owner) + 1:]))
+            units[owner][1].append((name, name[len(owner) + 1 :]))
     return [u for u in units.values() if u[1]] + ([(model, root)] if root else [])
 
 
@@ -138,12 +141,12 @@ def _gathered(unit: _Unit) -> dict[str, torch.Tensor]:
 
 def _whole(unit: _Unit) -> dict[str, torch.Tensor]:
     """A whole unit's rank-local tensors, by name within the unit."""
-    return {local: p.to_local() if hasattr(p, "to_local") else p.detach()
-            for (_, local), p in zip(unit.names, unit.params)}
+    return {local: p.to_local() if hasattr(p, "to_local") else p.detach() for (_, local), p in zip(unit.names, unit.params)}
 
 
-def _unit_tensors(unit: _Unit, tensors: dict[str, torch.Tensor], dtype: torch.dtype, cast: bool,
-                  since_last: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _unit_tensors(
+    unit: _Unit, tensors: dict[str, torch.Tensor], dtype: torch.dtype, cast: bool, since_last: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     """What the engine gets of one unit: merged LoRA weights in `dtype`, other tensors cast to
     `dtype` when `cast` (else as stored); with `since_last`, only what can have changed."""
     for full, local in unit.names:
@@ -157,8 +160,9 @@ def _unit_tensors(unit: _Unit, tensors: dict[str, torch.Tensor], dtype: torch.dt
             yield full, (t if not cast or t.dtype == dtype else t.to(dtype))
 
 
-def _buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int, engine_casts: bool, since_last: bool
-             ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], int]]:
+def _buckets(
+    model: nn.Module, dtype: torch.dtype, bucket_bytes: int, engine_casts: bool, since_last: bool
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], int]]:
     """(named tensors, bytes in the engine dtype) per bucket. A gathered unit's last bucket is taken
     before the unit is resharded; whole units fill buckets together."""
     bucket, size = [], 0
@@ -188,8 +192,15 @@ def _buckets(model: nn.Module, dtype: torch.dtype, bucket_bytes: int, engine_cas
 
 
 @torch.no_grad()
-def sync_weights(model: nn.Module, engine: RolloutEngine, *, version: int, dtype: torch.dtype,
-                 bucket_bytes: int = 512 << 20, since_last: bool = False) -> SyncStats:
+def sync_weights(
+    model: nn.Module,
+    engine: RolloutEngine,
+    *,
+    version: int,
+    dtype: torch.dtype,
+    bucket_bytes: int = 512 << 20,
+    since_last: bool = False,
+) -> SyncStats:
     """Push the weights of `model` (HF names; LoRA modules merged) into `engine`, then record
     `version` there: every one, or with `since_last` (the engine holds the previous push) those
     that can have changed since, in a partial session when some are left out."""

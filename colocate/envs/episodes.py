@@ -87,8 +87,17 @@ def _run_into(future: Future, fn: Callable, args: tuple) -> None:
 class EpisodeRunner:
     """Runs one environment's episodes on a rank; its calls run in `workers` threads."""
 
-    def __init__(self, env: Any, tokenizer: Any, limits: EpisodeLimits, *, workers: int = 64, strict: bool = False,
-                 template_kwargs: dict | None = None, system_prompt: str | None = None):
+    def __init__(
+        self,
+        env: Any,
+        tokenizer: Any,
+        limits: EpisodeLimits,
+        *,
+        workers: int = 64,
+        strict: bool = False,
+        template_kwargs: dict | None = None,
+        system_prompt: str | None = None,
+    ):
         self.env, self.tokenizer, self.limits, self.strict = env, tokenizer, limits, strict
         self.renderer = TurnRenderer(tokenizer, template_kwargs, system_prompt)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="colocate-env")
@@ -124,21 +133,22 @@ class EpisodeRunner:
                 return fn(*args)
             else:
                 future = Future()
-                threading.Thread(target=_run_into, args=(future, fn, args), name="colocate-env-call",
-                                 daemon=True).start()
+                threading.Thread(target=_run_into, args=(future, fn, args), name="colocate-env-call", daemon=True).start()
             try:
                 return future.result(timeout=limit)
             except FuturesTimeout:
                 future.cancel()
-                raise TimeoutError(f"{getattr(fn, '__name__', 'the call')} took more than "
-                                   f"rollout.env_timeout_s={limit:g} s") from None
+                raise TimeoutError(
+                    f"{getattr(fn, '__name__', 'the call')} took more than rollout.env_timeout_s={limit:g} s"
+                ) from None
         finally:
             episode.env_seconds += time.perf_counter() - start
 
     def _fail(self, episode: Episode, where: str, error: BaseException) -> None:
         if self.strict:
-            raise ValueError(f"rollout.env: {where} raised {type(error).__name__}: {error} "
-                             "(train.strict: true stops the run)") from error
+            raise ValueError(
+                f"rollout.env: {where} raised {type(error).__name__}: {error} (train.strict: true stops the run)"
+            ) from error
         episode.end_reason, episode.error = "error", f"{where}: {type(error).__name__}: {error}"
 
     def _tool_runner(self, tools: list[Callable]) -> Any:
@@ -156,8 +166,13 @@ class EpisodeRunner:
 
     def _reset(self, episode: Episode) -> None:
         p = episode.prompt
-        row = {"prompt": p.prompt, "label": p.label, "metadata": p.metadata, "index": p.index,
-               "sample_index": episode.sample_index}
+        row = {
+            "prompt": p.prompt,
+            "label": p.label,
+            "metadata": p.metadata,
+            "index": p.index,
+            "sample_index": episode.sample_index,
+        }
         try:
             obs = self._timed(episode, self.env.reset, row)
             if not isinstance(obs, Observation):
@@ -172,8 +187,9 @@ class EpisodeRunner:
             if limit is not None and n > limit:
                 raise ValueError(f"the first observation has {n} tokens, more than rollout.max_prompt_len={limit}")
             if self._first_budget(n) < 1:
-                raise ValueError(f"the first observation has {n} tokens, which leave no room to sample in the "
-                                 f"engine's {self._max_len}")
+                raise ValueError(
+                    f"the first observation has {n} tokens, which leave no room to sample in the engine's {self._max_len}"
+                )
             episode.state = obs.state
         except Exception as e:
             self._fail(episode, "reset", e)
@@ -217,8 +233,12 @@ class EpisodeRunner:
                 for k, v in tool_counts(results).items():
                     episode.tool_counts[k] = episode.tool_counts.get(k, 0) + v
                 return tool_messages(results, self._tool_format)
-        action = Action(text=self.tokenizer.decode(turn.turn_ids, skip_special_tokens=True),
-                        token_ids=list(turn.turn_ids), finish_reason=turn.finish_reason, turn=episode.turns - 1)
+        action = Action(
+            text=self.tokenizer.decode(turn.turn_ids, skip_special_tokens=True),
+            token_ids=list(turn.turn_ids),
+            finish_reason=turn.finish_reason,
+            turn=episode.turns - 1,
+        )
         obs = self._timed(episode, self.env.step, episode.state, action)
         if not isinstance(obs, Observation):
             raise TypeError(f"step must return an Observation, got {type(obs).__name__}")
@@ -277,7 +297,7 @@ class EpisodeRunner:
         groups = []
         i = 0
         for sp in sampling:
-            group = episodes[i:i + sp.n]
+            group = episodes[i : i + sp.n]
             groups.append(group)
             i += sp.n
             live = [e for e in group if e.end_reason is None]
@@ -312,16 +332,16 @@ class EpisodeRunner:
                 samples.append(self._sample(e, done.get(id(e)), stand_in if reward is None else reward, version))
         return samples
 
-    def _turn_by_turn(self, engine: Any, requests: list[Request], next_turn: Callable[[TurnEnd], Future]
-                      ) -> list[Completion]:
+    def _turn_by_turn(self, engine: Any, requests: list[Request], next_turn: Callable[[TurnEnd], Future]) -> list[Completion]:
         """Engines without generate_turns: one generate call per turn for every episode still on,
         its whole context (prompt, turns, observations) submitted again each time."""
         active = []  # [request index, sample index, prompt ids, output ids, log-probs, mask, sampling]
         for index, r in enumerate(requests):
             for j in range(r.sampling.n):
                 seed = None if r.sampling.seed is None else r.sampling.seed + r.sample_index + j
-                active.append([index, r.sample_index + j, list(r.prompt_ids), [], [], [],
-                               dataclasses.replace(r.sampling, n=1, seed=seed)])
+                active.append(
+                    [index, r.sample_index + j, list(r.prompt_ids), [], [], [], dataclasses.replace(r.sampling, n=1, seed=seed)]
+                )
         out = []
         while active:
             comps = engine.generate([a[2] + a[3] for a in active], [a[6] for a in active])
@@ -335,8 +355,7 @@ class EpisodeRunner:
             for a, future, c in zip(active, futures, comps):
                 cont = future.result()
                 if cont is None:
-                    out.append(Completion(a[0], a[1], a[3], a[4], c.finish_reason, c.weight_version,
-                                          extra={"loss_mask": a[5]}))
+                    out.append(Completion(a[0], a[1], a[3], a[4], c.finish_reason, c.weight_version, extra={"loss_mask": a[5]}))
                     continue
                 a[3] += list(cont.observation_ids)
                 a[4] += [0.0] * len(cont.observation_ids)
@@ -355,13 +374,32 @@ class EpisodeRunner:
             ids, logprobs, reason, version = c.output_ids, c.logprobs, c.finish_reason, c.weight_version
         mask = c.extra["loss_mask"] if c is not None and e.end_reason != "error" else [0] * len(ids)
         e.tokens = len(ids)
-        metadata = {**p.metadata, "env": {"turns": e.turns, "end_reason": e.end_reason, "error": e.error,
-                                          "env_seconds": e.env_seconds, "reward_parts": dict(e.reward_parts),
-                                          "tools": dict(e.tool_counts)}}
-        return Sample(prompt_ids=list(e.prompt_ids), response_ids=list(ids), rollout_logprobs=list(logprobs),
-                      loss_mask=list(mask), group_index=p.index, sample_index=e.sample_index,
-                      reward=reward, raw_reward=reward, finish_reason=reason, weight_version=version,
-                      prompt_text=e.prompt_text, label=p.label, metadata=metadata)
+        metadata = {
+            **p.metadata,
+            "env": {
+                "turns": e.turns,
+                "end_reason": e.end_reason,
+                "error": e.error,
+                "env_seconds": e.env_seconds,
+                "reward_parts": dict(e.reward_parts),
+                "tools": dict(e.tool_counts),
+            },
+        }
+        return Sample(
+            prompt_ids=list(e.prompt_ids),
+            response_ids=list(ids),
+            rollout_logprobs=list(logprobs),
+            loss_mask=list(mask),
+            group_index=p.index,
+            sample_index=e.sample_index,
+            reward=reward,
+            raw_reward=reward,
+            finish_reason=reason,
+            weight_version=version,
+            prompt_text=e.prompt_text,
+            label=p.label,
+            metadata=metadata,
+        )
 
     def take(self) -> list[Episode]:
         episodes, self.collected = self.collected, []
@@ -374,15 +412,22 @@ class EpisodeRunner:
         from colocate import dist
 
         parts = sorted(set().union(*dist.all_gather_object(sorted({k for e in episodes for k in e.reward_parts}))))
-        values = [len(episodes), sum(e.turns for e in episodes), sum(e.env_seconds for e in episodes),
-                  sum(e.tokens for e in episodes),
-                  *(sum(e.end_reason == r for e in episodes) for r in END_REASONS),
-                  *(sum(e.tool_counts.get(k, 0) for e in episodes) for k in TOOL_COUNTS.values()),
-                  *(sum(e.reward_parts.get(k, 0.0) for e in episodes) for k in parts)]
+        values = [
+            len(episodes),
+            sum(e.turns for e in episodes),
+            sum(e.env_seconds for e in episodes),
+            sum(e.tokens for e in episodes),
+            *(sum(e.end_reason == r for e in episodes) for r in END_REASONS),
+            *(sum(e.tool_counts.get(k, 0) for e in episodes) for k in TOOL_COUNTS.values()),
+            *(sum(e.reward_parts.get(k, 0.0) for e in episodes) for k in parts),
+        ]
         sums = iter(dist.all_reduce_sum(values).tolist())
         n = max(next(sums), 1)
-        metrics = {"env/turns_mean": next(sums) / n, "env/seconds_per_episode": next(sums) / n,
-                   "env/episode_tokens_mean": next(sums) / n}
+        metrics = {
+            "env/turns_mean": next(sums) / n,
+            "env/seconds_per_episode": next(sums) / n,
+            "env/episode_tokens_mean": next(sums) / n,
+        }
         metrics.update({f"env/end/{r}": next(sums) / n for r in END_REASONS})
         metrics.update({f"env/{k}": next(sums) for k in TOOL_COUNTS})
         metrics.update({f"env/reward/{k}": next(sums) / n for k in parts})

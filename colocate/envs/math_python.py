@@ -31,8 +31,10 @@ from colocate.envs.base import Action, Environment, Observation
 from colocate.envs.sandbox import DEFAULT_LIMITS, SandboxLimits, network_isolation, run_python
 from colocate.rollout.rewards import math_reward
 
-SYSTEM_PROMPT = ("You can call the python tool to run Python code: use it to compute and to check your work. "
-                 "When you are done, give your final answer within \\boxed{}.")
+SYSTEM_PROMPT = (
+    "You can call the python tool to run Python code: use it to compute and to check your work. "
+    "When you are done, give your final answer within \\boxed{}."
+)
 
 
 def python_tool(limits: SandboxLimits) -> Callable[[str], str]:
@@ -65,20 +67,30 @@ class MathState:
 
 
 class MathPython(Environment):
-    def __init__(self, system_prompt: str = SYSTEM_PROMPT, timeout_s: float = 8.0,
-                 cpu_s: float = DEFAULT_LIMITS.cpu_s, memory_mb: int = DEFAULT_LIMITS.memory_mb):
+    def __init__(
+        self,
+        system_prompt: str = SYSTEM_PROMPT,
+        timeout_s: float = 8.0,
+        cpu_s: float = DEFAULT_LIMITS.cpu_s,
+        memory_mb: int = DEFAULT_LIMITS.memory_mb,
+    ):
         if min(timeout_s, cpu_s, memory_mb) <= 0:
-            raise ValueError(f"math_python: timeout_s, cpu_s and memory_mb must be positive, got {timeout_s}, "
-                             f"{cpu_s}, {memory_mb}")
+            raise ValueError(
+                f"math_python: timeout_s, cpu_s and memory_mb must be positive, got {timeout_s}, {cpu_s}, {memory_mb}"
+            )
         if network_isolation() == "none":
-            warnings.warn("math_python: this kernel lets the sandbox open no network namespace; the python tool's "
-                          "code is kept off the network by an audit hook only", stacklevel=2)
+            warnings.warn(
+                "math_python: this kernel lets the sandbox open no network namespace; the python tool's "
+                "code is kept off the network by an audit hook only",
+                stacklevel=2,
+            )
         self.system_prompt = system_prompt
         self.tool = python_tool(replace(DEFAULT_LIMITS, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb))
 
     def reset(self, row: dict) -> Observation:
-        return Observation(messages=first_messages(self.system_prompt, row["prompt"]), tools=[self.tool],
-                           state=MathState(label=row["label"]))
+        return Observation(
+            messages=first_messages(self.system_prompt, row["prompt"]), tools=[self.tool], state=MathState(label=row["label"])
+        )
 
     def step(self, state: MathState, action: Action) -> Observation:
         state.answer = action.text

@@ -68,8 +68,10 @@ def task_rows(task: str, size: int, seed: int) -> list[dict]:
         except (TypeError, ValueError) as e:
             raise ValueError(f"reasoning_gym:{task}: entry {i} is not JSON-serialisable ({e})") from None
         if score(entry["answer"], stored) != score(entry["answer"], entry):
-            raise ValueError(f"reasoning_gym:{task}: its scorer grades the reference answer of entry {i} differently "
-                             "once the entry went through JSON (tuples become lists), so its rows cannot be kept in a file")
+            raise ValueError(
+                f"reasoning_gym:{task}: its scorer grades the reference answer of entry {i} differently "
+                "once the entry went through JSON (tuples become lists), so its rows cannot be kept in a file"
+            )
         rows.append({"prompt": entry["question"], "label": stored["answer"], "metadata": {"task": task, "entry": stored}})
     return rows
 
@@ -94,11 +96,14 @@ class ReasoningGym(Environment):
     def reset(self, row: dict) -> Observation:
         meta = row["metadata"]
         if not isinstance(meta.get("task"), str) or not isinstance(meta.get("entry"), dict):
-            raise ValueError("reasoning_gym: a row's metadata needs the task's name ('task') and its dataset entry "
-                             "('entry'); write the rows with `colocate data prepare reasoning_gym:TASK OUT.jsonl`")
+            raise ValueError(
+                "reasoning_gym: a row's metadata needs the task's name ('task') and its dataset entry "
+                "('entry'); write the rows with `colocate data prepare reasoning_gym:TASK OUT.jsonl`"
+            )
         scorer(meta["task"])  # an unknown task fails here, before any turn
-        return Observation(messages=first_messages(self.system_prompt, row["prompt"]),
-                           state=GymState(meta["task"], meta["entry"]))
+        return Observation(
+            messages=first_messages(self.system_prompt, row["prompt"]), state=GymState(meta["task"], meta["entry"])
+        )
 
     def step(self, state: GymState, action: Action) -> Observation:
         answer = self.extract_answer(action.text)
@@ -113,8 +118,7 @@ class ReasoningGym(Environment):
         if score >= 1.0 or not self.feedback_turn or len(state.scores) > 1:
             return Observation(done=True, reward_parts=parts)
         what = "I found no answer in <answer></answer> tags" if answer is None else "Your answer is not correct"
-        feedback = (f"{what} (score {score:g} out of 1). Try again, and give your final answer within "
-                    "<answer></answer> tags.")
+        feedback = f"{what} (score {score:g} out of 1). Try again, and give your final answer within <answer></answer> tags."
         return Observation(messages=[{"role": "user", "content": feedback}], reward_parts=parts)
 
     def reward(self, state: GymState) -> float:

@@ -31,8 +31,7 @@ def load_env(spec: str, args: dict[str, Any]) -> Any:
     try:
         env = cls(**args)
     except Exception as e:
-        raise ValueError(f"rollout.env: {spec} could not be built from rollout.env_args={args}: "
-                         f"{type(e).__name__}: {e}") from e
+        raise ValueError(f"rollout.env: {spec} could not be built from rollout.env_args={args}: {type(e).__name__}: {e}") from e
     missing = [m for m in ("reset", "step", "reward") if not callable(getattr(env, m, None))]
     if missing:
         raise ValueError(f"rollout.env: {spec} has no {', '.join(missing)} method (see colocate/envs/base.py)")

@@ -30,7 +30,7 @@ class TurnRenderer:
             raise ValueError("rollout.env: the tokenizer has no chat template to render the episodes' turns with")
         self.tokenizer, self.kwargs, self.system_prompt = tokenizer, dict(template_kwargs or {}), system_prompt
         closed = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}], False)
-        self.closing_ids = self.encode(closed[closed.rindex(_MARK) + len(_MARK):])
+        self.closing_ids = self.encode(closed[closed.rindex(_MARK) + len(_MARK) :])
         """What the template writes after an assistant message's content (Qwen: <|im_end|>, "\\n")."""
         added = getattr(tokenizer, "added_tokens_decoder", {})
         special_ids = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
@@ -41,8 +41,9 @@ class TurnRenderer:
         self._specials = sorted({tokenizer.convert_ids_to_tokens(i) for i in special_ids}, key=len, reverse=True)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
-                                                  **self.kwargs)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -59,11 +60,13 @@ class TurnRenderer:
         before = self._render(base, False)
         full = self._render(base + [self._escaped(m) for m in messages], True)
         if not full.startswith(before):
-            raise ValueError("the chat template renders a conversation differently once messages follow it, so "
-                             "observations cannot be rendered incrementally")
+            raise ValueError(
+                "the chat template renders a conversation differently once messages follow it, so "
+                "observations cannot be rendered incrementally"
+            )
         closed = bool(turn_ids) and turn_ids[-1] in self._closers
         closing = self.closing_ids[1:] if closed else self.closing_ids
-        return closing + self.encode(full[len(before):])
+        return closing + self.encode(full[len(before) :])
 
     def _escaped(self, message: dict) -> dict:
         content = message.get("content")

@@ -93,8 +93,16 @@ _CHILD_ENV = {
     "MPLBACKEND": "Agg",
 }
 _SECRET_PATHS = (
-    "~/.ssh", "~/.netrc", "~/.git-credentials", "~/.aws", "~/.config/gcloud", "~/.docker/config.json",
-    "~/.pypirc", "~/.kaggle", "~/.cache/huggingface/token", "~/.huggingface/token",
+    "~/.ssh",
+    "~/.netrc",
+    "~/.git-credentials",
+    "~/.aws",
+    "~/.config/gcloud",
+    "~/.docker/config.json",
+    "~/.pypirc",
+    "~/.kaggle",
+    "~/.cache/huggingface/token",
+    "~/.huggingface/token",
 )
 """The trainer's credential files that the policy's code may not even read (paths in the trainer's HOME)."""
 
@@ -170,8 +178,15 @@ def run_python(
     """Run `code` as `__main__` in a sandboxed Python process (see the module docstring) and return
     how it went. Blocks for at most about `timeout_s` (plus the time to kill and clean up); never
     raises for anything the code does. Thread-safe: each call has its own process and directory."""
-    return _run(code, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_chars=max_output_chars,
-                file_mb=file_mb, guard=True)
+    return _run(
+        code,
+        timeout_s=timeout_s,
+        cpu_s=cpu_s,
+        memory_mb=memory_mb,
+        max_output_chars=max_output_chars,
+        file_mb=file_mb,
+        guard=True,
+    )
 
 
 @lru_cache(maxsize=1)
@@ -183,7 +198,11 @@ def network_isolation() -> str:
     try:
         done = subprocess.run(
             [sys.executable, "-I", "-B", _CHILD_SCRIPT, json.dumps({"probe": True})],
-            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30, env=dict(_CHILD_ENV),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=dict(_CHILD_ENV),
         )
     except (OSError, subprocess.SubprocessError):
         return "none"
@@ -194,8 +213,9 @@ def network_isolation() -> str:
 # ------------------------------------------------------------------------------------- the parent
 
 
-def _run(code: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_output_chars: int, file_mb: int,
-         guard: bool) -> SandboxResult:
+def _run(
+    code: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_output_chars: int, file_mb: int, guard: bool
+) -> SandboxResult:
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
     if timeout_s <= 0 or cpu_s <= 0 or memory_mb <= 0 or file_mb <= 0 or max_output_chars < 0:
@@ -208,7 +228,11 @@ def _run(code: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_outpu
         with open(os.path.join(workdir, CODE_FILE), "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
         config = {
-            "dir": workdir, "cpu_s": cpu_limit, "memory_mb": int(memory_mb), "file_mb": int(file_mb), "guard": guard,
+            "dir": workdir,
+            "cpu_s": cpu_limit,
+            "memory_mb": int(memory_mb),
+            "file_mb": int(file_mb),
+            "guard": guard,
             "parent": os.getpid(),
             "secrets": [os.path.realpath(p) for p in map(os.path.expanduser, _SECRET_PATHS) if os.path.isabs(p)],
         }
@@ -216,12 +240,23 @@ def _run(code: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_outpu
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-B", "-u", "-X", "utf8", _CHILD_SCRIPT, json.dumps(config)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
-                start_new_session=True, close_fds=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
             )
         except OSError as e:
-            return SandboxResult("", f"sandbox: could not start Python: {e}", "error", None, time.monotonic() - start,
-                                 detail="the sandbox could not start")
+            return SandboxResult(
+                "",
+                f"sandbox: could not start Python: {e}",
+                "error",
+                None,
+                time.monotonic() - start,
+                detail="the sandbox could not start",
+            )
         deadline = start + timeout_s
         streams = {proc.stdout.fileno(): _Capture(max_output_chars), proc.stderr.fileno(): _Capture(max_output_chars)}
         stopped = _pump(streams, deadline, OUTPUT_KILL_BYTES)
@@ -239,8 +274,9 @@ def _run(code: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_outpu
             proc.returncode, cpu_seconds = 0, 0.0
         seconds = time.monotonic() - start
         (stdout, cut_out), (stderr, cut_err) = (cap.text() for cap in streams.values())
-        reason, exit_code, detail = _classify(proc.returncode, stopped, cpu_seconds, cpu_limit, timeout_s=timeout_s,
-                                              memory_mb=memory_mb)
+        reason, exit_code, detail = _classify(
+            proc.returncode, stopped, cpu_seconds, cpu_limit, timeout_s=timeout_s, memory_mb=memory_mb
+        )
         return SandboxResult(stdout, stderr, reason, exit_code, seconds, cpu_seconds, cut_out + cut_err, detail)
     finally:
         if proc is not None:
@@ -252,8 +288,9 @@ def _run(code: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_outpu
         _remove_tree(workdir)
 
 
-def _classify(rc: int, stopped: str | None, cpu_seconds: float, cpu_limit: int, *, timeout_s: float,
-              memory_mb: int) -> tuple[str, int | None, str]:
+def _classify(
+    rc: int, stopped: str | None, cpu_seconds: float, cpu_limit: int, *, timeout_s: float, memory_mb: int
+) -> tuple[str, int | None, str]:
     """(exit_reason, exit_code, detail) of a finished run."""
     if stopped == "timeout":
         return "timeout", None, f"stopped at the wall-clock limit of {timeout_s:g} s"
@@ -295,9 +332,9 @@ class _Capture:
             taken = text[: self.head_limit - self.head_len]
             self.head.append(taken)
             self.head_len += len(taken)
-            text = text[len(taken):]
+            text = text[len(taken) :]
         if text and self.tail_limit:
-            self.tail = (self.tail + text)[-self.tail_limit:]
+            self.tail = (self.tail + text)[-self.tail_limit :]
 
     def text(self) -> tuple[str, int]:
         """(the text kept, how many characters were left out)."""

@@ -88,21 +88,56 @@ def _set_limits(config: dict, userns: bool) -> None:
         lower(resource.RLIMIT_NPROC, NPROC)
 
 
-_NETWORK_EVENTS = frozenset({
-    "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname",
-    "socket.gethostbyaddr", "socket.getnameinfo", "socket.sethostname", "urllib.Request", "http.client.connect",
-    "ftplib.connect", "smtplib.connect", "poplib.connect", "imaplib.open", "nntplib.connect", "telnetlib.Telnet.open",
-    "webbrowser.open",
-})
-_PROCESS_EVENTS = frozenset({
-    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn",
-    "os.startfile",
-})
-_NATIVE_EVENTS = frozenset({
-    "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata", "ctypes.PyObj_FromPtr",
-    "ctypes.string_at", "ctypes.wstring_at", "sqlite3.enable_load_extension", "sqlite3.load_extension",
-    "resource.setrlimit",
-})
+_NETWORK_EVENTS = frozenset(
+    {
+        "socket.connect",
+        "socket.bind",
+        "socket.sendto",
+        "socket.sendmsg",
+        "socket.getaddrinfo",
+        "socket.gethostbyname",
+        "socket.gethostbyaddr",
+        "socket.getnameinfo",
+        "socket.sethostname",
+        "urllib.Request",
+        "http.client.connect",
+        "ftplib.connect",
+        "smtplib.connect",
+        "poplib.connect",
+        "imaplib.open",
+        "nntplib.connect",
+        "telnetlib.Telnet.open",
+        "webbrowser.open",
+    }
+)
+_PROCESS_EVENTS = frozenset(
+    {
+        "subprocess.Popen",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "pty.spawn",
+        "os.startfile",
+    }
+)
+_NATIVE_EVENTS = frozenset(
+    {
+        "ctypes.dlopen",
+        "ctypes.dlsym",
+        "ctypes.dlsym/handle",
+        "ctypes.call_function",
+        "ctypes.cdata",
+        "ctypes.PyObj_FromPtr",
+        "ctypes.string_at",
+        "ctypes.wstring_at",
+        "sqlite3.enable_load_extension",
+        "sqlite3.load_extension",
+        "resource.setrlimit",
+    }
+)
 _WRITE_EVENTS = {  # event -> (index of a path argument, index of its dir_fd argument or None, follow a final symlink)
     "os.remove": ((0, 1, False),),
     "os.rmdir": ((0, 1, False),),

@@ -98,8 +98,11 @@ def _parse_hermes(text: str) -> list[ToolCall | ToolCallError]:
         if close == -1 or (reopen != -1 and reopen < close):
             end = len(text) if reopen == -1 else reopen
             body = text[start:end].strip()
-            reason = (f"unclosed {_OPEN} (the turn ended before {_CLOSE})" if reopen == -1
-                      else f"{_OPEN} without {_CLOSE} before the next {_OPEN}")
+            reason = (
+                f"unclosed {_OPEN} (the turn ended before {_CLOSE})"
+                if reopen == -1
+                else f"{_OPEN} without {_CLOSE} before the next {_OPEN}"
+            )
             calls.append(ToolCallError(raw=body, reason=reason, name=_name_in(body)))
             pos = reopen
             continue
@@ -117,7 +120,7 @@ def _parse_llama3(text: str) -> list[ToolCall | ToolCallError]:
     body = text.strip()
     tagged = body.startswith(_PYTHON_TAG)
     if tagged:
-        body = body[len(_PYTHON_TAG):].lstrip()
+        body = body[len(_PYTHON_TAG) :].lstrip()
     for end in _LLAMA_END_TOKENS:
         if body.endswith(end):
             body = body[: -len(end)].rstrip()
@@ -133,8 +136,11 @@ def _parse_llama3(text: str) -> list[ToolCall | ToolCallError]:
             rest = body[pos:].strip()
             if not calls and not tagged:
                 return []
-            calls.append(ToolCallError(raw=rest, reason="expected a JSON object {\"name\": ..., \"parameters\": {...}}",
-                                       name=_name_in(rest)))
+            calls.append(
+                ToolCallError(
+                    raw=rest, reason="expected a JSON object {\"name\": ..., \"parameters\": {...}}", name=_name_in(rest)
+                )
+            )
             break
         try:
             obj, end = decoder.raw_decode(body, pos)
@@ -142,8 +148,7 @@ def _parse_llama3(text: str) -> list[ToolCall | ToolCallError]:
             rest = body[pos:].strip()
             if not calls and not tagged and '"name"' not in rest:
                 return []  # text that starts with a brace, not a call
-            calls.append(ToolCallError(raw=rest, reason=f"invalid JSON ({e.msg} at char {e.pos - pos})",
-                                       name=_name_in(rest)))
+            calls.append(ToolCallError(raw=rest, reason=f"invalid JSON ({e.msg} at char {e.pos - pos})", name=_name_in(rest)))
             break
         if not calls and not tagged and not _looks_like_call(obj):
             return []  # a JSON answer, not a call

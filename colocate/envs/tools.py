@@ -72,8 +72,7 @@ def _check_documented(fn: Callable, name: str) -> None:
     """The one-line reasons get_json_schema would give less plainly: a missing type hint, docstring
     or Args: section."""
     try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        params = [p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     except (TypeError, ValueError) as e:
         raise ValueError(f"tool {name!r} has no inspectable signature: {e}") from None
     untyped = [p.name for p in params if p.annotation is inspect.Parameter.empty]
@@ -150,8 +149,14 @@ class ToolRunner:
     def run(self, calls: list[ToolCall | ToolCallError]) -> list[ToolResult]:
         """One result per entry of `calls` (as `parse_tool_calls` gives them), in order; past
         MAX_CALLS_PER_TURN a call is not run, and its result says so."""
-        skipped = [ToolResult(getattr(c, "name", None) or "", f"Error: more than {MAX_CALLS_PER_TURN} tool calls "
-                              "in one turn; this one was not run", "not_run") for c in calls[MAX_CALLS_PER_TURN:]]
+        skipped = [
+            ToolResult(
+                getattr(c, "name", None) or "",
+                f"Error: more than {MAX_CALLS_PER_TURN} tool calls in one turn; this one was not run",
+                "not_run",
+            )
+            for c in calls[MAX_CALLS_PER_TURN:]
+        ]
         return [self._run_one(call) for call in calls[:MAX_CALLS_PER_TURN]] + skipped
 
     def _run_one(self, call: ToolCall | ToolCallError) -> ToolResult:
@@ -256,8 +261,15 @@ def _as_text(value: Any) -> str:
 
 # ---- light type checking and coercion of JSON arguments against the tool's type hints
 
-_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "a boolean (true or false)",
-               list: "a list (JSON array)", dict: "an object (JSON object)", tuple: "a list (JSON array)"}
+_TYPE_WORDS = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean (true or false)",
+    list: "a list (JSON array)",
+    dict: "an object (JSON object)",
+    tuple: "a list (JSON array)",
+}
 
 
 def _shown(value: Any) -> str:
@@ -297,8 +309,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                 return _coerce(value, option, where)
             except _BadArgument:
                 pass
-        raise _BadArgument(f"argument {where} should be {' or '.join(_hint_words(o) for o in options)}, "
-                           f"got {_shown(value)}")
+        raise _BadArgument(f"argument {where} should be {' or '.join(_hint_words(o) for o in options)}, got {_shown(value)}")
     if origin is typing.Literal:
         if value in args:
             return value

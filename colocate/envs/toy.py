@@ -38,8 +38,11 @@ class ToyTurns(Environment):
             state.correct += 1
             state.cue = expected
         done = state.cue == TOY_SYMBOLS[-1]
-        return Observation(messages=[{"role": "user", "content": f"{PROMPT_WORD} {state.cue}"}], done=done,
-                           reward_parts={"correct": float(right)})
+        return Observation(
+            messages=[{"role": "user", "content": f"{PROMPT_WORD} {state.cue}"}],
+            done=done,
+            reward_parts={"correct": float(right)},
+        )
 
     def reward(self, state: ChainState) -> float:
         return state.correct / state.answer_len

@@ -75,8 +75,7 @@ def import_verifiers() -> Any:
     try:
         import verifiers.v1 as vf
     except ImportError as e:
-        raise ImportError(f"the verifiers environment needs the verifiers package, 0.4 or later ({e}); "
-                          f"{INSTALL_HINT}") from None
+        raise ImportError(f"the verifiers environment needs the verifiers package, 0.4 or later ({e}); {INSTALL_HINT}") from None
     return vf
 
 
@@ -163,10 +162,17 @@ def task_rows(env: Any, size: int | None = None) -> list[dict]:
         stored = json.loads(json.dumps(data))
         back = type(task.data).model_validate(stored).model_dump(mode="json", exclude_none=True)
         if task_key(back) != task.hash:
-            raise ValueError(f"verifiers: task {task.data.idx} of {type(taskset).__name__} is not the same task once its "
-                             "data went through JSON, so its rows cannot be kept in a file")
-        rows.append({"prompt": wire_messages(opening_messages(task.data)),
-                     "label": task.data.model_dump(mode="json").get("answer"), "metadata": {"task": stored}})
+            raise ValueError(
+                f"verifiers: task {task.data.idx} of {type(taskset).__name__} is not the same task once its "
+                "data went through JSON, so its rows cannot be kept in a file"
+            )
+        rows.append(
+            {
+                "prompt": wire_messages(opening_messages(task.data)),
+                "label": task.data.model_dump(mode="json").get("answer"),
+                "metadata": {"task": stored},
+            }
+        )
     return rows
 
 
@@ -232,12 +238,16 @@ class _Interaction:
             raise RuntimeError("the exchange is over (the run ended); read interaction.trace")
         prompted = not self._started and self.trace.task.data.prompt is not None
         if message is None and not prompted:
-            raise ValueError("nothing to run a turn on: a bare turn() takes a prompted task's opening reply; this "
-                             "exchange takes its next user message")
+            raise ValueError(
+                "nothing to run a turn on: a bare turn() takes a prompted task's opening reply; this "
+                "exchange takes its next user message"
+            )
         if message is not None and prompted:
-            raise ValueError("the task's prompt opens this exchange: take its first reply with a bare turn() before "
-                             "answering (or hand the interaction a task with `prompt=None` to open the conversation "
-                             "yourself)")
+            raise ValueError(
+                "the task's prompt opens this exchange: take its first reply with a bare turn() before "
+                "answering (or hand the interaction a task with `prompt=None` to open the conversation "
+                "yourself)"
+            )
         inputs = [] if self._started else opening_messages(self.trace.task.data)
         if isinstance(message, str):
             inputs.append(UserMessage(content=message))
@@ -284,8 +294,11 @@ class _Interaction:
             self._head = len(nodes) - 1
         nodes.append(MessageNode(parent=self._head, message=reply, sampled=True))
         self._head = len(nodes) - 1
-        self.trace.calls.append(ModelCall(node=self._head, model=self.seat.config.model,
-                                          finish_reason="length" if finish_reason == "length" else "stop"))
+        self.trace.calls.append(
+            ModelCall(
+                node=self._head, model=self.seat.config.model, finish_reason="length" if finish_reason == "length" else "stop"
+            )
+        )
 
     async def close(self) -> Any:
         """End the exchange and finish the run, as verifiers does: the task's finalize, then its
@@ -327,15 +340,21 @@ class _Seat:
 
         episode = self.episode
         if not self.trainable:
-            raise ValueError(f"verifiers: seat {self.name!r} is not trained (a modeled user or judge): it needs a model "
-                             "of its own, which colocate does not serve")
+            raise ValueError(
+                f"verifiers: seat {self.name!r} is not trained (a modeled user or judge): it needs a model "
+                "of its own, which colocate does not serve"
+            )
         if episode.trace is not None:
-            raise ValueError(f"verifiers: {type(episode.env.env).__name__} runs a second agent conversation in one "
-                             f"episode (seat {self.name!r}); colocate trains one conversation per episode")
+            raise ValueError(
+                f"verifiers: {type(episode.env.env).__name__} runs a second agent conversation in one "
+                f"episode (seat {self.name!r}); colocate trains one conversation per episode"
+            )
         episode.env.check_task(task)
-        trace = Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-                      state=state_cls(type(task))(),
-                      agent=AgentInfo(config=self.config, name=self.name, trainable=self.trainable))
+        trace = Trace(
+            task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+            state=state_cls(type(task))(),
+            agent=AgentInfo(config=self.config, name=self.name, trainable=self.trainable),
+        )
         episode.trace = trace
         await _awaited(invoke(task.setup, {"trace": trace, "runtime": None}))
         chat = _Interaction(episode, self, task, trace)
@@ -421,8 +440,7 @@ class VerifiersEnv(Environment):
         if self.task_cls.NEEDS_CONTAINER:
             raise ValueError(f"verifiers: {name}'s tasks need a runtime box (NEEDS_CONTAINER), which colocate does not run")
         if env.taskset.toolsets(env.taskset.config) or self.task_cls.toolsets(env.taskset.config.task):
-            raise ValueError(f"verifiers: {name}'s tasks offer MCP tools (toolsets), which colocate's episodes do not "
-                             "serve yet")
+            raise ValueError(f"verifiers: {name}'s tasks offer MCP tools (toolsets), which colocate's episodes do not serve yet")
 
     def check_task(self, task: Any) -> None:
         """Refuse what this adapter cannot run of a task's hooks (once per task class)."""
@@ -433,15 +451,20 @@ class VerifiersEnv(Environment):
         if type(task) in self._checked:
             return
         if type(task).NEEDS_CONTAINER or task.toolsets(task.config):
-            raise ValueError(f"verifiers: task {type(task).__name__} needs a runtime box or MCP tools, which colocate "
-                             "does not run")
+            raise ValueError(
+                f"verifiers: task {type(task).__name__} needs a runtime box or MCP tools, which colocate does not run"
+            )
         if intercepts := discover_decorated(task, "intercept"):
-            raise ValueError(f"verifiers: task {type(task).__name__} rewrites model requests or responses "
-                             f"(@vf.intercept {', '.join(fn.__name__ for fn in intercepts)}), which colocate does not support")
+            raise ValueError(
+                f"verifiers: task {type(task).__name__} rewrites model requests or responses "
+                f"(@vf.intercept {', '.join(fn.__name__ for fn in intercepts)}), which colocate does not support"
+            )
         for stop in task.hooks("stop"):
             if hook_boundary(stop, allow_trace=True) is not Trace:
-                raise ValueError(f"verifiers: task {type(task).__name__}'s @vf.stop {stop.__name__} reads a model Request "
-                                 "or Response; colocate runs only stops on the Trace")
+                raise ValueError(
+                    f"verifiers: task {type(task).__name__}'s @vf.stop {stop.__name__} reads a model Request "
+                    "or Response; colocate runs only stops on the Trace"
+                )
         self._checked.add(type(task))
 
     def task(self, row: dict) -> Any:
@@ -459,8 +482,10 @@ class VerifiersEnv(Environment):
             try:
                 data = data_type.model_validate(fields)
             except Exception as e:
-                raise ValueError(f"verifiers: the row has no metadata.task and is no {data_type.__name__} from its prompt "
-                                 f"and label ({type(e).__name__}: {e}); write the rows with task_rows") from None
+                raise ValueError(
+                    f"verifiers: the row has no metadata.task and is no {data_type.__name__} from its prompt "
+                    f"and label ({type(e).__name__}: {e}); write the rows with task_rows"
+                ) from None
         return self.task_cls(data, self.env.taskset.config.task)
 
     async def close(self) -> None:
@@ -480,9 +505,10 @@ class VerifiersEnv(Environment):
         """The env's setup, run and finalize on this episode's seats; the outcome goes to the channel."""
         vf = import_verifiers()
         try:
-            episode.env_episode = vf.Episode(env=vf.EnvInfo(id=self.env.config.env_id),
-                                             task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key,
-                                                               hash=task.hash))
+            episode.env_episode = vf.Episode(
+                env=vf.EnvInfo(id=self.env.config.env_id),
+                task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+            )
             agents = _Agents({name: _Seat(episode, name, config) for name, config in self.seats.items()})
             await self.env.setup(agents)
             await self.env.run(task, agents)

@@ -71,8 +71,9 @@ def enable(device: torch.device) -> None:
     to the mode's (idempotent). Called by `kernels.ops.Ops.true_on_policy`, which builds the rest."""
     global _library, _casts_before
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"algorithm.true_on_policy: bitwise-equal log-probs are implemented for the CPU "
-                         f"and CUDA paths, not {device.type}")
+        raise ValueError(
+            f"algorithm.true_on_policy: bitwise-equal log-probs are implemented for the CPU and CUDA paths, not {device.type}"
+        )
     if _library is not None:
         return
     library = torch.library.Library("aten", "IMPL")
@@ -114,8 +115,14 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(hidden, weight).float()
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The engine's decode attention in the mode: one query per sequence, q (B, Hq, D), at position
     context_lens - 1 over its keys in the paged cache (num_blocks, block_size, Hk, D). On CUDA the
     mode's Triton kernel (kernels/invariant_attention.py); elsewhere the fixed chunk order of
@@ -131,7 +138,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             continue
         blocks = block_tables[row, : -(-ctx // block_size)].long()
         keys, values = (c[blocks].flatten(0, 1)[:ctx] for c in (k_cache, v_cache))  # (ctx, Hk, D)
-        out[row] = attention(q[row:row + 1], keys, values, torch.tensor([ctx - 1], device=q.device), scale)[0]
+        out[row] = attention(q[row : row + 1], keys, values, torch.tensor([ctx - 1], device=q.device), scale)[0]
     return out
 
 
@@ -156,8 +163,7 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-              scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one sequence's queries over its keys, in the fixed chunk order.
 
     q (Nq, Hq, D) at sequence positions `positions` (Nq,); k, v (Nk, Hk, D) for positions

@@ -98,9 +98,17 @@ def in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *, alpha=1.0, beta=1.0,
-           out_dtype: torch.dtype | None = None, config: tuple[int, int, int, int, int] | None = None,
-           split: bool | None = None) -> torch.Tensor:
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    alpha=1.0,
+    beta=1.0,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+    split: bool | None = None,
+) -> torch.Tensor:
     """a (M, K) @ b (K, N) [+ bias broadcast to (M, N)] -> (M, N) in out_dtype (default a's dtype).
     Any strides (linear's transposed weight is a (K, N) view with strides (1, K)). `config`
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides `tile_config`'s pick
@@ -125,22 +133,58 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     partials = torch.empty((chunks, m, n), dtype=torch.float32, device=a.device) if split else out
     kernels = _kernels()
-    bias_args = (bias if bias is not None else out, bias.stride(0) if bias is not None else 0,
-                 bias.stride(1) if bias is not None else 0)
+    bias_args = (
+        bias if bias is not None else out,
+        bias.stride(0) if bias is not None else 0,
+        bias.stride(1) if bias is not None else 0,
+    )
     common = dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M)
     kernels.matmul[(tiles, chunks if split else 1)](
-        a, b, *bias_args, out, partials, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), float(alpha), float(beta), **common, BLOCK_K=block_k, K_CHUNK=K_CHUNK,
-        SPLIT=split, ONE_CHUNK=chunks == 1, EVEN_K=k % block_k == 0,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        a,
+        b,
+        *bias_args,
+        out,
+        partials,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        float(alpha),
+        float(beta),
+        **common,
+        BLOCK_K=block_k,
+        K_CHUNK=K_CHUNK,
+        SPLIT=split,
+        ONE_CHUNK=chunks == 1,
+        EVEN_K=k % block_k == 0,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
     if split:
-        kernels.chunk_sum[(tiles,)](partials, *bias_args, out, m, n, chunks, out.stride(0), out.stride(1),
-                                   float(alpha), float(beta), **common, num_warps=warps)
+        kernels.chunk_sum[(tiles,)](
+            partials,
+            *bias_args,
+            out,
+            m,
+            n,
+            chunks,
+            out.stride(0),
+            out.stride(1),
+            float(alpha),
+            float(beta),
+            **common,
+            num_warps=warps,
+        )
     return out
 
 
-def tile_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
-                ) -> tuple[tuple[int, int, int, int, int], bool]:
+def tile_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[tuple[int, int, int, int, int], bool]:
     """The (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of an (m, k) @ (k, n) product, and
     whether to split its K chunks over programs: the first of TILES[dtype] that the product may take
     and that gives every SM WAVES tiles, else the last; split when it has fewer tiles than SMs and
@@ -153,10 +197,14 @@ def tile_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
         from colocate.kernels.paged_attention import _sm_count
 
         sms, room = _sm_count(device), _shared_memory(device)
-        candidates = [tile for tile in candidates if tile is TILES[dtype][-1]
-                      or tile[3] * (tile[0] + tile[1]) * BLOCK_K[dtype] * dtype.itemsize <= room]
+        candidates = [
+            tile
+            for tile in candidates
+            if tile is TILES[dtype][-1] or tile[3] * (tile[0] + tile[1]) * BLOCK_K[dtype] * dtype.itemsize <= room
+        ]
     block_m, block_n, warps, stages, _ = next(
-        (tile for tile in candidates if _cdiv(m, tile[0]) * _cdiv(n, tile[1]) >= WAVES * sms), candidates[-1])
+        (tile for tile in candidates if _cdiv(m, tile[0]) * _cdiv(n, tile[1]) >= WAVES * sms), candidates[-1]
+    )
     split = k >= SPLIT_GAIN * K_CHUNK and _cdiv(m, block_m) * _cdiv(n, block_n) < sms
     return (block_m, block_n, BLOCK_K[dtype], warps, stages), split
 
@@ -196,23 +244,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x (N, D) or (N, H, D) over its last dimension, one row per program (forward only:
     the model calls it through kernels.invariant_ops.rms_norm, which has the backward)."""
     if x.ndim not in (2, 3) or x.stride(-1) != 1 or weight.shape != (x.shape[-1],):
-        raise ValueError(f"rms_norm: x must be (N, D) or (N, H, D) contiguous in D with weight (D,), "
-                         f"got {tuple(x.shape)} strides {x.stride()} and weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"rms_norm: x must be (N, D) or (N, H, D) contiguous in D with weight (D,), "
+            f"got {tuple(x.shape)} strides {x.stride()} and weight {tuple(weight.shape)}"
+        )
     x3 = x if x.ndim == 3 else x[:, None]  # (N, H, D)
     out = torch.empty(x3.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     _rms_launch(x3, None, out, out, weight, eps)
     return out.view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta)) of rows (N, D) in one kernel: the sum rounded to x's dtype, as
     torch's addition rounds it, then normalised as `rms_norm` does (forward only, like it)."""
-    if x.ndim != 2 or delta.shape != x.shape or delta.dtype != x.dtype or x.stride(-1) != 1 \
-            or delta.stride(-1) != 1 or weight.shape != (x.shape[-1],):
-        raise ValueError(f"add_rms_norm: x and delta must be (N, D) of one dtype, contiguous in D, with weight "
-                         f"(D,), got {tuple(x.shape)} {x.dtype}, {tuple(delta.shape)} {delta.dtype} and "
-                         f"{tuple(weight.shape)}")
+    if (
+        x.ndim != 2
+        or delta.shape != x.shape
+        or delta.dtype != x.dtype
+        or x.stride(-1) != 1
+        or delta.stride(-1) != 1
+        or weight.shape != (x.shape[-1],)
+    ):
+        raise ValueError(
+            f"add_rms_norm: x and delta must be (N, D) of one dtype, contiguous in D, with weight "
+            f"(D,), got {tuple(x.shape)} {x.dtype}, {tuple(delta.shape)} {delta.dtype} and "
+            f"{tuple(weight.shape)}"
+        )
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     _rms_launch(x[:, None], delta, total, out, weight, eps)
@@ -226,25 +283,39 @@ def _rms_launch(x3, delta, total, out, weight, eps) -> None:
 
     n, heads, dim = x3.shape
     if n and heads:
-        _kernels().rms[(n * heads,)](x3, delta if delta is not None else x3, total, weight.contiguous(), out, heads,
-                                     dim, x3.stride(0), x3.stride(1), delta.stride(0) if delta is not None else 0,
-                                     eps, BLOCK_D=triton.next_power_of_2(dim), ADD=delta is not None,
-                                     num_warps=RMS_WARPS)
+        _kernels().rms[(n * heads,)](
+            x3,
+            delta if delta is not None else x3,
+            total,
+            weight.contiguous(),
+            out,
+            heads,
+            dim,
+            x3.stride(0),
+            x3.stride(1),
+            delta.stride(0) if delta is not None else 0,
+            eps,
+            BLOCK_D=triton.next_power_of_2(dim),
+            ADD=delta is not None,
+            num_warps=RMS_WARPS,
+        )
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of rows (N, F), each contiguous in F (the halves of the packed gate/up
     product): SiLU in fp32 rounded to the inputs' dtype, as an unfused F.silu rounds it, then the
     product, in one kernel (forward only: kernels.invariant_ops.silu_mul has the backward)."""
-    if gate.ndim != 2 or up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(-1) != 1 \
-            or up.stride(-1) != 1:
-        raise ValueError(f"silu_mul: gate and up must be (N, F) of one dtype, contiguous in F, got "
-                         f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    if gate.ndim != 2 or up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError(
+            f"silu_mul: gate and up must be (N, F) of one dtype, contiguous in F, got "
+            f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}"
+        )
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     rows, cols = gate.shape
     if rows and cols:
-        _kernels().silu_mul[(rows, _cdiv(cols, SILU_BLOCK))](gate, up, out, cols, gate.stride(0), up.stride(0),
-                                                             BLOCK=SILU_BLOCK, num_warps=4)
+        _kernels().silu_mul[(rows, _cdiv(cols, SILU_BLOCK))](
+            gate, up, out, cols, gate.stride(0), up.stride(0), BLOCK=SILU_BLOCK, num_warps=4
+        )
     return out
 
 
@@ -268,9 +339,20 @@ def _kernels():
         return tile_m * BLOCK_M + tl.arange(0, BLOCK_M), tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
     @triton.jit
-    def chunk_product(a_tile, b_tile, k0, k, s_ak, s_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, EVEN_K: tl.constexpr,
-                      PRECISION: tl.constexpr):
+    def chunk_product(
+        a_tile,
+        b_tile,
+        k0,
+        k,
+        s_ak,
+        s_bk,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        K_CHUNK: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """The fp32 product of the chunk of K from k0, in BLOCK_K steps from 0; the tiles' addresses
         point at column k0 and are advanced by BLOCK_K per step."""
         ks = tl.arange(0, BLOCK_K)
@@ -288,57 +370,107 @@ def _kernels():
         return acc
 
     @triton.jit
-    def finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta,
-               HAS_BIAS: tl.constexpr):
+    def finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta, HAS_BIAS: tl.constexpr):
         """alpha * total (+ beta * bias) in fp32, cast once into C; one code for both launches."""
         acc = total * alpha
         mask = (rows < m)[:, None] & (cols < n)[None, :]
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + rows.to(tl.int64)[:, None] * s_biasm + cols[None, :] * s_biasn, mask=mask,
-                           other=0.0)
+            bias = tl.load(bias_ptr + rows.to(tl.int64)[:, None] * s_biasm + cols[None, :] * s_biasn, mask=mask, other=0.0)
             acc = acc + beta * bias.to(tl.float32)
-        tl.store(c_ptr + rows.to(tl.int64)[:, None] * s_cm + cols[None, :] * s_cn,
-                 acc.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * s_cm + cols[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
     # M (and the row counts below) are not specialised on: a batch of 1 compiles the same kernel.
     @triton.jit(do_not_specialize=["m"])
-    def matmul_kernel(a_ptr, b_ptr, bias_ptr, s_biasm, s_biasn, c_ptr, partial_ptr, m, n, k, s_am, s_ak,
-                      s_bk, s_bn, s_cm, s_cn, alpha, beta, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      K_CHUNK: tl.constexpr, SPLIT: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    def matmul_kernel(
+        a_ptr,
+        b_ptr,
+        bias_ptr,
+        s_biasm,
+        s_biasn,
+        c_ptr,
+        partial_ptr,
+        m,
+        n,
+        k,
+        s_am,
+        s_ak,
+        s_bk,
+        s_bn,
+        s_cm,
+        s_cn,
+        alpha,
+        beta,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        K_CHUNK: tl.constexpr,
+        SPLIT: tl.constexpr,
+        ONE_CHUNK: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """Unsplit (grid: tiles): a tile's chunk partials summed in order, into C. Split (grid:
         tiles x chunks): one chunk's fp32 partial into `partial_ptr` (chunks, M, N)."""
         rows, cols = tile_of(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
         ks = tl.arange(0, BLOCK_K)
         # Rows and columns past the edge read row/column 0 instead of being masked: their results are
         # never stored, and the loads stay unmasked (and vectorised) wherever K is a multiple of BLOCK_K.
-        a_tile = (a_ptr + tl.where(rows < m, rows, 0).to(tl.int64)[:, None] * s_am
-                  + ks.to(tl.int64)[None, :] * s_ak)  # (BM, BK)
-        b_tile = (b_ptr + tl.where(cols < n, cols, 0).to(tl.int64)[None, :] * s_bn
-                  + ks.to(tl.int64)[:, None] * s_bk)  # (BK, BN)
+        a_tile = a_ptr + tl.where(rows < m, rows, 0).to(tl.int64)[:, None] * s_am + ks.to(tl.int64)[None, :] * s_ak  # (BM, BK)
+        b_tile = b_ptr + tl.where(cols < n, cols, 0).to(tl.int64)[None, :] * s_bn + ks.to(tl.int64)[:, None] * s_bk  # (BK, BN)
         if SPLIT:
             k0 = tl.program_id(1) * K_CHUNK
-            part = chunk_product(a_tile + k0 * s_ak, b_tile + k0 * s_bk, k0, k, s_ak, s_bk, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, K_CHUNK, EVEN_K, PRECISION)
+            part = chunk_product(
+                a_tile + k0 * s_ak, b_tile + k0 * s_bk, k0, k, s_ak, s_bk, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, EVEN_K, PRECISION
+            )
             mask = (rows < m)[:, None] & (cols < n)[None, :]
-            tl.store(partial_ptr + (tl.program_id(1).to(tl.int64) * m + rows.to(tl.int64)[:, None]) * n
-                     + cols[None, :], part, mask=mask)
+            tl.store(
+                partial_ptr + (tl.program_id(1).to(tl.int64) * m + rows.to(tl.int64)[:, None]) * n + cols[None, :],
+                part,
+                mask=mask,
+            )
         else:
             # The sum starts as the first chunk's partial. A second accumulator, which the later chunks
             # need, doubles the registers (occupancy); a product of one chunk is compiled without it.
-            total = chunk_product(a_tile, b_tile, 0, k, s_ak, s_bk, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, EVEN_K,
-                                  PRECISION)
+            total = chunk_product(a_tile, b_tile, 0, k, s_ak, s_bk, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, EVEN_K, PRECISION)
             if not ONE_CHUNK:
                 for k0 in range(K_CHUNK, k, K_CHUNK):
-                    total += chunk_product(a_tile + k0 * s_ak, b_tile + k0 * s_bk, k0, k, s_ak, s_bk, BLOCK_M,
-                                           BLOCK_N, BLOCK_K, K_CHUNK, EVEN_K, PRECISION)
+                    total += chunk_product(
+                        a_tile + k0 * s_ak,
+                        b_tile + k0 * s_bk,
+                        k0,
+                        k,
+                        s_ak,
+                        s_bk,
+                        BLOCK_M,
+                        BLOCK_N,
+                        BLOCK_K,
+                        K_CHUNK,
+                        EVEN_K,
+                        PRECISION,
+                    )
             finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta, HAS_BIAS)
 
     @triton.jit(do_not_specialize=["m"])
-    def chunk_sum_kernel(partial_ptr, bias_ptr, s_biasm, s_biasn, c_ptr, m, n, chunks, s_cm, s_cn, alpha, beta,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+    def chunk_sum_kernel(
+        partial_ptr,
+        bias_ptr,
+        s_biasm,
+        s_biasn,
+        c_ptr,
+        m,
+        n,
+        chunks,
+        s_cm,
+        s_cn,
+        alpha,
+        beta,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """A split product's tile: its chunks' partials summed in order, into C."""
         rows, cols = tile_of(tl.program_id(0), m, n, BLOCK_M, BLOCK_N, GROUP_M)
         mask = (rows < m)[:, None] & (cols < n)[None, :]
@@ -350,8 +482,9 @@ def _kernels():
         finish(total, rows, cols, m, n, bias_ptr, s_biasm, s_biasn, c_ptr, s_cm, s_cn, alpha, beta, HAS_BIAS)
 
     @triton.jit
-    def rms_kernel(x_ptr, delta_ptr, total_ptr, w_ptr, out_ptr, heads, dim, s_xn, s_xh, s_dn, eps,
-                   BLOCK_D: tl.constexpr, ADD: tl.constexpr):
+    def rms_kernel(
+        x_ptr, delta_ptr, total_ptr, w_ptr, out_ptr, heads, dim, s_xn, s_xh, s_dn, eps, BLOCK_D: tl.constexpr, ADD: tl.constexpr
+    ):
         row = tl.program_id(0)
         d = tl.arange(0, BLOCK_D)
         ok = d < dim
@@ -377,5 +510,4 @@ def _kernels():
         act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
         tl.store(out_ptr + row * cols + c, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
-    return SimpleNamespace(matmul=matmul_kernel, chunk_sum=chunk_sum_kernel, rms=rms_kernel,
-                           silu_mul=silu_mul_kernel)
+    return SimpleNamespace(matmul=matmul_kernel, chunk_sum=chunk_sum_kernel, rms=rms_kernel, silu_mul=silu_mul_kernel)

@@ -45,23 +45,39 @@ def _device_ok(device_index: int) -> bool:
 
 def usable(q: torch.Tensor) -> bool:
     """Whether `attention(q, ...)` runs here (see the module docstring)."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and _device_ok(q.device.index or 0))
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+        and _device_ok(q.device.index or 0)
+    )
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-              scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
     """Causal attention within each packed sequence: q (N, Hq, D), k/v (N, Hk, D), cu_seqlens int32."""
     return torch.ops.colocate.flash_attention(q, k, v, cu_seqlens, max_seqlen, scale)[0]
 
 
 @torch.library.custom_op("colocate::flash_attention", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (N, Hq, D), log-sum-exp (Hq, N) fp32)."""
     out, lse, *_ = _interface()._flash_attn_fwd(
-        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, return_lse=True)
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
+        softmax_scale=scale,
+        causal=True,
+        return_lse=True,
+    )
     return out, lse
 
 
@@ -71,12 +87,32 @@ def _(q, k, v, cu_seqlens, max_seqlen, scale):
 
 
 @torch.library.custom_op("colocate::flash_attention_backward", mutates_args=())
-def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _interface()._flash_attn_bwd(
-        q, k, v, out, grad.contiguous(), lse, scale, True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, deterministic=torch.are_deterministic_algorithms_enabled())
+        q,
+        k,
+        v,
+        out,
+        grad.contiguous(),
+        lse,
+        scale,
+        True,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+    )
     return dq, dk, dv
 
 
@@ -93,16 +129,16 @@ def _setup_context(ctx, inputs, output):
 
 def _grad(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = torch.ops.colocate.flash_attention_backward(
-        grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
+    dq, dk, dv = torch.ops.colocate.flash_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
     return dq, dk, dv, None, None, None
 
 
 _forward.register_autograd(_grad, setup_context=_setup_context)
 
 
-def fast_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                          max_seqlen: int, scale: float) -> torch.Tensor:
+def fast_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
     """packed_causal_attention's default path: FlashAttention-4, torch's varlen flash kernel, or on
     CPU one SDPA per sequence. Also the backward of the batch-invariant kernel (gradients need no
     invariance)."""
@@ -122,14 +158,19 @@ def fast_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
 
 
 @torch.compiler.disable
-def _per_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def _per_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     """One causal SDPA per sequence (a packed block-diagonal mask would be quadratic in N): CPU, and
     fp32 on CUDA. Left out of compiled blocks: traced with dynamic shapes, the sequences' bounds
     became sizes that inductor (torch 2.13, CPU) failed to simplify."""
-    return per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: F.scaled_dot_product_attention(
-        qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, scale=scale,
-        enable_gqa=True).transpose(0, 1))
+    return per_sequence(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        lambda qs, ks, vs: F.scaled_dot_product_attention(
+            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+        ).transpose(0, 1),
+    )
 
 
 def per_sequence(q, k, v, cu_seqlens: torch.Tensor, attend) -> torch.Tensor:

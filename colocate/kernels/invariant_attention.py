@@ -62,8 +62,7 @@ def reference_attention(q, k, v, positions: torch.Tensor, scale: float) -> torch
     return torch.einsum("hqk,khd->qhd", probs, vf)
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention within each packed sequence: q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D)
     (forward only: the model calls it through kernels.invariant_ops.attention, which has the backward)."""
     lengths = cu_seqlens.diff().tolist()
@@ -71,23 +70,32 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return _launch(q, k, v, _tiles(lengths, lengths, q.device), starts, scale, block_size=0)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables: torch.Tensor, q_lens: list[int],
-                            k_lens: list[int], scale: float) -> torch.Tensor:
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_tables: torch.Tensor, q_lens: list[int], k_lens: list[int], scale: float
+) -> torch.Tensor:
     """Sequence s's q_lens[s] new queries (packed in q (N, Hq, D)) at positions
     k_lens[s] - q_lens[s] .. k_lens[s] - 1, over its k_lens[s] cached keys (the new ones stored
     already); caches (num_blocks, block_size, Hk, D), block_tables (S, max_blocks) int32."""
     tiles = _tiles(q_lens, k_lens, q.device)
-    return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), tiles, block_tables, scale,
-                   block_size=k_cache.shape[1])
+    return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), tiles, block_tables, scale, block_size=k_cache.shape[1])
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One query per sequence, q (B, Hq, D), at position context_lens - 1 over its cached keys;
     rows with no context give zeros. No host sync: CUDA-graph capturable. The kernel reads each
     tile from context_lens (int32) itself: a decode step launches it alone, once per layer."""
-    return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), context_lens, block_tables, scale,
-                   block_size=k_cache.shape[1], heads_as_rows=True)
+    return _launch(
+        q,
+        k_cache.flatten(0, 1),
+        v_cache.flatten(0, 1),
+        context_lens,
+        block_tables,
+        scale,
+        block_size=k_cache.shape[1],
+        heads_as_rows=True,
+    )
 
 
 def _tiles(q_lens: list[int], k_lens: list[int], device) -> torch.Tensor:
@@ -105,15 +113,17 @@ def _tiles(q_lens: list[int], k_lens: list[int], device) -> torch.Tensor:
     return torch.tensor([seqs, rows, positions, counts], dtype=torch.int32).view(4, -1).to(device)
 
 
-def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int,
-            heads_as_rows: bool = False) -> torch.Tensor:
+def _launch(
+    q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, block_size: int, heads_as_rows: bool = False
+) -> torch.Tensor:
     """k, v (rows, Hk, D): packed keys (block_size 0; `keys` holds each sequence's first row) or the
     cache's flat slots (`keys` is the block table). `tiles`: `_tiles`'s (4, T); with heads_as_rows,
     the context lengths (B,) of one query per sequence, whose query heads of one kv head fill a
     tile's rows (GROUP > DECODE_BLOCK_M takes several)."""
     if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"attention: q (N, Hq, D), k/v (M, Hk, D) with Hk | Hq, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"attention: q (N, Hq, D), k/v (M, Hk, D) with Hk | Hq, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.dtype != k.dtype or v.dtype != k.dtype or any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("attention: q, k, v must share one dtype and be contiguous in head_dim")
     if tiles.dtype != torch.int32 or keys.dtype != torch.int32:
@@ -130,14 +140,36 @@ def _launch(q, k, v, tiles: torch.Tensor, keys: torch.Tensor, scale: float, bloc
     block_m = DECODE_BLOCK_M if heads_as_rows else BLOCK_M
     head_chunks = -(-group // block_m)
     _kernel()[(num_tiles, k.shape[1] * head_chunks if heads_as_rows else num_heads)](
-        q, k, v, out, tiles, num_tiles, keys, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        out.stride(1), keys.stride(0),
-        GROUP=group, HEADS_AS_ROWS=heads_as_rows, HEAD_CHUNKS=head_chunks, HEAD_DIM=head_dim,
+        q,
+        k,
+        v,
+        out,
+        tiles,
+        num_tiles,
+        keys,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        keys.stride(0),
+        GROUP=group,
+        HEADS_AS_ROWS=heads_as_rows,
+        HEAD_CHUNKS=head_chunks,
+        HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SUM_COLUMNS=SUM_COLUMNS, BLOCK_SIZE=max(block_size, 1),
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        SUM_COLUMNS=SUM_COLUMNS,
+        BLOCK_SIZE=max(block_size, 1),
         PAGED=block_size > 0,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=2,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
+        num_stages=2,
     )
     return out
 
@@ -150,12 +182,36 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_tiles"])
-    def attend(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, num_tiles, keys_ptr, scale,
-               s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_on, s_oh, s_keys,
-               GROUP: tl.constexpr, HEADS_AS_ROWS: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               SUM_COLUMNS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-               PRECISION: tl.constexpr):
+    def attend(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        tiles_ptr,
+        num_tiles,
+        keys_ptr,
+        scale,
+        s_qn,
+        s_qh,
+        s_kn,
+        s_kh,
+        s_vn,
+        s_vh,
+        s_on,
+        s_oh,
+        s_keys,
+        GROUP: tl.constexpr,
+        HEADS_AS_ROWS: tl.constexpr,
+        HEAD_CHUNKS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SUM_COLUMNS: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        PAGED: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         tile = tl.program_id(0)
         r = tl.arange(0, BLOCK_M)
         if HEADS_AS_ROWS:  # sequence `tile`'s query (none without context); row r: query head first + r
@@ -181,8 +237,9 @@ def _kernel():
             q_rows = (row0 + r).to(tl.int64)
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + q_rows[:, None] * s_qn + heads[:, None] * s_qh + d[None, :],
-                    mask=live[:, None] & d_ok[None, :], other=0.0)  # (BM, D)
+        q = tl.load(
+            q_ptr + q_rows[:, None] * s_qn + heads[:, None] * s_qh + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0
+        )  # (BM, D)
         last = pos0 + count - 1
         m_i = tl.full([BLOCK_M], -1e30, tl.float32)
         l_acc = tl.zeros([BLOCK_M, SUM_COLUMNS], tl.float32)  # every column the row's denominator
@@ -198,21 +255,26 @@ def _kernel():
                 kv_rows = block.to(tl.int64) * BLOCK_SIZE + j % BLOCK_SIZE
             else:
                 kv_rows = (first_key + j).to(tl.int64)
-            kt = tl.load(k_ptr + kv_rows[None, :] * s_kn + kv_head * s_kh + d[:, None],
-                         mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # (D, BN)
+            kt = tl.load(
+                k_ptr + kv_rows[None, :] * s_kn + kv_head * s_kh + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0
+            )  # (D, BN)
             scores = tl.dot(q, kt, input_precision=PRECISION) * scale  # (BM, BN)
             scores = tl.where(j[None, :] <= pos[:, None], scores, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None]).to(v_ptr.dtype.element_ty)
             l_acc = tl.dot(p, ones, l_acc * alpha[:, None], input_precision=PRECISION)
-            vt = tl.load(v_ptr + kv_rows[:, None] * s_vn + kv_head * s_vh + d[None, :],
-                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # (BN, D)
+            vt = tl.load(
+                v_ptr + kv_rows[:, None] * s_vn + kv_head * s_vh + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0
+            )  # (BN, D)
             acc = tl.dot(p, vt, acc * alpha[:, None], input_precision=PRECISION)
             m_i = m_new
         l_i = tl.max(l_acc, axis=1)  # its columns are equal: no order of summing involved
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + q_rows[:, None] * s_on + heads[:, None] * s_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=rows_out[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + q_rows[:, None] * s_on + heads[:, None] * s_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=rows_out[:, None] & d_ok[None, :],
+        )
 
     return attend

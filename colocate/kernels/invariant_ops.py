@@ -120,8 +120,7 @@ rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 
 @torch.library.custom_op("colocate::invariant_add_rms_norm", mutates_args=())
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta)): the residual stream and its normalised form, one Triton
     kernel on CUDA for rows (N, D), the sum and `rms_norm` elsewhere; the same values either way."""
     if x.is_cuda and x.ndim == 2 and delta.dtype == x.dtype:
@@ -156,8 +155,9 @@ add_rms_norm.register_autograd(_add_rms_backward, setup_context=_add_rms_setup)
 
 
 @torch.library.custom_op("colocate::invariant_attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-              scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
     """Causal attention within each packed sequence, q (N, Hq, D), k/v (N, Hk, D) -> (N, Hq, D), in
     the mode's fixed key order; inside a backward pass (activation checkpointing's recompute, which
     feeds only gradients) by the default packed attention, as the products go to cuBLAS there."""
@@ -170,8 +170,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
         return invariant_attention.packed_attention(q, k, v, cu_seqlens, scale)
     from colocate.kernels import batch_invariant
 
-    return flash.per_sequence(q, k, v, cu_seqlens, lambda qs, ks, vs: batch_invariant.attention(
-        qs, ks, vs, torch.arange(qs.shape[0], device=qs.device), scale))
+    return flash.per_sequence(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        lambda qs, ks, vs: batch_invariant.attention(qs, ks, vs, torch.arange(qs.shape[0], device=qs.device), scale),
+    )
 
 
 @attention.register_fake
@@ -191,9 +196,9 @@ def _attention_backward(ctx, grad):
 
 
 @torch.library.custom_op("colocate::invariant_attention_backward", mutates_args=())
-def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient of the default packed attention (FlashAttention or SDPA) by autograd, as one
     opaque op: traced into a compiled backward, the CPU's per-sequence split would read the lengths
     on the host, which a trace cannot."""

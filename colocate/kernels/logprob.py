@@ -110,8 +110,7 @@ def _batch_invariant_logprobs(hidden, weight, targets, temperature, with_entropy
     whole (T, V). Returns log-probs, entropy (None unless with_entropy) and each row's logsumexp of
     the scaled logits."""
     rows = max(1, INVARIANT_CHUNK_ELEMENTS // weight.shape[0])
-    parts = [_invariant_chunk(h, weight, t, temperature, with_entropy)
-             for h, t in zip(hidden.split(rows), targets.split(rows))]
+    parts = [_invariant_chunk(h, weight, t, temperature, with_entropy) for h, t in zip(hidden.split(rows), targets.split(rows))]
     logprobs, lse = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
     return logprobs, (torch.cat([p[1] for p in parts]) if with_entropy else None), lse
 
@@ -137,21 +136,16 @@ def _check_inputs(hidden, weight, targets, temperature, chunk_size) -> None:
     if hidden.ndim != 2:
         raise ValueError(f"hidden must be (tokens, hidden_size), got shape {tuple(hidden.shape)}")
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"weight must be (vocab_size, {hidden.shape[1]}) to match hidden, got {tuple(weight.shape)}"
-        )
+        raise ValueError(f"weight must be (vocab_size, {hidden.shape[1]}) to match hidden, got {tuple(weight.shape)}")
     if targets.shape != (hidden.shape[0],):
         raise ValueError(f"targets must have shape ({hidden.shape[0]},), got {tuple(targets.shape)}")
     if targets.dtype != torch.long:
         raise ValueError(f"targets must be torch.long, got {targets.dtype}")
     if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
-        raise ValueError(
-            f"hidden and weight must share one dtype of {_DTYPES}, got {hidden.dtype} and {weight.dtype}"
-        )
+        raise ValueError(f"hidden and weight must share one dtype of {_DTYPES}, got {hidden.dtype} and {weight.dtype}")
     if not (hidden.device == weight.device == targets.device):
         raise ValueError(
-            f"hidden, weight and targets must be on one device, got "
-            f"{hidden.device}, {weight.device}, {targets.device}"
+            f"hidden, weight and targets must be on one device, got {hidden.device}, {weight.device}, {targets.device}"
         )
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -183,8 +177,17 @@ class _TokenLogprobs(torch.autograd.Function):
                 rows = slice(t0, t0 + token_chunk)
                 for v0 in range(0, vocab_size, vocab_chunk):
                     logits = _matmul_f32(hidden[rows], weight[v0 : v0 + vocab_chunk].T)  # (tc, vc)
-                    stats(logits, targets[rows], v0, inv_temp, with_entropy,
-                          run_max[rows], sum_exp[rows], sum_exp_z[rows], target_z[rows])
+                    stats(
+                        logits,
+                        targets[rows],
+                        v0,
+                        inv_temp,
+                        with_entropy,
+                        run_max[rows],
+                        sum_exp[rows],
+                        sum_exp_z[rows],
+                        target_z[rows],
+                    )
         log_sum = sum_exp.log()
         lse = run_max + log_sum
         logprobs = target_z - lse
@@ -202,7 +205,13 @@ class _TokenLogprobs(torch.autograd.Function):
             entropy = grad_entropy = None
         with torch.autocast(hidden.device.type, enabled=False):
             grad_hidden, grad_weight = _backward_chunks(
-                ctx, hidden, weight, targets, lse, grad_logprobs.float().contiguous(), entropy,
+                ctx,
+                hidden,
+                weight,
+                targets,
+                lse,
+                grad_logprobs.float().contiguous(),
+                entropy,
                 None if grad_entropy is None else grad_entropy.float().contiguous(),
             )
         return grad_hidden, grad_weight, None, None, None, None, None
@@ -226,8 +235,7 @@ class _InvariantTokenLogprobs(_TokenLogprobs):
         return *_TokenLogprobs.backward(ctx, grad_logprobs, grad_entropy), None
 
 
-def _keep_for_backward(ctx, hidden, weight, targets, lse, entropy, inv_temp, with_entropy, vocab_chunk,
-                       token_chunk) -> None:
+def _keep_for_backward(ctx, hidden, weight, targets, lse, entropy, inv_temp, with_entropy, vocab_chunk, token_chunk) -> None:
     """What `_TokenLogprobs.backward` reads; `entropy` is empty without with_entropy."""
     ctx.save_for_backward(hidden, weight, targets, lse, entropy)
     ctx.inv_temp, ctx.with_entropy = inv_temp, with_entropy
@@ -256,7 +264,11 @@ def _backward_chunks(ctx, hidden, weight, targets, lse, grad_lp, entropy, grad_e
         for t0 in range(0, num_tokens, tc):
             rows = slice(t0, t0 + tc)
             grad_logits = grad_chunk(
-                _matmul_f32(hidden[rows], w_chunk.T), targets[rows], v0, ctx.inv_temp, lse[rows],
+                _matmul_f32(hidden[rows], w_chunk.T),
+                targets[rows],
+                v0,
+                ctx.inv_temp,
+                lse[rows],
                 grad_lp[rows],
                 None if entropy is None else entropy[rows],
                 None if grad_ent is None else grad_ent[rows],
@@ -319,8 +331,19 @@ def _chunk_stats_triton(logits, targets, v0, inv_temp, with_entropy, run_max, su
     assert logits.stride(1) == 1 and targets.is_contiguous()
     assert all(t.is_contiguous() and t.shape == (rows,) for t in (run_max, sum_exp, sum_exp_z, target_z))
     stats_kernel[(rows,)](
-        logits, logits.stride(0), targets, run_max, sum_exp, sum_exp_z, target_z,
-        cols, v0, inv_temp, HAS_ENTROPY=with_entropy, BLOCK_V=1024, num_warps=4,
+        logits,
+        logits.stride(0),
+        targets,
+        run_max,
+        sum_exp,
+        sum_exp_z,
+        target_z,
+        cols,
+        v0,
+        inv_temp,
+        HAS_ENTROPY=with_entropy,
+        BLOCK_V=1024,
+        num_warps=4,
     )
 
 
@@ -333,9 +356,21 @@ def _chunk_grad_triton(logits, targets, v0, inv_temp, lse, grad_lp, entropy, gra
     has_entropy = grad_ent is not None
     block = 1024
     grad_kernel[(rows, -(-cols // block))](
-        logits, logits.stride(0), grad, grad.stride(0), targets, lse, grad_lp,
-        entropy if has_entropy else lse, grad_ent if has_entropy else grad_lp,
-        cols, v0, inv_temp, HAS_ENTROPY=has_entropy, BLOCK_V=block, num_warps=4,
+        logits,
+        logits.stride(0),
+        grad,
+        grad.stride(0),
+        targets,
+        lse,
+        grad_lp,
+        entropy if has_entropy else lse,
+        grad_ent if has_entropy else grad_lp,
+        cols,
+        v0,
+        inv_temp,
+        HAS_ENTROPY=has_entropy,
+        BLOCK_V=block,
+        num_warps=4,
     )
     return grad
 
@@ -348,8 +383,20 @@ def _triton_kernels():
     import triton.language as tl
 
     @triton.jit
-    def stats(logits_ptr, stride_l, targets_ptr, max_ptr, sum_ptr, sum_z_ptr, target_z_ptr,
-              num_cols, v0, inv_temp, HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    def stats(
+        logits_ptr,
+        stride_l,
+        targets_ptr,
+        max_ptr,
+        sum_ptr,
+        sum_z_ptr,
+        target_z_ptr,
+        num_cols,
+        v0,
+        inv_temp,
+        HAS_ENTROPY: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
         row = tl.program_id(0)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_l
         local_target = tl.load(targets_ptr + row) - v0
@@ -378,9 +425,22 @@ def _triton_kernels():
         tl.store(target_z_ptr + row, tz)
 
     @triton.jit
-    def grad(logits_ptr, stride_l, grad_ptr, stride_g, targets_ptr, lse_ptr, grad_lp_ptr,
-             entropy_ptr, grad_ent_ptr, num_cols, v0, inv_temp,
-             HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    def grad(
+        logits_ptr,
+        stride_l,
+        grad_ptr,
+        stride_g,
+        targets_ptr,
+        lse_ptr,
+        grad_lp_ptr,
+        entropy_ptr,
+        grad_ent_ptr,
+        num_cols,
+        v0,
+        inv_temp,
+        HAS_ENTROPY: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         valid = cols < num_cols
@@ -393,7 +453,6 @@ def _triton_kernels():
         if HAS_ENTROPY:
             g -= tl.load(grad_ent_ptr + row) * p * (logp + tl.load(entropy_ptr + row))
         g = g * inv_temp
-        tl.store(grad_ptr + row.to(tl.int64) * stride_g + cols,
-                 g.to(grad_ptr.dtype.element_ty), mask=valid)
+        tl.store(grad_ptr + row.to(tl.int64) * stride_g + cols, g.to(grad_ptr.dtype.element_ty), mask=valid)
 
     return stats, grad

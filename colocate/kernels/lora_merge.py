@@ -31,8 +31,9 @@ MAX_BLOCK_R = 64
 """The rank's chunk of one tile product (tl.dot needs at least 16)."""
 
 
-def lora_merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-               out_dtype: torch.dtype) -> torch.Tensor:
+def lora_merge(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, out_dtype: torch.dtype
+) -> torch.Tensor:
     """W + scale * B A in `out_dtype`: weight (out, in) 16-bit, lora_a (rank, in), lora_b (out, rank),
     A and B in any float dtype (rounded to W's dtype first). Outside a compiled region the kernel
     is launched directly, without an op's dispatch: a weight push makes one call per adapted module."""
@@ -42,13 +43,20 @@ def lora_merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
 
 
 @torch.library.triton_op("colocate::lora_merge", mutates_args=())
-def _lora_merge_op(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+def _lora_merge_op(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, out_dtype: torch.dtype
+) -> torch.Tensor:
     return _launch(weight, lora_a, lora_b, scale, out_dtype, wrap=torch.library.wrap_triton)
 
 
-def _launch(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-            out_dtype: torch.dtype, wrap=lambda kernel: kernel) -> torch.Tensor:
+def _launch(
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+    out_dtype: torch.dtype,
+    wrap=lambda kernel: kernel,
+) -> torch.Tensor:
     rows, cols = weight.shape
     rank = lora_a.shape[0]
     assert lora_a.shape == (rank, cols) and lora_b.shape == (rows, rank), (weight.shape, lora_a.shape, lora_b.shape)
@@ -59,9 +67,22 @@ def _launch(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, sc
     out = torch.empty(rows, cols, dtype=out_dtype, device=weight.device)
     block_r = min(MAX_BLOCK_R, max(16, 1 << (rank - 1).bit_length()))
     grid = (-(-rows // BLOCK_M), -(-cols // BLOCK_N))
-    wrap(_kernel())[grid](weight, lora_a, lora_b, out, rows, cols, rank, scale,
-                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=block_r, INTERPRETED=interpreted,
-                          num_warps=8, num_stages=2)
+    wrap(_kernel())[grid](
+        weight,
+        lora_a,
+        lora_b,
+        out,
+        rows,
+        cols,
+        rank,
+        scale,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_R=block_r,
+        INTERPRETED=interpreted,
+        num_warps=8,
+        num_stages=2,
+    )
     return out
 
 
@@ -73,9 +94,20 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def lora_merge_kernel(w_ptr, a_ptr, b_ptr, out_ptr, rows, cols, rank, scale,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                          INTERPRETED: tl.constexpr):
+    def lora_merge_kernel(
+        w_ptr,
+        a_ptr,
+        b_ptr,
+        out_ptr,
+        rows,
+        cols,
+        rank,
+        scale,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+    ):
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_m, in_n = offs_m < rows, offs_n < cols
@@ -83,10 +115,12 @@ def _kernel():
         for r0 in range(0, rank, BLOCK_R):
             offs_r = r0 + tl.arange(0, BLOCK_R)
             in_r = offs_r < rank
-            b = tl.load(b_ptr + offs_m[:, None].to(tl.int64) * rank + offs_r[None, :],
-                        mask=in_m[:, None] & in_r[None, :], other=0.0)
-            a = tl.load(a_ptr + offs_r[:, None].to(tl.int64) * cols + offs_n[None, :],
-                        mask=in_r[:, None] & in_n[None, :], other=0.0)
+            b = tl.load(
+                b_ptr + offs_m[:, None].to(tl.int64) * rank + offs_r[None, :], mask=in_m[:, None] & in_r[None, :], other=0.0
+            )
+            a = tl.load(
+                a_ptr + offs_r[:, None].to(tl.int64) * cols + offs_n[None, :], mask=in_r[:, None] & in_n[None, :], other=0.0
+            )
             b = b.to(w_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
             a = a.to(w_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
             if INTERPRETED:  # its dot takes 16-bit floats for integers: exact fp32 products
@@ -101,8 +135,9 @@ def _kernel():
         else:  # a rounded multiply the add cannot contract into an FMA, denormals kept (libdevice's flushes
             # them); a compiled graph passes scale as fp64, and torch 2.11's check of what the kernel
             # writes passes it as a constant (with `scale.to` that check failed: W, A and B were copied)
-            scaled = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [acc, tl.cast(scale, tl.float32)],
-                                               dtype=tl.float32, is_pure=True, pack=1)
+            scaled = tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;", "=r,r,r", [acc, tl.cast(scale, tl.float32)], dtype=tl.float32, is_pure=True, pack=1
+            )
         merged = scaled + w.to(tl.float32)
         tl.store(out_ptr + tile, merged.to(out_ptr.dtype.element_ty), mask=inside)
 

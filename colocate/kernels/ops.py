@@ -81,14 +81,14 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     total = x + delta
     return total, invariant_ops.reference_rms_norm(total, weight, eps)
 
 
-def _reference_rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference_rotate_pair(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain ops, which the engine's compiled decode step fuses with the cos/sin math."""
     return reference_rotate(q, cos, sin), reference_rotate(k, cos, sin)
 

@@ -88,8 +88,7 @@ def paged_decode_attention(
         return reference_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     if not _kernel_block_size_ok(k_cache.shape[1]):
         raise ValueError(f"the CUDA kernel needs a power-of-two block_size >= 16, got {k_cache.shape[1]}")
-    config = decode_config(q.shape[0], k_cache.shape[2], q.shape[2], block_tables.shape[1] * k_cache.shape[1],
-                           q.device)
+    config = decode_config(q.shape[0], k_cache.shape[2], q.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device)
     return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, config)
 
 
@@ -118,11 +117,24 @@ def store_kv(
     _, _, store_kernel = _triton_kernels()
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     store_kernel[(k.shape[0], num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_cache.shape[1], head_dim, D_PAD=_tile(head_dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        k_cache.shape[1],
+        head_dim,
+        D_PAD=_tile(head_dim),
     )
 
 
@@ -142,13 +154,10 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> 
         raise ValueError("q must be contiguous in head_dim")
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
         raise ValueError(
-            f"block_tables must be ({batch}, max_blocks_per_seq) int32, "
-            f"got {tuple(block_tables.shape)} {block_tables.dtype}"
+            f"block_tables must be ({batch}, max_blocks_per_seq) int32, got {tuple(block_tables.shape)} {block_tables.dtype}"
         )
     if context_lens.shape != (batch,) or context_lens.dtype != torch.int32:
-        raise ValueError(
-            f"context_lens must be ({batch},) int32, got {tuple(context_lens.shape)} {context_lens.dtype}"
-        )
+        raise ValueError(f"context_lens must be ({batch},) int32, got {tuple(context_lens.shape)} {context_lens.dtype}")
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
     if len(devices) != 1:
         raise ValueError(f"q, caches, block_tables and context_lens must share one device, got {devices}")
@@ -158,18 +167,13 @@ def _check_store_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
     _check_cache(k_cache, v_cache)
     expected = (k.shape[0], *k_cache.shape[2:])
     if k.shape != expected or v.shape != expected:
-        raise ValueError(
-            f"k and v must be (N, Hk, D) = {expected}, got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
+        raise ValueError(f"k and v must be (N, Hk, D) = {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
         raise ValueError(f"k and v must have the cache dtype {k_cache.dtype}, got {k.dtype} and {v.dtype}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must be contiguous in head_dim")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
-        raise ValueError(
-            f"slot_mapping must be ({k.shape[0]},) int64, "
-            f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
-        )
+        raise ValueError(f"slot_mapping must be ({k.shape[0]},) int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"k, v, caches and slot_mapping must share one device, got {devices}")
@@ -182,13 +186,10 @@ def _check_cache(k_cache, v_cache) -> None:
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"caches must share one dtype of {_DTYPES}, got {k_cache.dtype} and {v_cache.dtype}"
-        )
+        raise ValueError(f"caches must share one dtype of {_DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
     if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError(
-            f"k_cache and v_cache must share strides and be contiguous in head_dim, "
-            f"got {k_cache.stride()} and {v_cache.stride()}"
+            f"k_cache and v_cache must share strides and be contiguous in head_dim, got {k_cache.stride()} and {v_cache.stride()}"
         )
 
 
@@ -197,8 +198,7 @@ def _kernel_block_size_ok(block_size: int) -> bool:
     return block_size >= 16 and block_size & (block_size - 1) == 0
 
 
-def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_context: int,
-                  device: torch.device) -> DecodeConfig:
+def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_context: int, device: torch.device) -> DecodeConfig:
     """The launch shape for these sizes, from the H200 sweep (bench/kernel_bench.py --decode-sweep): big
     tiles with a 3-stage pipeline, and the context split only as far as it takes to give each SM
     about four programs. Depends on shapes alone, so one captured graph keeps one choice for every
@@ -243,19 +243,46 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), **f32)  # (B, Hq, S, D)
         part_stats = torch.empty((2, batch, num_q_heads, num_splits), **f32)  # max, sum-exp
     decode_kernel[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_stats, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), block_tables.stride(1), block_tables.shape[1],
-        part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
-        GROUP=group, GROUP_PAD=_tile(group), HEAD_DIM=head_dim, D_PAD=_tile(head_dim),
-        BLOCK_N=config.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        part_out,
+        part_stats,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        block_tables.shape[1],
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2) if num_splits > 1 else 0,
+        GROUP=group,
+        GROUP_PAD=_tile(group),
+        HEAD_DIM=head_dim,
+        D_PAD=_tile(head_dim),
+        BLOCK_N=config.block_n,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if num_splits > 1:
         merge_kernel[(batch, num_q_heads)](
-            part_out, part_stats, out, num_q_heads, head_dim,
-            NUM_SPLITS=num_splits, D_PAD=_tile(head_dim), num_warps=4,
+            part_out,
+            part_stats,
+            out,
+            num_q_heads,
+            head_dim,
+            NUM_SPLITS=num_splits,
+            D_PAD=_tile(head_dim),
+            num_warps=4,
         )
     return out
 
@@ -268,13 +295,35 @@ def _triton_kernels():
     import triton.language as tl
 
     @triton.jit
-    def decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, stats_ptr, scale,
-               stride_qb, stride_qh, stride_cb, stride_ct, stride_ch,
-               stride_tb, stride_tn, max_blocks,
-               stride_ob, stride_oh, stride_os,
-               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-               D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    def decode(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        lens_ptr,
+        out_ptr,
+        stats_ptr,
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_cb,
+        stride_ct,
+        stride_ch,
+        stride_tb,
+        stride_tn,
+        max_blocks,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
         split = tl.program_id(2)
@@ -289,8 +338,11 @@ def _triton_kernels():
         heads = kv_head * GROUP + g  # (GP,)
         head_ok = g < GROUP
         d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=head_ok[:, None] & d_ok[None, :], other=0.0)  # (GP, D)
+        q = tl.load(
+            q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=head_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # (GP, D)
         m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -319,8 +371,7 @@ def _triton_kernels():
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        out_offs = (seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
-                    + split * stride_os + d[None, :])
+        out_offs = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
         out_mask = head_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:
             out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -333,8 +384,7 @@ def _triton_kernels():
             tl.store(stats_ptr + num_rows + stat_offs, l_i, mask=head_ok)
 
     @triton.jit
-    def merge(part_ptr, stats_ptr, out_ptr, num_q_heads, head_dim,
-              NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr):
+    def merge(part_ptr, stats_ptr, out_ptr, num_q_heads, head_dim, NUM_SPLITS: tl.constexpr, D_PAD: tl.constexpr):
         seq = tl.program_id(0)
         head = tl.program_id(1)
         row = seq.to(tl.int64) * num_q_heads + head
@@ -346,16 +396,33 @@ def _triton_kernels():
         weight = tl.exp(m - tl.max(m, axis=0))  # (S,); empty splits have l = 0 and acc = 0
         total = tl.sum(weight * l, axis=0)
         d_ok = d < head_dim
-        part = tl.load(part_ptr + (row * NUM_SPLITS + s[:, None]) * head_dim + d[None, :],
-                       mask=d_ok[None, :], other=0.0)  # (S, D)
+        part = tl.load(
+            part_ptr + (row * NUM_SPLITS + s[:, None]) * head_dim + d[None, :], mask=d_ok[None, :], other=0.0
+        )  # (S, D)
         out = tl.sum(part * weight[:, None], axis=0) / tl.maximum(total, 1e-30)
         tl.store(out_ptr + row * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
     @triton.jit
-    def store(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-              stride_kn, stride_kh, stride_vn, stride_vh,
-              stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-              block_size, head_dim, D_PAD: tl.constexpr):
+    def store(
+        k_ptr,
+        v_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slots_ptr,
+        stride_kn,
+        stride_kh,
+        stride_vn,
+        stride_vh,
+        stride_kcb,
+        stride_kct,
+        stride_kch,
+        stride_vcb,
+        stride_vct,
+        stride_vch,
+        block_size,
+        head_dim,
+        D_PAD: tl.constexpr,
+    ):
         token = tl.program_id(0)
         head = tl.program_id(1)
         slot = tl.load(slots_ptr + token)
@@ -366,9 +433,7 @@ def _triton_kernels():
             d_ok = d < head_dim
             k = tl.load(k_ptr + token.to(tl.int64) * stride_kn + head * stride_kh + d, mask=d_ok)
             v = tl.load(v_ptr + token.to(tl.int64) * stride_vn + head * stride_vh + d, mask=d_ok)
-            tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kct + head * stride_kch + d,
-                     k, mask=d_ok)
-            tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vct + head * stride_vch + d,
-                     v, mask=d_ok)
+            tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kct + head * stride_kch + d, k, mask=d_ok)
+            tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vct + head * stride_vch + d, v, mask=d_ok)
 
     return decode, merge, store

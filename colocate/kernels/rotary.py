@@ -35,20 +35,26 @@ def reference_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries (N, Hq, D) and keys (N, Hk, D) rotated by positions' cos/sin (N, D), in one op call."""
     return torch.ops.colocate.rotary(q, k, cos, sin)
 
 
 @torch.library.custom_op("colocate::rotary", mutates_args=())
-def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation of q and k; `inverse` negates s (the backward)."""
-    if (cos.ndim != 2 or sin.shape != cos.shape or cos.shape[1] % 2
-            or any(x.ndim != 3 or (x.shape[0], x.shape[2]) != tuple(cos.shape) for x in (q, k))):
-        raise ValueError(f"rotary: q/k must be (N, H, D) with D even and cos/sin (N, D); got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if (
+        cos.ndim != 2
+        or sin.shape != cos.shape
+        or cos.shape[1] % 2
+        or any(x.ndim != 3 or (x.shape[0], x.shape[2]) != tuple(cos.shape) for x in (q, k))
+    ):
+        raise ValueError(
+            f"rotary: q/k must be (N, H, D) with D even and cos/sin (N, D); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     if q.is_cuda:
         return _launch(q, k, cos, sin, inverse)
     sin = -sin if inverse else sin
@@ -77,8 +83,9 @@ def _backward(ctx, grad_q, grad_k):
 _rotary.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Both rotations in one launch: programs (i, 0) rotate the queries of a block of tokens,
     programs (i, 1) the same tokens' keys."""
     q, k, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin))
@@ -92,9 +99,27 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     q_heads_p2, k_heads_p2, half_p2 = (triton.next_power_of_2(h) for h in (q_heads, k.shape[1], half))
     block_n = max(1, 4096 // (q_heads_p2 * half_p2))
     _kernels()[(-(-n // block_n), 2)](
-        q, k, cos, sin, q_out, k_out, n, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        sin.stride(0), Q_HEADS=q_heads, K_HEADS=k.shape[1], HALF=half, Q_HEADS_P2=q_heads_p2,
-        K_HEADS_P2=k_heads_p2, HALF_P2=half_p2, BLOCK_N=block_n, SIGN=-1.0 if inverse else 1.0,
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        n,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        Q_HEADS=q_heads,
+        K_HEADS=k.shape[1],
+        HALF=half,
+        Q_HEADS_P2=q_heads_p2,
+        K_HEADS_P2=k_heads_p2,
+        HALF_P2=half_p2,
+        BLOCK_N=block_n,
+        SIGN=-1.0 if inverse else 1.0,
     )
     return q_out, k_out
 
@@ -107,9 +132,23 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rotate_block(x_ptr, cos_ptr, sin_ptr, out_ptr, n, sxn, sxh, scn, ssn, HEADS: tl.constexpr,
-                     HALF: tl.constexpr, HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SIGN: tl.constexpr):
+    def rotate_block(
+        x_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        n,
+        sxn,
+        sxh,
+        scn,
+        ssn,
+        HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        HEADS_P2: tl.constexpr,
+        HALF_P2: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SIGN: tl.constexpr,
+    ):
         # BLOCK_N tokens of program_id(0) x every head x the first-half lanes of the head dimension.
         tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         lanes = tl.arange(0, HEADS_P2 * HALF_P2)
@@ -126,14 +165,36 @@ def _kernels():
         tl.store(y1_ptr + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["n"])  # one compile for every token count
-    def rotary(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, n, sqn, sqh, skn, skh, scn, ssn,
-               Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr, Q_HEADS_P2: tl.constexpr,
-               K_HEADS_P2: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_N: tl.constexpr, SIGN: tl.constexpr):
+    def rotary(
+        q_ptr,
+        k_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        k_out_ptr,
+        n,
+        sqn,
+        sqh,
+        skn,
+        skh,
+        scn,
+        ssn,
+        Q_HEADS: tl.constexpr,
+        K_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        Q_HEADS_P2: tl.constexpr,
+        K_HEADS_P2: tl.constexpr,
+        HALF_P2: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SIGN: tl.constexpr,
+    ):
         if tl.program_id(1) == 0:
-            rotate_block(q_ptr, cos_ptr, sin_ptr, q_out_ptr, n, sqn, sqh, scn, ssn, Q_HEADS, HALF, Q_HEADS_P2,
-                         HALF_P2, BLOCK_N, SIGN)
+            rotate_block(
+                q_ptr, cos_ptr, sin_ptr, q_out_ptr, n, sqn, sqh, scn, ssn, Q_HEADS, HALF, Q_HEADS_P2, HALF_P2, BLOCK_N, SIGN
+            )
         else:
-            rotate_block(k_ptr, cos_ptr, sin_ptr, k_out_ptr, n, skn, skh, scn, ssn, K_HEADS, HALF, K_HEADS_P2,
-                         HALF_P2, BLOCK_N, SIGN)
+            rotate_block(
+                k_ptr, cos_ptr, sin_ptr, k_out_ptr, n, skn, skh, scn, ssn, K_HEADS, HALF, K_HEADS_P2, HALF_P2, BLOCK_N, SIGN
+            )
 
     return rotary

@@ -98,36 +98,46 @@ def invariant_row_logsumexp(scaled: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(scaled, dim=-1)
 
 
-def suppress(scores: torch.Tensor, suppress_ids: torch.Tensor | None, suppress_left: torch.Tensor | None
-             ) -> torch.Tensor:
+def suppress(scores: torch.Tensor, suppress_ids: torch.Tensor | None, suppress_left: torch.Tensor | None) -> torch.Tensor:
     """scores (B, V) with suppress_ids set to -inf in the rows whose suppress_left > 0."""
     if suppress_ids is None:
         return scores
     blocked = torch.zeros_like(scores, dtype=torch.bool).scatter_(
-        1, suppress_ids, (suppress_left > 0)[:, None].expand_as(suppress_ids))  # (B, V)
+        1, suppress_ids, (suppress_left > 0)[:, None].expand_as(suppress_ids)
+    )  # (B, V)
     return scores.masked_fill(blocked, float("-inf"))
 
 
-def gumbel_sample(logits, temperature, seed, counter, suppress_ids=None, suppress_left=None, unit_temperature=False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def gumbel_sample(
+    logits, temperature, seed, counter, suppress_ids=None, suppress_left=None, unit_temperature=False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring; the Triton kernel on CUDA, the reference elsewhere. `unit_temperature`:
     the caller knows every temperature is 0 or 1, so the scaled logits are the logits themselves."""
     _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left)
     if not logits.is_cuda:
         return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
-    return _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, suppress_left,
-                                 sample_config(logits.shape[0], logits.shape[1], logits.device))
+    return _gumbel_sample_triton(
+        logits,
+        temperature,
+        seed,
+        counter,
+        suppress_ids,
+        suppress_left,
+        sample_config(logits.shape[0], logits.shape[1], logits.device),
+    )
 
 
-def invariant_sample(logits, temperature, seed, counter, suppress_ids=None, suppress_left=None, unit_temperature=False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def invariant_sample(
+    logits, temperature, seed, counter, suppress_ids=None, suppress_left=None, unit_temperature=False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`gumbel_sample` in batch-invariant mode (its signature): on CUDA a launch fixed whatever the
     batch (`invariant_gumbel_sample`), so the log-prob subtracts the trainer's log-sum-exp, bit for
     bit; elsewhere the reference, whose log-sum-exp already is the trainer's."""
     _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_left)
     if not logits.is_cuda:
-        return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left,
-                                       logsumexp=invariant_row_logsumexp)
+        return reference_gumbel_sample(
+            logits, temperature, seed, counter, suppress_ids, suppress_left, logsumexp=invariant_row_logsumexp
+        )
     # Division by 1 is exact: at unit temperatures the (B, V) quotient is skipped, not its bits.
     scaled = logits if unit_temperature else scale_logits(logits, temperature)
     return invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids, suppress_left)
@@ -137,8 +147,11 @@ def _check_inputs(logits, temperature, seed, counter, suppress_ids, suppress_lef
     if logits.ndim != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (B, V) fp32 contiguous in V, got {tuple(logits.shape)} {logits.dtype}")
     batch = logits.shape[0]
-    for name, t, dtype in (("temperature", temperature, torch.float32), ("seed", seed, torch.int64),
-                           ("counter", counter, torch.int64)):
+    for name, t, dtype in (
+        ("temperature", temperature, torch.float32),
+        ("seed", seed, torch.int64),
+        ("counter", counter, torch.int64),
+    ):
         if t.shape != (batch,) or t.dtype != dtype:
             raise ValueError(f"{name} must be ({batch},) {dtype}, got {tuple(t.shape)} {t.dtype}")
     if (suppress_ids is None) != (suppress_left is None):
@@ -167,14 +180,12 @@ INVARIANT_CONFIG = SampleConfig(num_splits=16)
 a row's sums (and the trainer's, through `invariant_logsumexp`) never depend on the rows beside it."""
 
 
-def sample_config(batch: int, vocab_size: int, device: torch.device, programs_per_sm: int = _PROGRAMS_PER_SM
-                  ) -> SampleConfig:
+def sample_config(batch: int, vocab_size: int, device: torch.device, programs_per_sm: int = _PROGRAMS_PER_SM) -> SampleConfig:
     """About `programs_per_sm` programs per SM, each slice at least one block (bench/kernel_bench.py
     --sample-sweep measures the alternatives)."""
     from colocate.kernels.paged_attention import _sm_count
 
-    splits = max(1, min(programs_per_sm * _sm_count(device) // max(batch, 1), _MAX_SPLITS,
-                        -(-vocab_size // SampleConfig.block)))
+    splits = max(1, min(programs_per_sm * _sm_count(device) // max(batch, 1), _MAX_SPLITS, -(-vocab_size // SampleConfig.block)))
     return SampleConfig(num_splits=splits)
 
 
@@ -183,13 +194,15 @@ def _gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, supp
     return ids, logprobs
 
 
-def invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids=None, suppress_left=None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def invariant_gumbel_sample(
+    scaled, temperature, seed, counter, suppress_ids=None, suppress_left=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch-invariant mode's sampler: ids as `gumbel_sample` draws them, from logits already
     divided by the temperature (`temperature` only tells greedy rows, T = 0), and log-probs
     `scaled[id] - invariant_logsumexp(scaled)`, bit for bit, in the same one pass."""
-    ids, logprobs, _, _ = _launch(scaled, INVARIANT_CONFIG, (temperature, seed, counter, suppress_ids, suppress_left),
-                                  divide=False)
+    ids, logprobs, _, _ = _launch(
+        scaled, INVARIANT_CONFIG, (temperature, seed, counter, suppress_ids, suppress_left), divide=False
+    )
     return ids, logprobs
 
 
@@ -238,8 +251,11 @@ def _launch(logits, config: SampleConfig, sampling, divide: bool = True, entropy
     device = logits.device
     lse = torch.empty(batch, dtype=torch.float32, device=device)
     ent = torch.empty(batch, dtype=torch.float32, device=device) if entropy else lse
-    ids, logprobs = (torch.empty(batch, dtype=torch.int64, device=device),
-                     torch.empty(batch, dtype=torch.float32, device=device)) if sampling else (lse, lse)
+    ids, logprobs = (
+        (torch.empty(batch, dtype=torch.int64, device=device), torch.empty(batch, dtype=torch.float32, device=device))
+        if sampling
+        else (lse, lse)
+    )
     if batch:
         splits = config.num_splits
         assert 1 <= splits <= _MAX_SPLITS and config.block & (config.block - 1) == 0
@@ -250,15 +266,41 @@ def _launch(logits, config: SampleConfig, sampling, divide: bool = True, entropy
         num_suppress = 0 if suppress_ids is None else suppress_ids.shape[1]
         cols_per_split = -(-vocab_size // (splits * config.block)) * config.block
         partial_kernel[(batch, splits)](
-            logits, temperature, seed, counter,
-            suppress_ids if num_suppress else best_ids, suppress_left if num_suppress else best_ids,
-            stats, best_ids, logits.stride(0), suppress_ids.stride(0) if num_suppress else 0,
-            vocab_size, cols_per_split, splits, batch * splits,
-            NUM_SUPPRESS=num_suppress, BLOCK=config.block, DIVIDE=divide, SAMPLE=sampling is not None,
-            ENTROPY=entropy, num_warps=config.num_warps,
+            logits,
+            temperature,
+            seed,
+            counter,
+            suppress_ids if num_suppress else best_ids,
+            suppress_left if num_suppress else best_ids,
+            stats,
+            best_ids,
+            logits.stride(0),
+            suppress_ids.stride(0) if num_suppress else 0,
+            vocab_size,
+            cols_per_split,
+            splits,
+            batch * splits,
+            NUM_SUPPRESS=num_suppress,
+            BLOCK=config.block,
+            DIVIDE=divide,
+            SAMPLE=sampling is not None,
+            ENTROPY=entropy,
+            num_warps=config.num_warps,
         )
-        merge_kernel[(batch,)](stats, best_ids, ids, logprobs, lse, ent, splits, batch * splits,
-                               MAX_SPLITS=_MAX_SPLITS, SAMPLE=sampling is not None, ENTROPY=entropy, num_warps=1)
+        merge_kernel[(batch,)](
+            stats,
+            best_ids,
+            ids,
+            logprobs,
+            lse,
+            ent,
+            splits,
+            batch * splits,
+            MAX_SPLITS=_MAX_SPLITS,
+            SAMPLE=sampling is not None,
+            ENTROPY=entropy,
+            num_warps=1,
+        )
     if sampling is None:
         ids = logprobs = None
     return ids, logprobs, lse, (ent if entropy else None)
@@ -283,10 +325,27 @@ def _triton_kernels():
         return x ^ (x >> 16)
 
     @triton.jit(do_not_specialize=["num_splits", "num_rows"])
-    def partial(logits_ptr, temp_ptr, seed_ptr, counter_ptr, sup_ptr, sup_left_ptr, stats_ptr, best_ids_ptr,
-                stride_lb, stride_sb, vocab_size, cols_per_split, num_splits, num_rows,
-                NUM_SUPPRESS: tl.constexpr, BLOCK: tl.constexpr, DIVIDE: tl.constexpr = True,
-                SAMPLE: tl.constexpr = True, ENTROPY: tl.constexpr = False):
+    def partial(
+        logits_ptr,
+        temp_ptr,
+        seed_ptr,
+        counter_ptr,
+        sup_ptr,
+        sup_left_ptr,
+        stats_ptr,
+        best_ids_ptr,
+        stride_lb,
+        stride_sb,
+        vocab_size,
+        cols_per_split,
+        num_splits,
+        num_rows,
+        NUM_SUPPRESS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        DIVIDE: tl.constexpr = True,
+        SAMPLE: tl.constexpr = True,
+        ENTROPY: tl.constexpr = False,
+    ):
         # Per lane: the running sum of exp(scaled - m) (m, the slice's running max, is one scalar)
         # and the best candidate with its column and scaled logit. One reduction per block (the
         # max); the lanes merge once at the end. DIVIDE: the logits are divided by the row's
@@ -357,8 +416,19 @@ def _triton_kernels():
             tl.store(best_ids_ptr + slot, tl.where(top > -float("inf"), col, start))
 
     @triton.jit(do_not_specialize=["num_splits", "num_rows"])
-    def merge(stats_ptr, best_ids_ptr, ids_ptr, logprobs_ptr, lse_ptr, entropy_ptr, num_splits, num_rows,
-              MAX_SPLITS: tl.constexpr, SAMPLE: tl.constexpr = True, ENTROPY: tl.constexpr = False):
+    def merge(
+        stats_ptr,
+        best_ids_ptr,
+        ids_ptr,
+        logprobs_ptr,
+        lse_ptr,
+        entropy_ptr,
+        num_splits,
+        num_rows,
+        MAX_SPLITS: tl.constexpr,
+        SAMPLE: tl.constexpr = True,
+        ENTROPY: tl.constexpr = False,
+    ):
         row = tl.program_id(0)
         k = tl.arange(0, MAX_SPLITS)
         live = k < num_splits

@@ -42,14 +42,19 @@ class LoRASpec:
         """The spec of a colocate.config.ModelConfig, or None when LoRA is off (rank 0)."""
         if not model_cfg.lora_rank:
             return None
-        return cls(model_cfg.lora_rank, float(model_cfg.lora_alpha), float(model_cfg.lora_dropout),
-                   tuple(model_cfg.lora_target_modules))
+        return cls(
+            model_cfg.lora_rank, float(model_cfg.lora_alpha), float(model_cfg.lora_dropout), tuple(model_cfg.lora_target_modules)
+        )
 
     def describe(self, base_path: str | Path) -> dict:
         """JSON-able identity of the adapters and of the base they belong to (saved in checkpoints)."""
-        return {**asdict(self), "target_modules": list(self.target_modules), "base_path": str(base_path),
-                "base_config_sha256": config_sha256(base_path),
-                "base_weights_fingerprint": weights_fingerprint(base_path)}
+        return {
+            **asdict(self),
+            "target_modules": list(self.target_modules),
+            "base_path": str(base_path),
+            "base_config_sha256": config_sha256(base_path),
+            "base_weights_fingerprint": weights_fingerprint(base_path),
+        }
 
 
 def is_adapter(name: str) -> bool:
@@ -96,8 +101,11 @@ def same_base_weights(saved: dict, fingerprint: str) -> bool:
     """Whether saved adapters' base had the weights of `fingerprint` (weights_fingerprint). Adapters
     saved without a fingerprint pass, with a warning that their base was checked by config.json only."""
     if "base_weights_fingerprint" not in saved:
-        warnings.warn(f"the LoRA adapters of the base {saved['base_path']} were saved without a fingerprint of "
-                      "its weights: that base is checked by its config.json only", stacklevel=3)
+        warnings.warn(
+            f"the LoRA adapters of the base {saved['base_path']} were saved without a fingerprint of "
+            "its weights: that base is checked by its config.json only",
+            stacklevel=3,
+        )
         return True
     return saved["base_weights_fingerprint"] == fingerprint
 
@@ -107,15 +115,20 @@ def check_same_adapters(saved: dict, current: dict) -> None:
     config.json or its weights differ), or naming the setting when rank, alpha or target modules
     differ."""
     if saved["base_config_sha256"] != current["base_config_sha256"]:
-        raise ValueError(f"the checkpoint's LoRA adapters were trained on the base {saved['base_path']} "
-                         f"(config.json SHA-256 {saved['base_config_sha256'][:12]}), not on this run's base "
-                         f"{current['base_path']} (config.json SHA-256 {current['base_config_sha256'][:12]})")
+        raise ValueError(
+            f"the checkpoint's LoRA adapters were trained on the base {saved['base_path']} "
+            f"(config.json SHA-256 {saved['base_config_sha256'][:12]}), not on this run's base "
+            f"{current['base_path']} (config.json SHA-256 {current['base_config_sha256'][:12]})"
+        )
     if not same_base_weights(saved, current["base_weights_fingerprint"]):
-        raise ValueError(f"the checkpoint's LoRA adapters were trained on the base {saved['base_path']} "
-                         f"(weights fingerprint {saved['base_weights_fingerprint'][:12]}), not on this run's "
-                         f"base {current['base_path']} (weights fingerprint "
-                         f"{current['base_weights_fingerprint'][:12]}): same config.json, other weights")
+        raise ValueError(
+            f"the checkpoint's LoRA adapters were trained on the base {saved['base_path']} "
+            f"(weights fingerprint {saved['base_weights_fingerprint'][:12]}), not on this run's "
+            f"base {current['base_path']} (weights fingerprint "
+            f"{current['base_weights_fingerprint'][:12]}): same config.json, other weights"
+        )
     for key in ("rank", "alpha", "target_modules"):
         if saved[key] != current[key]:
-            raise ValueError(f"the checkpoint's LoRA adapters have {key} {saved[key]!r}, this run's "
-                             f"model.lora_{key} is {current[key]!r}")
+            raise ValueError(
+                f"the checkpoint's LoRA adapters have {key} {saved[key]!r}, this run's model.lora_{key} is {current[key]!r}"
+            )

@@ -14,8 +14,9 @@ from colocate.kernels.lora_merge import lora_merge
 from colocate.kernels.ops import Ops
 
 
-def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-                  dtype: torch.dtype, ops: Ops | None = None) -> torch.Tensor:
+def merged_weight(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, dtype: torch.dtype, ops: Ops | None = None
+) -> torch.Tensor:
     """W + scale * B A as a new tensor in `dtype`: A and B in W's dtype, product and sum in fp32,
     rounded once at the end. weight (out, in), lora_a (rank, in), lora_b (out, rank). On CUDA with
     a 16-bit W the product runs on tensor cores with fp32 sums (a product of two 16-bit values is

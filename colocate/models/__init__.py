@@ -12,6 +12,14 @@ from colocate.models.loading import (
 from colocate.models.transformer import CausalLM, packing_from_lengths
 
 __all__ = [
-    "ARCHITECTURES", "CausalLM", "ArchConfig", "from_config", "from_pretrained", "iter_safetensors",
-    "load_weights", "packing_from_lengths", "resolve_dtype", "save_pretrained",
+    "ARCHITECTURES",
+    "CausalLM",
+    "ArchConfig",
+    "from_config",
+    "from_pretrained",
+    "iter_safetensors",
+    "load_weights",
+    "packing_from_lengths",
+    "resolve_dtype",
+    "save_pretrained",
 ]

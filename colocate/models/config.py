@@ -52,10 +52,7 @@ class ArchConfig:
         if known:
             model_type = known[0]
         if model_type not in ARCHITECTURES.values():
-            raise ValueError(
-                f"{source}: unsupported architecture {archs or model_type!r}; "
-                f"supported: {sorted(ARCHITECTURES)}"
-            )
+            raise ValueError(f"{source}: unsupported architecture {archs or model_type!r}; supported: {sorted(ARCHITECTURES)}")
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -65,10 +62,24 @@ class ArchConfig:
             raise ValueError(f"{source}: sliding-window attention is not supported")
         heads = raw["num_attention_heads"]
         used = {
-            "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
-            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
-            "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id",
+            "architectures",
+            "model_type",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "rope_parameters",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+            "attention_bias",
+            "bos_token_id",
+            "eos_token_id",
         }
         return cls(
             model_type=model_type,
@@ -140,9 +151,12 @@ def load_tokenizer(model_dir: str | Path):
         return value if isinstance(value, dict) else {}
 
     config = read("tokenizer_config.json")
-    if (config.get("tokenizer_class") in GENERIC_TOKENIZERS and "auto_map" not in config
-            and read("config.json").get("model_type") in GENERIC_TOKENIZER_MODEL_TYPES
-            and (model_dir / "tokenizer.json").is_file()):
+    if (
+        config.get("tokenizer_class") in GENERIC_TOKENIZERS
+        and "auto_map" not in config
+        and read("config.json").get("model_type") in GENERIC_TOKENIZER_MODEL_TYPES
+        and (model_dir / "tokenizer.json").is_file()
+    ):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
@@ -178,4 +192,3 @@ def _as_ids(eos, source: Path) -> list[int]:
     if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
         raise ValueError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}")
     return values
-

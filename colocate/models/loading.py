@@ -59,8 +59,9 @@ def safetensors_files(path: str | Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): "
-                             f"{type(e).__name__}: {e}") from None
+            raise ValueError(
+                f"{index}: not a safetensors index (a JSON object with a weight_map): {type(e).__name__}: {e}"
+            ) from None
         files = [path / f for f in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -81,8 +82,7 @@ def _check_finite(name: str, tensor: torch.Tensor, source: str | Path) -> None:
     if bool(torch.isfinite(low) & torch.isfinite(high)):
         return
     num_nan, num_inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
-    raise ValueError(f"{source}: tensor {name} holds non-finite values ({num_nan} NaN, {num_inf} inf "
-                     f"of {tensor.numel()})")
+    raise ValueError(f"{source}: tensor {name} holds non-finite values ({num_nan} NaN, {num_inf} inf of {tensor.numel()})")
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -154,9 +154,14 @@ def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device=
 
 
 def save_pretrained(
-    model: CausalLM | None, out: str | Path, *, config: ArchConfig | None = None,
-    state: Iterable[tuple[str, torch.Tensor]] | None = None, tokenizer_dir: str | Path | None = None,
-    max_shard_bytes: int = 4 << 30, overwrite: bool = False,
+    model: CausalLM | None,
+    out: str | Path,
+    *,
+    config: ArchConfig | None = None,
+    state: Iterable[tuple[str, torch.Tensor]] | None = None,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = 4 << 30,
+    overwrite: bool = False,
 ) -> Path:
     """Write an HF directory that transformers loads, under the rule of `colocate.output_dir`: an
     existing non-empty `out` is replaced only if colocate wrote it or `overwrite` is set.
@@ -171,8 +176,13 @@ def save_pretrained(
     return Path(out)
 
 
-def _write_hf_dir(tmp: Path, config: ArchConfig, named: Iterable[tuple[str, torch.Tensor]],
-                  tokenizer_dir: str | Path | None, max_shard_bytes: int) -> None:
+def _write_hf_dir(
+    tmp: Path,
+    config: ArchConfig,
+    named: Iterable[tuple[str, torch.Tensor]],
+    tokenizer_dir: str | Path | None,
+    max_shard_bytes: int,
+) -> None:
     shards, current, size = [], {}, 0
     for name, t in named:
         if config.tie_word_embeddings and name == "lm_head.weight":
@@ -192,13 +202,15 @@ def _write_hf_dir(tmp: Path, config: ArchConfig, named: Iterable[tuple[str, torc
     if len(shards) > 1:
         total = sum(t.nbytes for s in shards for t in s.values())
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     dtype = next(iter(shards[0].values())).dtype if shards[0] else torch.float32
     hf = config.to_hf_dict()
     hf["torch_dtype"] = hf["dtype"] = {v: k for k, v in DTYPES.items()}.get(dtype, "float32")
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "added_tokens", "vocab", "merges", "generation_config",
-                                  "chat_template")):
+            if f.name.startswith(
+                ("tokenizer", "special_tokens", "added_tokens", "vocab", "merges", "generation_config", "chat_template")
+            ):
                 shutil.copy(f, tmp / f.name)

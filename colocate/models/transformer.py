@@ -41,8 +41,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ArchConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         bias = cfg.attention_bias
         self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -102,8 +101,13 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_mul(gate, up))
 
 
-def joint_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...], weight: torch.Tensor | None,
-                 bias: torch.Tensor | None = None, ops: Ops = STANDARD) -> torch.Tensor:
+def joint_linear(
+    x: torch.Tensor,
+    parts: tuple[nn.Linear, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    ops: Ops = STANDARD,
+) -> torch.Tensor:
     """All `parts` applied to `x` as one GEMM (`ops.linear`), their outputs side by side.
     `weight`/`bias` are the packed tensors when the parts were packed; otherwise the parts' weights
     are joined here, or, when a part has a `joint_forward(x, parts)` method (a trainer's LoRA
@@ -121,11 +125,10 @@ def pack_parameters(params: list[nn.Parameter], keep_values: bool) -> torch.Tens
     """One new tensor holding `params` stacked along dim 0; each parameter becomes a view of its
     slice (the same Parameter object, so copies into it land in the packed tensor)."""
     first = params[0]
-    packed = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype,
-                         device=first.device)
+    packed = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype, device=first.device)
     offset = 0
     for p in params:
-        view = packed[offset:offset + p.shape[0]]
+        view = packed[offset : offset + p.shape[0]]
         if keep_values:
             view.copy_(p.detach())
         p.data = view

@@ -24,8 +24,14 @@ def reachable_batch_size(cfg: Config, world_size: int, eval_prompts: int = 0) ->
     return max(1, min(r.max_running_requests, most))
 
 
-def build_engine(cfg: Config, info: DistInfo, eos_token_ids: list[int], max_batch_size: int | None = None,
-                 memory_plan: MemoryPlan | None = None, ops: Ops | None = None) -> RolloutEngine:
+def build_engine(
+    cfg: Config,
+    info: DistInfo,
+    eos_token_ids: list[int],
+    max_batch_size: int | None = None,
+    memory_plan: MemoryPlan | None = None,
+    ops: Ops | None = None,
+) -> RolloutEngine:
     """The native engine (default) or SGLang's, sized for whatever the trainer left free; with
     `max_batch_size` (see `reachable_batch_size`), no decode graph is captured beyond it. With
     rollout.gpu_memory_fraction auto, the KV cache is `memory_plan`'s (colocate/sizing.py), or
@@ -43,18 +49,32 @@ def build_engine(cfg: Config, info: DistInfo, eos_token_ids: list[int], max_batc
         from colocate.rollout.sglang.engine import SGLangEngine
 
         return SGLangEngine(
-            model_path=cfg.model.path, dtype=dtype, seed=r.seed, rank=info.rank, local_rank=info.local_rank,
-            mem_fraction_static=static, max_running_requests=r.max_running_requests,
-            cuda_graph_max_bs=graph_max_bs, release_cuda_graph=cfg.offload.offload_rollout,
-            eos_token_ids=eos_token_ids, load_dummy=True, log_level=r.sglang_log_level,
+            model_path=cfg.model.path,
+            dtype=dtype,
+            seed=r.seed,
+            rank=info.rank,
+            local_rank=info.local_rank,
+            mem_fraction_static=static,
+            max_running_requests=r.max_running_requests,
+            cuda_graph_max_bs=graph_max_bs,
+            release_cuda_graph=cfg.offload.offload_rollout,
+            eos_token_ids=eos_token_ids,
+            load_dummy=True,
+            log_level=r.sglang_log_level,
         )
     from colocate.rollout.native import NativeEngine
 
     return NativeEngine(
-        cfg.model.path, dtype=dtype, device=info.device, eos_token_ids=eos_token_ids,
-        max_num_seqs=r.max_running_requests, kv_cache_fraction=fraction,
+        cfg.model.path,
+        dtype=dtype,
+        device=info.device,
+        eos_token_ids=eos_token_ids,
+        max_num_seqs=r.max_running_requests,
+        kv_cache_fraction=fraction,
         max_kv_tokens=r.max_kv_tokens if info.device.type == "cpu" else kv_tokens,
-        cuda_graph=r.cuda_graph, cuda_graph_max_bs=graph_max_bs, seed=r.seed + info.rank,
+        cuda_graph=r.cuda_graph,
+        cuda_graph_max_bs=graph_max_bs,
+        seed=r.seed + info.rank,
         compile_decode=r.compile_decode and info.device.type == "cuda",
         ops=Ops.standard() if ops is None else ops,
     )

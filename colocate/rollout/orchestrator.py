@@ -60,7 +60,7 @@ def _split(samples: list[Sample], sampling: list[SamplingParams]) -> list[list[S
     """Prompt-major samples cut into groups of each prompt's n."""
     groups, i = [], 0
     for sp in sampling:
-        groups.append(samples[i:i + sp.n])
+        groups.append(samples[i : i + sp.n])
         i += sp.n
     return groups
 
@@ -68,9 +68,19 @@ def _split(samples: list[Sample], sampling: list[SamplingParams]) -> list[list[S
 class RolloutManager:
     """Owns the engine calls of a rank: training rollouts and evaluation."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, rollout_cfg: RolloutConfig, *, reward_fn: RewardFn,
-                 strict: bool = False, overlong: tuple[int, float] | None = None,
-                 custom_generate: Callable | None = None, episodes=None, seed: int = 0):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer,
+        rollout_cfg: RolloutConfig,
+        *,
+        reward_fn: RewardFn,
+        strict: bool = False,
+        overlong: tuple[int, float] | None = None,
+        custom_generate: Callable | None = None,
+        episodes=None,
+        seed: int = 0,
+    ):
         """strict: a reward function that raises stops the run; overlong = (buffer_len, factor);
         episodes: the EpisodeRunner of rollout.env (colocate/envs/episodes.py), whose rewards replace
         reward_fn's."""
@@ -82,12 +92,18 @@ class RolloutManager:
         self.in_flight: list[InFlightGroup] = []
         """Partial rollout: this rank's groups not trained yet, oldest first."""
 
-    def sampling(self, *, n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int) -> SamplingParams:
+    def sampling(self, *, n: int, temperature: float, top_p: float, max_new_tokens: int, seed: int) -> SamplingParams:
         c = self.cfg
-        return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=c.top_k, min_p=c.min_p,
-                              max_new_tokens=max_new_tokens, stop_token_ids=tuple(c.stop_token_ids),
-                              seed=seed)
+        return SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=c.top_k,
+            min_p=c.min_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=tuple(c.stop_token_ids),
+            seed=seed,
+        )
 
     def sample_groups(self, prompts, sampling: list[SamplingParams], reward_fn) -> tuple[list[list[Sample]], int]:
         """Generate one group per prompt and score it. Returns (groups, reward errors)."""
@@ -102,9 +118,11 @@ class RolloutManager:
             samples = self.custom_generate(self.engine, prompts, sampling, self.tokenizer)
             expected = sum(s.n for s in sampling)
             if not isinstance(samples, list) or len(samples) != expected:
-                raise ValueError(f"rollout.custom_generate returned {type(samples).__name__} of "
-                                 f"{len(samples) if hasattr(samples, '__len__') else '?'} samples; expected a "
-                                 f"list of {expected} Sample objects (n per prompt, prompt-major)")
+                raise ValueError(
+                    f"rollout.custom_generate returned {type(samples).__name__} of "
+                    f"{len(samples) if hasattr(samples, '__len__') else '?'} samples; expected a "
+                    f"list of {expected} Sample objects (n per prompt, prompt-major)"
+                )
         else:
             completions = self.engine.generate([p.prompt_ids for p in prompts], sampling)
             samples = [self._to_sample(prompts[c.prompt_index], c) for c in completions]
@@ -128,19 +146,30 @@ class RolloutManager:
     def _to_sample(self, prompt, c: Completion, kept_versions: Sequence[int] = ()) -> Sample:
         """`kept_versions`: weight versions of the tokens a continued sample kept from before."""
         versions = [*kept_versions, *[c.weight_version] * (len(c.output_ids) - len(kept_versions))]
-        return Sample(prompt_ids=list(prompt.prompt_ids), response_ids=c.output_ids,
-                      rollout_logprobs=c.logprobs, loss_mask=[1] * len(c.output_ids),
-                      group_index=prompt.index, sample_index=c.sample_index,
-                      finish_reason=c.finish_reason, weight_version=c.weight_version, token_versions=versions,
-                      prompt_text=prompt.prompt_text, label=prompt.label, metadata=prompt.metadata)
+        return Sample(
+            prompt_ids=list(prompt.prompt_ids),
+            response_ids=c.output_ids,
+            rollout_logprobs=c.logprobs,
+            loss_mask=[1] * len(c.output_ids),
+            group_index=prompt.index,
+            sample_index=c.sample_index,
+            finish_reason=c.finish_reason,
+            weight_version=c.weight_version,
+            token_versions=versions,
+            prompt_text=prompt.prompt_text,
+            label=prompt.label,
+            metadata=prompt.metadata,
+        )
 
     def _check_versions(self, samples: list[Sample]):
         want = self.engine.weight_version
         bad = [s for s in samples if s.weight_version != want]
         if bad:
-            raise RuntimeError(f"{len(bad)} completions were generated with weight version "
-                               f"{bad[0].weight_version}, but the engine's current version is {want}: "
-                               f"the weights changed during generation")
+            raise RuntimeError(
+                f"{len(bad)} completions were generated with weight version "
+                f"{bad[0].weight_version}, but the engine's current version is {want}: "
+                f"the weights changed during generation"
+            )
 
     def _apply_overlong(self, samples: list[Sample]):
         import torch
@@ -153,8 +182,9 @@ class RolloutManager:
         for s, p in zip(samples, penalty.tolist()):
             s.reward = s.raw_reward + p
 
-    def generate(self, data, rollout_id: int, on_progress: Callable[[int], None] | None = None
-                 ) -> tuple[list[Sample], dict[str, float]]:
+    def generate(
+        self, data, rollout_id: int, on_progress: Callable[[int], None] | None = None
+    ) -> tuple[list[Sample], dict[str, float]]:
         """This rank's training samples for one rollout step, and rollout/* metrics (global).
 
         `on_progress(n)` is called with the number of groups newly accepted (or completed)."""
@@ -194,9 +224,10 @@ class RolloutManager:
         start = time.perf_counter()
         while True:
             prompts = data.next_batch(per_round)
-            sampling = [self._train_sampling(c.n_samples_per_prompt,
-                                             stable_seed(self.seed, rollout_id, stats.rounds, p.index))
-                        for p in prompts]
+            sampling = [
+                self._train_sampling(c.n_samples_per_prompt, stable_seed(self.seed, rollout_id, stats.rounds, p.index))
+                for p in prompts
+            ]
             stats.num_seqs = max(stats.num_seqs, len(prompts) * c.n_samples_per_prompt)
             groups, errors = self.sample_groups(prompts, sampling, self.reward_fn)
             stats.rounds += 1
@@ -215,18 +246,16 @@ class RolloutManager:
         stats.filtered_groups = len(dropped)
         if len(kept) < target:  # round cap reached: top up with uninformative groups, counted
             stats.topped_up_groups = min(target - len(kept), len(dropped))
-            kept += dropped[:stats.topped_up_groups]
+            kept += dropped[: stats.topped_up_groups]
         kept = kept[:target]
         stats.seconds = time.perf_counter() - start
         return [s for g in kept for s in g], stats
 
     def _train_sampling(self, n: int, seed: int) -> SamplingParams:
         c = self.cfg
-        return self.sampling(n=n, temperature=c.temperature, top_p=c.top_p, max_new_tokens=c.max_response_len,
-                             seed=seed)
+        return self.sampling(n=n, temperature=c.temperature, top_p=c.top_p, max_new_tokens=c.max_response_len, seed=seed)
 
-    def _generate_partial(self, data, rollout_id: int, on_progress
-                          ) -> tuple[list[Sample], GroupStats, dict[str, float]]:
+    def _generate_partial(self, data, rollout_id: int, on_progress) -> tuple[list[Sample], GroupStats, dict[str, float]]:
         """Continue the groups in flight (stalest first) and start new ones until this rank has
         over_sampling_batch_size / world in flight; stop once rollout_batch_size / world are
         complete and the groups carried can still train within rollout.max_staleness, and train
@@ -278,7 +307,7 @@ class RolloutManager:
         for comp in completions:
             group = owners[comp.prompt_index]
             old = group.samples[comp.sample_index]
-            assert comp.output_ids[:old.response_len] == old.response_ids, "a continued sample lost its tokens"
+            assert comp.output_ids[: old.response_len] == old.response_ids, "a continued sample lost its tokens"
             group.samples[comp.sample_index] = new = self._to_sample(group.prompt, comp, old.versions)
             stats.generated_tokens += new.response_len - old.response_len
             fresh.append(new)
@@ -303,20 +332,33 @@ class RolloutManager:
                 owners.append(g)
                 continue
             for s in g.unfinished():
-                requests.append(Request(g.prompt.prompt_ids, self._train_sampling(1, g.seed), s.response_ids,
-                                        s.rollout_logprobs, s.sample_index))
+                requests.append(
+                    Request(
+                        g.prompt.prompt_ids, self._train_sampling(1, g.seed), s.response_ids, s.rollout_logprobs, s.sample_index
+                    )
+                )
                 owners.append(g)
         return requests, owners
 
-    def _partial_metrics(self, samples: list[Sample], version: int, num_dropped: int, num_resumed: int,
-                         held: bool) -> dict[str, float]:
+    def _partial_metrics(
+        self, samples: list[Sample], version: int, num_dropped: int, num_resumed: int, held: bool
+    ) -> dict[str, float]:
         carried = [s for g in self.in_flight for s in g.unfinished()]
         counts = staleness_counts(samples, version)
-        sums = dist.all_reduce_sum([
-            len(self.in_flight), len(carried), num_resumed, num_dropped, stale_tokens(samples, version),
-            sum(s.response_len for s in samples), len(samples), *counts, held,
-            sum(staleness(s, version) for s in samples),
-        ]).tolist()
+        sums = dist.all_reduce_sum(
+            [
+                len(self.in_flight),
+                len(carried),
+                num_resumed,
+                num_dropped,
+                stale_tokens(samples, version),
+                sum(s.response_len for s in samples),
+                len(samples),
+                *counts,
+                held,
+                sum(staleness(s, version) for s in samples),
+            ]
+        ).tolist()
         num_samples = max(sums[6], 1)
         metrics = {
             "rollout/partial/carried_groups": sums[0],
@@ -326,8 +368,7 @@ class RolloutManager:
             "rollout/partial/held_for_staleness": sums[-2] / self.info.world_size,
             "rollout/partial/stale_token_ratio": sums[4] / max(sums[5], 1),
             "rollout/partial/staleness_mean": sums[-1] / num_samples,
-            "rollout/partial/staleness_max": float(dist.all_reduce_max(max(
-                (staleness(s, version) for s in samples), default=0))),
+            "rollout/partial/staleness_max": float(dist.all_reduce_max(max((staleness(s, version) for s in samples), default=0))),
         }
         for k in range(STALENESS_BUCKETS):
             name = f"staleness_{k}" if k < STALENESS_BUCKETS - 1 else f"staleness_{k}_or_more"
@@ -352,14 +393,28 @@ class RolloutManager:
           long samples left it empty. Not with custom generation, whose batches are its own."""
         d = {k: v - before.get(k, 0) for k, v in self._engine_counts().items()}
         seats = min(num_seqs, self.cfg.max_running_requests)
-        keys = ("prefill_tokens", "preemptions", "prefill_seconds", "decode_seconds", "decode_tokens", "decode_steps",
-                "env_wait_seconds", "history_tokens", "reused_history_tokens", "evictions")
+        keys = (
+            "prefill_tokens",
+            "preemptions",
+            "prefill_seconds",
+            "decode_seconds",
+            "decode_tokens",
+            "decode_steps",
+            "env_wait_seconds",
+            "history_tokens",
+            "reused_history_tokens",
+            "evictions",
+        )
         values = [d.get(k, 0) for k in keys]
         values[5] *= seats
         sums = dist.all_reduce_sum(values).tolist()
         world = self.info.world_size
-        metrics = {"rollout/prefill_tokens": sums[0], "rollout/preemptions": sums[1],
-                   "perf/engine_prefill_time": sums[2] / world, "perf/engine_decode_time": sums[3] / world}
+        metrics = {
+            "rollout/prefill_tokens": sums[0],
+            "rollout/preemptions": sums[1],
+            "perf/engine_prefill_time": sums[2] / world,
+            "perf/engine_decode_time": sums[3] / world,
+        }
         if self.custom_generate is None:
             metrics["rollout/decode_utilization"] = sums[4] / max(sums[5], 1)
         if self.episodes is not None:
@@ -378,18 +433,29 @@ class RolloutManager:
         """Restore this rank's groups in flight; `dataset` (the PromptDataset) holds their prompts."""
         world = self.info.world_size
         if len(state) != world:
-            raise ValueError(f"the checkpoint carries the partial rollouts of {len(state)} ranks; resume it "
-                             f"with that many, not {world} (or set rollout.partial_rollout: false)")
+            raise ValueError(
+                f"the checkpoint carries the partial rollouts of {len(state)} ranks; resume it "
+                f"with that many, not {world} (or set rollout.partial_rollout: false)"
+            )
         self.in_flight = [load_group(g, dataset) for g in state[self.info.rank]]
 
     def _metrics(self, samples: list[Sample], st: GroupStats) -> dict[str, float]:
         n = len(samples)
         lens = [s.response_len for s in samples]
-        sums = dist.all_reduce_sum([
-            n, sum(s.raw_reward for s in samples), sum(s.reward for s in samples), sum(lens),
-            sum(s.finish_reason == "length" for s in samples), st.generated_groups, st.filtered_groups,
-            st.topped_up_groups, st.reward_errors, st.generated_tokens,
-        ]).tolist()
+        sums = dist.all_reduce_sum(
+            [
+                n,
+                sum(s.raw_reward for s in samples),
+                sum(s.reward for s in samples),
+                sum(lens),
+                sum(s.finish_reason == "length" for s in samples),
+                st.generated_groups,
+                st.filtered_groups,
+                st.topped_up_groups,
+                st.reward_errors,
+                st.generated_tokens,
+            ]
+        ).tolist()
         total = max(sums[0], 1)
         return {
             "rollout/raw_reward": sums[1] / total,
@@ -411,15 +477,27 @@ class RolloutManager:
         out = {}
         k = eval_cfg.n_samples_per_eval_prompt
         for name, prompts, reward_fn in eval_sets:
-            sampling = [self.sampling(n=k, temperature=eval_cfg.temperature, top_p=eval_cfg.top_p,
-                                      max_new_tokens=eval_cfg.max_response_len or self.cfg.max_response_len,
-                                      seed=stable_seed(self.seed, -1, p.index)) for p in prompts]
+            sampling = [
+                self.sampling(
+                    n=k,
+                    temperature=eval_cfg.temperature,
+                    top_p=eval_cfg.top_p,
+                    max_new_tokens=eval_cfg.max_response_len or self.cfg.max_response_len,
+                    seed=stable_seed(self.seed, -1, p.index),
+                )
+                for p in prompts
+            ]
             groups, errors = self.sample_groups(prompts, sampling, reward_fn) if prompts else ([], 0)
             rewards = [[s.raw_reward for s in g] for g in groups]
-            sums = dist.all_reduce_sum([
-                len(groups), sum(sum(r) / k for r in rewards), sum(max(r) >= 1.0 for r in rewards),
-                sum(s.response_len for g in groups for s in g), errors,
-            ]).tolist()
+            sums = dist.all_reduce_sum(
+                [
+                    len(groups),
+                    sum(sum(r) / k for r in rewards),
+                    sum(max(r) >= 1.0 for r in rewards),
+                    sum(s.response_len for g in groups for s in g),
+                    errors,
+                ]
+            ).tolist()
             total = max(sums[0], 1)
             out[f"eval/{name}/avg@{k}"] = sums[1] / total
             out[f"eval/{name}/pass@{k}"] = sums[2] / total

@@ -31,8 +31,17 @@ from colocate.rollout.sample import Sample
 ABORT = "abort"
 STALENESS_BUCKETS = 4
 """rollout/partial/staleness_{0,1,2} and staleness_3_or_more: shares of a step's trained samples."""
-_SAVED_FIELDS = ("sample_index", "response_ids", "rollout_logprobs", "token_versions", "finish_reason",
-                 "weight_version", "reward", "raw_reward", "response_text")
+_SAVED_FIELDS = (
+    "sample_index",
+    "response_ids",
+    "rollout_logprobs",
+    "token_versions",
+    "finish_reason",
+    "weight_version",
+    "reward",
+    "raw_reward",
+    "response_text",
+)
 
 
 @dataclass
@@ -63,9 +72,18 @@ class InFlightGroup:
 
 def blank_sample(prompt: PromptSample, sample_index: int) -> Sample:
     """A sample with no token yet (aborted before it started)."""
-    return Sample(prompt_ids=list(prompt.prompt_ids), response_ids=[], rollout_logprobs=[], loss_mask=[],
-                  group_index=prompt.index, sample_index=sample_index, finish_reason=ABORT,
-                  prompt_text=prompt.prompt_text, label=prompt.label, metadata=prompt.metadata)
+    return Sample(
+        prompt_ids=list(prompt.prompt_ids),
+        response_ids=[],
+        rollout_logprobs=[],
+        loss_mask=[],
+        group_index=prompt.index,
+        sample_index=sample_index,
+        finish_reason=ABORT,
+        prompt_text=prompt.prompt_text,
+        label=prompt.label,
+        metadata=prompt.metadata,
+    )
 
 
 def staleness(sample: Sample, version: int) -> int:
@@ -82,8 +100,9 @@ def by_urgency(groups: list[InFlightGroup], version: int) -> list[InFlightGroup]
     return sorted(groups, key=lambda g: -group_staleness(g, version))
 
 
-def split_trained(groups: list[InFlightGroup], is_complete: Callable[[InFlightGroup], bool], target: int
-                  ) -> tuple[list[InFlightGroup], list[InFlightGroup]]:
+def split_trained(
+    groups: list[InFlightGroup], is_complete: Callable[[InFlightGroup], bool], target: int
+) -> tuple[list[InFlightGroup], list[InFlightGroup]]:
     """(trained, carried): the first `target` complete groups in the given order, and the rest."""
     trained, carried = [], []
     for g in groups:
@@ -125,15 +144,26 @@ def stale_tokens(samples: list[Sample], version: int) -> int:
 
 def group_state(group: InFlightGroup) -> dict:
     """A JSON-able form of a group (its prompt by dataset index) for the checkpoint."""
-    return {"prompt_index": group.prompt.index, "seed": group.seed,
-            "samples": [{name: getattr(s, name) for name in _SAVED_FIELDS} for s in group.samples]}
+    return {
+        "prompt_index": group.prompt.index,
+        "seed": group.seed,
+        "samples": [{name: getattr(s, name) for name in _SAVED_FIELDS} for s in group.samples],
+    }
 
 
 def load_group(state: dict, dataset) -> InFlightGroup:
     """The group `group_state` saved; `dataset` (a PromptDataset) gives back its prompt."""
     prompt = dataset[state["prompt_index"]]
-    samples = [Sample(prompt_ids=list(prompt.prompt_ids), loss_mask=[1] * len(saved["response_ids"]),
-                      group_index=prompt.index, prompt_text=prompt.prompt_text, label=prompt.label,
-                      metadata=prompt.metadata, **{name: saved[name] for name in _SAVED_FIELDS})
-               for saved in state["samples"]]
+    samples = [
+        Sample(
+            prompt_ids=list(prompt.prompt_ids),
+            loss_mask=[1] * len(saved["response_ids"]),
+            group_index=prompt.index,
+            prompt_text=prompt.prompt_text,
+            label=prompt.label,
+            metadata=prompt.metadata,
+            **{name: saved[name] for name in _SAVED_FIELDS},
+        )
+        for saved in state["samples"]
+    ]
     return InFlightGroup(prompt, state["seed"], samples)

@@ -34,8 +34,13 @@ class PromptSample:
     `reset` gets."""
 
 
-def render_chat(tokenizer: Any, prompt: str | list[dict], system_prompt: str | None = None,
-                template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
+def render_chat(
+    tokenizer: Any,
+    prompt: str | list[dict],
+    system_prompt: str | None = None,
+    template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+) -> str:
     """The text of one prompt formatted by the tokenizer's chat template, ending with the
     assistant's generation prompt.
 
@@ -46,8 +51,9 @@ def render_chat(tokenizer: Any, prompt: str | list[dict], system_prompt: str | N
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                         **(template_kwargs or {}))
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
 
 
 class PromptDataset:
@@ -75,8 +81,7 @@ class PromptDataset:
         self.path = str(path)
         self.input_key, self.label_key, self.metadata_key = input_key, label_key, metadata_key
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"{self.path}: apply_chat_template is set but the tokenizer has no "
-                             "chat template")
+            raise ValueError(f"{self.path}: apply_chat_template is set but the tokenizer has no chat template")
         texts, labels, metadata, raw = [], [], [], []
         for where, row in read_rows(self.path):
             prompt, label, meta = self._check_row(row, where, apply_chat_template)
@@ -98,8 +103,7 @@ class PromptDataset:
                 continue
             self.samples.append(PromptSample(len(self.samples), list(ids), text, label, meta, prompt))
         if not self.samples:
-            raise ValueError(f"{self.path}: no prompts left ({self.num_dropped} dropped as longer "
-                             f"than {max_prompt_len} tokens)")
+            raise ValueError(f"{self.path}: no prompts left ({self.num_dropped} dropped as longer than {max_prompt_len} tokens)")
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -115,23 +119,21 @@ class PromptDataset:
                 raise ValueError(f"{where}: missing key {key!r} (has {sorted(row)})")
         prompt = row[self.input_key]
         if isinstance(prompt, list):
-            ok = all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                     and isinstance(m.get("content"), str) for m in prompt)
+            ok = all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
             if not ok or not prompt:
-                raise ValueError(f"{where}: {self.input_key!r} must be a string or a non-empty "
-                                 "list of {'role': str, 'content': str} messages")
+                raise ValueError(
+                    f"{where}: {self.input_key!r} must be a string or a non-empty "
+                    "list of {'role': str, 'content': str} messages"
+                )
             if not chat:
-                raise ValueError(f"{where}: {self.input_key!r} is a chat message list; enable "
-                                 "apply_chat_template to format it")
+                raise ValueError(f"{where}: {self.input_key!r} is a chat message list; enable apply_chat_template to format it")
         elif not isinstance(prompt, str):
-            raise ValueError(f"{where}: {self.input_key!r} must be a string or a message list, "
-                             f"got {type(prompt).__name__}")
+            raise ValueError(f"{where}: {self.input_key!r} must be a string or a message list, got {type(prompt).__name__}")
         meta = row.get(self.metadata_key)
         if meta is None:
             meta = {}
         if not isinstance(meta, dict):
-            raise ValueError(f"{where}: {self.metadata_key!r} must be a mapping, got "
-                             f"{type(meta).__name__}")
+            raise ValueError(f"{where}: {self.metadata_key!r} must be a mapping, got {type(meta).__name__}")
         return prompt, row[self.label_key], meta
 
 
@@ -143,8 +145,7 @@ class PromptSampler:
     the current one runs out, and returns this rank's contiguous n / world_size of them.
     """
 
-    def __init__(self, dataset: PromptDataset, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True):
+    def __init__(self, dataset: PromptDataset, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
         assert 0 <= rank < world_size, (rank, world_size)
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.seed, self.shuffle = seed, shuffle
@@ -162,31 +163,31 @@ class PromptSampler:
     def next_batch(self, num_prompts: int) -> list[PromptSample]:
         """This rank's share of the next `num_prompts` prompts (global count, across ranks)."""
         if num_prompts < 1 or num_prompts % self.world_size:
-            raise ValueError(f"num_prompts={num_prompts} must be a positive multiple of the world "
-                             f"size {self.world_size}")
+            raise ValueError(f"num_prompts={num_prompts} must be a positive multiple of the world size {self.world_size}")
         indices: list[int] = []
         self.epoch_done = False
         while len(indices) < num_prompts:
             take = min(num_prompts - len(indices), len(self._order) - self.offset)
-            indices += self._order[self.offset:self.offset + take]
+            indices += self._order[self.offset : self.offset + take]
             self.offset += take
             if self.offset == len(self._order):
                 self.epoch, self.offset = self.epoch + 1, 0
                 self._order = self._epoch_order(self.epoch)
                 self.epoch_done = True
         share = num_prompts // self.world_size
-        mine = indices[self.rank * share:(self.rank + 1) * share]
+        mine = indices[self.rank * share : (self.rank + 1) * share]
         return [self.dataset[i] for i in mine]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
-                "dataset_size": len(self.dataset)}
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "dataset_size": len(self.dataset)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["dataset_size"] != len(self.dataset):
-            raise ValueError(f"cannot resume the prompt sampler: the checkpoint saw "
-                             f"{state['dataset_size']} prompts, the data now has "
-                             f"{len(self.dataset)}")
+            raise ValueError(
+                f"cannot resume the prompt sampler: the checkpoint saw "
+                f"{state['dataset_size']} prompts, the data now has "
+                f"{len(self.dataset)}"
+            )
         self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]
         self.epoch_done = False
         self._order = self._epoch_order(self.epoch)

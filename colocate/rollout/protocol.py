@@ -53,8 +53,7 @@ class SamplingParams:
             ("top_k", self.top_k >= -1, "must be -1 (all) or a positive count"),
             ("min_p", 0 <= self.min_p < 1, "must be in [0, 1)"),
             ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
-            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
-             "must be in [0, max_new_tokens]"),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens, "must be in [0, max_new_tokens]"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -94,12 +93,21 @@ class Request:
 
     def __post_init__(self):
         checks = [
-            ("output_ids", not self.output_ids or self.sampling.n == 1,
-             f"continue one sample at a time, got sampling.n={self.sampling.n}"),
-            ("output_ids", len(self.output_ids) < self.sampling.max_new_tokens,
-             f"has {len(self.output_ids)} tokens, none left of max_new_tokens={self.sampling.max_new_tokens}"),
-            ("logprobs", len(self.logprobs) == len(self.output_ids),
-             f"has {len(self.logprobs)} entries for {len(self.output_ids)} output_ids"),
+            (
+                "output_ids",
+                not self.output_ids or self.sampling.n == 1,
+                f"continue one sample at a time, got sampling.n={self.sampling.n}",
+            ),
+            (
+                "output_ids",
+                len(self.output_ids) < self.sampling.max_new_tokens,
+                f"has {len(self.output_ids)} tokens, none left of max_new_tokens={self.sampling.max_new_tokens}",
+            ),
+            (
+                "logprobs",
+                len(self.logprobs) == len(self.output_ids),
+                f"has {len(self.logprobs)} entries for {len(self.output_ids)} output_ids",
+            ),
             ("sample_index", self.sample_index >= 0, f"must be >= 0, got {self.sample_index}"),
         ]
         for name, ok, why in checks:

@@ -98,8 +98,7 @@ def load_reward_fn(name: str, what: str = "rollout.reward") -> RewardFn:
     if name in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[name]
     if not is_function_spec(name):
-        raise ValueError(f"{what}: {name!r} is not a built-in reward (one of "
-                         f"{sorted(BUILTIN_REWARD_FNS)}) nor {FORMS}")
+        raise ValueError(f"{what}: {name!r} is not a built-in reward (one of {sorted(BUILTIN_REWARD_FNS)}) nor {FORMS}")
     fn = load_function(name, what)
     try:
         signature = inspect.signature(fn)
@@ -113,13 +112,10 @@ def load_reward_fn(name: str, what: str = "rollout.reward") -> RewardFn:
 
 
 def _signature_error(name: str, error: TypeError) -> str:
-    return (f"reward function {name} cannot be called as fn(prompts, responses, labels, metadata) "
-            f"({error})")
+    return f"reward function {name} cannot be called as fn(prompts, responses, labels, metadata) ({error})"
 
 
-def compute_rewards(
-    fn: RewardFn, samples: Sequence[RewardInput], strict: bool = False
-) -> tuple[list[float], int]:
+def compute_rewards(fn: RewardFn, samples: Sequence[RewardInput], strict: bool = False) -> tuple[list[float], int]:
     """Rewards of a batch and the number of samples whose reward failed (they get 0.0).
 
     The batch is scored in one call; if that call raises, each sample is scored alone so that
@@ -167,13 +163,10 @@ def _call(fn: RewardFn, samples: Sequence[RewardInput], name: str) -> list[float
             raise RewardContractError(_signature_error(name, e)) from None
         raise
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
-        raise RewardContractError(f"reward function {name} returned a {type(out).__name__}, not a list "
-                                  f"of {len(samples)} rewards")
+        raise RewardContractError(f"reward function {name} returned a {type(out).__name__}, not a list of {len(samples)} rewards")
     out = list(out)
     if len(out) != len(samples):
-        raise RewardContractError(
-            f"reward function {name} returned {len(out)} rewards for {len(samples)} samples"
-        )
+        raise RewardContractError(f"reward function {name} returned {len(out)} rewards for {len(samples)} samples")
     return [float(r) for r in out]
 
 
@@ -188,8 +181,9 @@ def _fail(name: str, index: int, error: Exception, strict: bool) -> None:
         raise RewardError(f"reward function {name} failed on sample {index} (train.strict is on): {what}") from error
     if name not in _warned:
         _warned.add(name)
-        logger.warning("reward function %s failed on sample %d (reward 0.0; further failures "
-                       "are only counted): %r", name, index, error)
+        logger.warning(
+            "reward function %s failed on sample %d (reward 0.0; further failures are only counted): %r", name, index, error
+        )
 
 
 def _fn_name(fn: RewardFn) -> str:
@@ -219,7 +213,7 @@ def extract_final_answer(text: str) -> str:
     for marker in ("####", "answer is", "answer:"):
         pos = lower.rfind(marker)
         if pos >= 0:
-            return text[pos + len(marker):].strip()
+            return text[pos + len(marker) :].strip()
     return text.strip()
 
 

@@ -52,4 +52,5 @@ class Sample:
             raise ValueError(
                 f"sample of group {self.group_index}: response_ids ({n}), rollout_logprobs "
                 f"({len(self.rollout_logprobs)}), loss_mask ({len(self.loss_mask)}) and token_versions "
-                f"({len(self.token_versions)}, or 0) differ in length")
+                f"({len(self.token_versions)}, or 0) differ in length"
+            )

@@ -22,8 +22,9 @@ from colocate.trainer.optim import OptimizerStep
 from colocate.trainer.passes import StepPlan, gradient_step, no_grad_pass
 
 
-def response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(T_mb,) fp32 log-probs of the micro-batch's response tokens (and their entropies)."""
     hidden = model.hidden_states(mb.input_ids, **mb.model_inputs())  # (N, H)
     predictors = hidden.index_select(0, mb.logit_index)  # (T_mb, H)
@@ -34,8 +35,17 @@ def response_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with
 class Actor:
     """FSDP2 policy + its optimizer; `logprobs` for the no-grad pass, `train` for the update."""
 
-    def __init__(self, model: nn.Module, opt: OptimizerStep, arrival: StateArrival, algo: AlgorithmConfig, *,
-                 temperature: float, norm_len: int | None, keep_gathered: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        opt: OptimizerStep,
+        arrival: StateArrival,
+        algo: AlgorithmConfig,
+        *,
+        temperature: float,
+        norm_len: int | None,
+        keep_gathered: bool = False,
+    ):
         self.model, self.opt, self.arrival, self.algo = model, opt, arrival, algo
         self.gathered = model if keep_gathered else None
         self.temperature = temperature
@@ -43,8 +53,7 @@ class Actor:
 
     def logprobs(self, batch: RolloutBatch, parts: list[list[int]]) -> torch.Tensor:
         """(T,) log-probs of every response token under the current weights, without gradient."""
-        return no_grad_pass(self.model, batch, parts,
-                            lambda mb: response_logprobs(self.model, mb, self.temperature)[0])
+        return no_grad_pass(self.model, batch, parts, lambda mb: response_logprobs(self.model, mb, self.temperature)[0])
 
     def train(self, batch: RolloutBatch, plans: list[StepPlan]) -> tuple[list[dict[str, float]], int]:
         """One optimizer step per plan; returns each step's metrics and this rank's token count.
@@ -64,16 +73,21 @@ class Actor:
             num_tokens += tokens
         return results, num_tokens
 
-    def _loss(self, batch: RolloutBatch, use_old_pass: bool, mb: MicroBatch, plan: StepPlan
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(
+        self, batch: RolloutBatch, use_old_pass: bool, mb: MicroBatch, plan: StepPlan
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a = self.algo
         idx = mb.token_index
         logprobs, entropy = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
         old = batch["old_logprobs"][idx] if use_old_pass else logprobs.detach()
         rollout = batch.rollout_logprobs[idx]
         mask = batch.mask[idx]  # (T_mb,)
-        agg = functools.partial(aggregate, seq_index=mb.seq_index, global_num_tokens=max(plan.num_tokens, 1.0),
-                                global_num_seqs=max(plan.num_seqs, 1.0))
+        agg = functools.partial(
+            aggregate,
+            seq_index=mb.seq_index,
+            global_num_tokens=max(plan.num_tokens, 1.0),
+            global_num_seqs=max(plan.num_seqs, 1.0),
+        )
         shares = {}
         loss_mask = mask
         if a.use_mis:
@@ -86,17 +100,29 @@ class Actor:
             tis, tis_metrics = truncated_is_weights(old, rollout, mask, a.tis_clip)
             shares["train/tis_clipfrac"] = agg(tis_metrics["tis_clipfrac"], mask, mode="token_mean")
         pg_tok, pg_metrics = policy_loss(
-            logprobs, old, batch["advantages"][idx], loss_mask, mb.seq_index, kind=a.policy_loss,
-            eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, dual_clip_c=a.dual_clip_c, tis_weights=tis)
+            logprobs,
+            old,
+            batch["advantages"][idx],
+            loss_mask,
+            mb.seq_index,
+            kind=a.policy_loss,
+            eps_clip=a.eps_clip,
+            eps_clip_high=a.eps_clip_high,
+            dual_clip_c=a.dual_clip_c,
+            tis_weights=tis,
+        )
         loss = agg(pg_tok, mask, mode=a.loss_agg_mode, norm_len=self.norm_len)
         shares["train/pg_loss"] = loss.detach()
         if a.use_kl_loss:
-            kl = agg(kl_estimate(logprobs, batch["ref_logprobs"][idx], a.kl_estimator), loss_mask,
-                     mode=a.loss_agg_mode, norm_len=self.norm_len)
+            kl = agg(
+                kl_estimate(logprobs, batch["ref_logprobs"][idx], a.kl_estimator),
+                loss_mask,
+                mode=a.loss_agg_mode,
+                norm_len=self.norm_len,
+            )
             loss = loss + a.kl_loss_coef * kl
             shares["train/kl_loss"] = kl.detach()
-        ent = agg(entropy if a.entropy_coef else entropy.detach(), loss_mask, mode=a.loss_agg_mode,
-                  norm_len=self.norm_len)
+        ent = agg(entropy if a.entropy_coef else entropy.detach(), loss_mask, mode=a.loss_agg_mode, norm_len=self.norm_len)
         if a.entropy_coef:
             loss = loss - a.entropy_coef * ent
         shares["train/entropy_loss"] = ent.detach()

@@ -45,16 +45,19 @@ class RolloutBatch:
     """(S) sum of each sample's loss mask, on the host (step planning needs it before any launch)."""
 
     @classmethod
-    def from_samples(cls, samples: list[Sample], device: torch.device, vocab_size: int | None = None,
-                     stale_before: int | None = None) -> "RolloutBatch":
+    def from_samples(
+        cls, samples: list[Sample], device: torch.device, vocab_size: int | None = None, stale_before: int | None = None
+    ) -> "RolloutBatch":
         """With `vocab_size`, token ids outside [0, vocab_size) are an error here, on the host,
         instead of a device-side assertion in the embedding or the log-prob kernel. With
         `stale_before`, tokens sampled by a weight version older than that (partial rollout's
         carried tokens) are left out of the mask: they stay in the context, not in the loss."""
         for i, s in enumerate(samples):
             if not s.prompt_ids:
-                raise ValueError(f"sample {i} (group {s.group_index}) has an empty prompt: the first "
-                                 "response token needs a preceding token to be predicted from")
+                raise ValueError(
+                    f"sample {i} (group {s.group_index}) has an empty prompt: the first "
+                    "response token needs a preceding token to be predicted from"
+                )
         offsets = [0]
         for s in samples:
             offsets.append(offsets[-1] + s.response_len)
@@ -66,8 +69,15 @@ class RolloutBatch:
         rollout = _concatenated((s.rollout_logprobs for s in samples), np.float32)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         mask_sums = torch.zeros(len(samples)).index_add_(0, seq_index, mask).tolist()
-        batch = cls(samples, offsets, to_device(mask, device), to_device(seq_index, device),
-                    to_device(rollout, device), to_device(rewards, device), mask_sums=mask_sums)
+        batch = cls(
+            samples,
+            offsets,
+            to_device(mask, device),
+            to_device(seq_index, device),
+            to_device(rollout, device),
+            to_device(rewards, device),
+            mask_sums=mask_sums,
+        )
         if vocab_size is not None:
             batch._check_token_ids(vocab_size)
         return batch
@@ -79,8 +89,9 @@ class RolloutBatch:
         for i, s in enumerate(self.samples):
             bad = [t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"sample {i} (group {s.group_index}) has token id {bad[0]}, outside the "
-                                 f"model's vocabulary [0, {vocab_size})")
+                raise ValueError(
+                    f"sample {i} (group {s.group_index}) has token id {bad[0]}, outside the model's vocabulary [0, {vocab_size})"
+                )
 
     @property
     def num_samples(self) -> int:
@@ -176,9 +187,14 @@ def build_micro_batch(batch: RolloutBatch, indices: list[int], device: torch.dev
     flat = to_device(torch.cat(fields), device)
     views = flat.split([len(f) for f in fields])
     return MicroBatch(
-        input_ids=views[0], positions=views[1], cu_seqlens=views[2].to(torch.int32),
+        input_ids=views[0],
+        positions=views[1],
+        cu_seqlens=views[2].to(torch.int32),
         max_seqlen=int((cu[1:] - cu[:-1]).max()),
-        logit_index=views[3], targets=views[4], token_index=views[5], seq_index=views[6],
+        logit_index=views[3],
+        targets=views[4],
+        token_index=views[5],
+        seq_index=views[6],
         sample_indices=list(indices),
         num_tokens=num_tokens,
     )

@@ -68,8 +68,16 @@ def zero_value_head_(model: ValueModel) -> None:
 
 
 class Critic:
-    def __init__(self, model: ValueModel, opt: OptimizerStep, arrival: StateArrival, algo: AlgorithmConfig, *,
-                 norm_len: int | None, keep_gathered: bool = False):
+    def __init__(
+        self,
+        model: ValueModel,
+        opt: OptimizerStep,
+        arrival: StateArrival,
+        algo: AlgorithmConfig,
+        *,
+        norm_len: int | None,
+        keep_gathered: bool = False,
+    ):
         self.model, self.opt, self.arrival, self.algo = model, opt, arrival, algo
         self.gathered = model if keep_gathered else None
         self.norm_len = norm_len if algo.loss_agg_mode == "seq_mean_token_sum" else None
@@ -83,19 +91,22 @@ class Critic:
 
     def train(self, batch: RolloutBatch, plans: list[StepPlan]) -> list[dict[str, float]]:
         """One optimizer step per plan on the clipped value loss against batch["returns"]."""
-        return [gradient_step(self.opt, self.arrival, batch, plan, functools.partial(self._loss, batch),
-                              self.gathered)[0] for plan in plans]
+        return [
+            gradient_step(self.opt, self.arrival, batch, plan, functools.partial(self._loss, batch), self.gathered)[0]
+            for plan in plans
+        ]
 
-    def _loss(self, batch: RolloutBatch, mb: MicroBatch, plan: StepPlan
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(self, batch: RolloutBatch, mb: MicroBatch, plan: StepPlan) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         idx = mb.token_index
         mask = batch.mask[idx]
-        agg = functools.partial(aggregate, mask=mask, seq_index=mb.seq_index,
-                                global_num_tokens=max(plan.num_tokens, 1.0),
-                                global_num_seqs=max(plan.num_seqs, 1.0))
-        loss_tok, metrics = value_loss(self._values(mb), batch["values"][idx], batch["returns"][idx], mask,
-                                       self.algo.value_clip)
+        agg = functools.partial(
+            aggregate,
+            mask=mask,
+            seq_index=mb.seq_index,
+            global_num_tokens=max(plan.num_tokens, 1.0),
+            global_num_seqs=max(plan.num_seqs, 1.0),
+        )
+        loss_tok, metrics = value_loss(self._values(mb), batch["values"][idx], batch["returns"][idx], mask, self.algo.value_clip)
         loss = agg(loss_tok, mode=self.algo.loss_agg_mode, norm_len=self.norm_len)
-        shares = {"critic/value_loss": loss.detach(),
-                  "critic/value_clipfrac": agg(metrics["value_clipfrac"], mode="token_mean")}
+        shares = {"critic/value_loss": loss.detach(), "critic/value_clipfrac": agg(metrics["value_clipfrac"], mode="token_mean")}
         return loss, shares

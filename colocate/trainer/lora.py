@@ -73,11 +73,12 @@ class LoRALinear(nn.Linear):
             return self.ops.linear(x, _joined([m.weight for m in parts]), bias)
         if self.dropout and self.training and torch.is_grad_enabled() and not self.ops.invariant:
             out = self.ops.linear(x, _joined([m.weight for m in parts]), bias)
-            terms = [m.low_rank(F.dropout(x, m.dropout)) if on else x.new_zeros(*x.shape[:-1], m.out_features)
-                     for m, on in zip(parts, live)]
+            terms = [
+                m.low_rank(F.dropout(x, m.dropout)) if on else x.new_zeros(*x.shape[:-1], m.out_features)
+                for m, on in zip(parts, live)
+            ]
             return out + torch.cat(terms, dim=-1)
-        tensors = [t for m, on in zip(parts, live)
-                   for t in ((m.weight, m.lora_A.weight, m.lora_B.weight) if on else (m.weight,))]
+        tensors = [t for m, on in zip(parts, live) for t in ((m.weight, m.lora_A.weight, m.lora_B.weight) if on else (m.weight,))]
         return _MergedLinear.apply(x, bias, self.scale, live, self.ops, *tensors)
 
     def low_rank(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,8 +131,12 @@ class _MergedLinear(torch.autograd.Function):
         rank = parts[0][1].shape[0]
         grad_downs = (grad_low.T @ flat_x).split(rank)  # each part's A gradient (rank, in)
         lows = low.split(rank, dim=1)
-        adapter_grads = iter([(grad_a.to(a.dtype), ((flat_grad[:, cols].T @ part_low) * ctx.scale).to(b.dtype))
-                              for (cols, a, b), grad_a, part_low in zip(parts, grad_downs, lows)])
+        adapter_grads = iter(
+            [
+                (grad_a.to(a.dtype), ((flat_grad[:, cols].T @ part_low) * ctx.scale).to(b.dtype))
+                for (cols, a, b), grad_a, part_low in zip(parts, grad_downs, lows)
+            ]
+        )
         grads = []  # None for each frozen base weight, then the part's A and B gradients when live
         for on in ctx.live:
             grads += [None, *next(adapter_grads)] if on else [None]

@@ -149,11 +149,11 @@ class TrainerMemory:
         """A model's parameters; those that train nothing (the frozen base under LoRA adapters, as
         the weight sync also assumes) are copied to the host once, then only freed. With
         `keep_trained` the trained ones (LoRA's adapters) never leave the device."""
+
         def frozen():
             return (p for p in model.parameters() if not p.requires_grad)
 
-        self.offloader.register(tag, frozen if keep_trained else model.parameters,
-                                constant=lambda p: not p.requires_grad)
+        self.offloader.register(tag, frozen if keep_trained else model.parameters, constant=lambda p: not p.requires_grad)
         self.param_arrivals[tag] = ParamArrival(self.offloader, tag, model)
 
     def add_optimizer(self, tag: str, opt: OptimizerStep, model: nn.Module, keep: bool = False) -> StateArrival:

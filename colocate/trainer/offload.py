@@ -186,8 +186,9 @@ class HostPieces:
         return self._pieces[i]
 
 
-def pin_in_background(reservations: list[HostPieces], device: torch.device | None = None,
-                      num_threads: int = _PIN_THREADS) -> list[threading.Thread]:
+def pin_in_background(
+    reservations: list[HostPieces], device: torch.device | None = None, num_threads: int = _PIN_THREADS
+) -> list[threading.Thread]:
     """Start helper threads that allocate these pieces, in this order; a helper stops at its first
     failed allocation (its error waits in that piece), leaving the rest to whoever needs them.
     `device` is made current in each thread first: pinned allocations go through its context."""
@@ -317,8 +318,7 @@ class _PinnedGroup:
         if not large or self.storages[0].device.type != "cuda":
             return
         try:
-            torch.empty(sum(-(-n // _BLOCK) * _BLOCK for n in large), dtype=torch.uint8,
-                        device=self.storages[0].device)
+            torch.empty(sum(-(-n // _BLOCK) * _BLOCK for n in large), dtype=torch.uint8, device=self.storages[0].device)
         except torch.OutOfMemoryError:  # no free piece that large: they come back one by one
             pass
 
@@ -378,8 +378,9 @@ class StateOffloader:
     def wait_seconds(self) -> float:
         """Seconds offloads and onloads have spent on pinned buffers not yet there (waiting for the
         helper threads of `reserve`, or allocating)."""
-        return sum(g.earlier_wait_seconds + (g.pieces.wait_seconds if g.pieces is not None else 0.0)
-                   for g in self.groups.values())
+        return sum(
+            g.earlier_wait_seconds + (g.pieces.wait_seconds if g.pieces is not None else 0.0) for g in self.groups.values()
+        )
 
     def offload(self, tags: Iterable[str]) -> OffloadStats:
         return self._move(list(tags), to_host=True)
@@ -390,8 +391,7 @@ class StateOffloader:
         use of those tensors. The statistics then hold the bytes and no time."""
         return self._move(list(tags), to_host=False, wait=wait)
 
-    def onload_part(self, tag: str, tensors: Iterable[torch.Tensor],
-                    stream: torch.cuda.Stream | None = None) -> int:
+    def onload_part(self, tag: str, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream | None = None) -> int:
         """Queue home just the storages behind `tensors` of an offloaded group ("pinned" only; under
         "tms" or on CPU nothing moves): the part of the state needed next, into memory the device
         freed just now. They are allocated on `stream` (default: the current one), whose work so
@@ -401,8 +401,7 @@ class StateOffloader:
         with torch.cuda.stream(stream or torch.cuda.current_stream()):
             return self.groups[tag].onload(self._stream, tensors)
 
-    def onload_parts(self, tag: str, parts: Iterable[Iterable[torch.Tensor]]
-                     ) -> tuple[list[torch.cuda.Event | None], int]:
+    def onload_parts(self, tag: str, parts: Iterable[Iterable[torch.Tensor]]) -> tuple[list[torch.cuda.Event | None], int]:
         """Queue an offloaded group home part by part, in this order, then whatever no part named
         ("pinned" only): each part's storages not queued with an earlier part, its event marking
         their arrival (None for a part with nothing left). Returns the events and the bytes queued;

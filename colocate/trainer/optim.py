@@ -51,8 +51,9 @@ class LRSchedule:
         return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
-                    weight_decay: float) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm weights and biases are not decayed).
 
     Fused (CUDA and CPU): one kernel per dtype/device group instead of a loop over parameters,
@@ -124,9 +125,19 @@ class OptimizerStep:
     unlucky, and every further step would be skipped too. `lr_field` names the learning rate's
     config field in that error."""
 
-    def __init__(self, model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, grad_clip: float | None, schedule: LRSchedule, max_skipped_steps: int,
-                 lr_field: str = "train.lr"):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        grad_clip: float | None,
+        schedule: LRSchedule,
+        max_skipped_steps: int,
+        lr_field: str = "train.lr",
+    ):
         if max_skipped_steps < 1:
             raise ValueError(f"max_skipped_steps={max_skipped_steps} must be >= 1")
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -174,7 +185,8 @@ class OptimizerStep:
                 raise DivergedError(
                     f"{self.num_skipped_in_a_row} optimizer steps in a row (train.max_skipped_steps) were skipped "
                     f"for a non-finite loss ({float(loss)}) or grad norm ({float(grad_norm)}): training diverged; "
-                    f"lower {self.lr_field} (now {self.peak_lr:g})")
+                    f"lower {self.lr_field} (now {self.peak_lr:g})"
+                )
         else:
             self.num_skipped_in_a_row = 0
             self.scheduler.step()

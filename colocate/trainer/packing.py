@@ -44,9 +44,7 @@ def _fits(parts: list[list[int]], lengths: Sequence[int], max_tokens: int) -> bo
     return all(len(p) <= 1 or sum(lengths[i] for i in p) <= max_tokens for p in parts)
 
 
-def pack_micro_batches(
-    lengths: Sequence[int], max_tokens: int, num_micro_batches: int | None = None
-) -> list[list[int]]:
+def pack_micro_batches(lengths: Sequence[int], max_tokens: int, num_micro_batches: int | None = None) -> list[list[int]]:
     """Micro-batches (lists of sample indices) under a token budget.
 
     Without `num_micro_batches`: the fewest balanced micro-batches in which every micro-batch with
@@ -79,8 +77,7 @@ def pack_micro_batches(
     if num_micro_batches is None:
         return packed
     if num_micro_batches < len(packed):
-        raise ValueError(
-            f"num_micro_batches={num_micro_batches} is fewer than the {len(packed)} the budget needs")
+        raise ValueError(f"num_micro_batches={num_micro_batches} is fewer than the {len(packed)} the budget needs")
     # More micro-batches than needed: rebalance the small samples over all the extra room.
     wider = split(num_micro_batches - len(big))
     if wider is not None:
@@ -99,8 +96,7 @@ def step_slices(num_samples: int, samples_per_step: int | None, num_steps: int |
     else:
         if samples_per_step < 1:
             raise ValueError(f"samples_per_step must be >= 1, got {samples_per_step}")
-        slices = [range(s, min(s + samples_per_step, num_samples))
-                  for s in range(0, num_samples, samples_per_step)] or [range(0)]
+        slices = [range(s, min(s + samples_per_step, num_samples)) for s in range(0, num_samples, samples_per_step)] or [range(0)]
     if num_steps is not None:
         if num_steps < len(slices):
             raise ValueError(f"num_steps={num_steps} is fewer than the {len(slices)} steps needed")

@@ -77,9 +77,15 @@ def _attention_ops() -> frozenset:
     import torch.nn.attention.varlen  # noqa: F401 - registers torch_attn::_varlen_attn
 
     aten = torch.ops.aten
-    return frozenset({aten._flash_attention_forward.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-                      torch.ops.torch_attn._varlen_attn.default, torch.ops.colocate.flash_attention.default,
-                      torch.ops.colocate.invariant_attention.default})
+    return frozenset(
+        {
+            aten._flash_attention_forward.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.torch_attn._varlen_attn.default,
+            torch.ops.colocate.flash_attention.default,
+            torch.ops.colocate.invariant_attention.default,
+        }
+    )
 
 
 def _keep_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -118,9 +124,12 @@ def _contexts(mode: str, mlp_width: str, low_rank: str):
     "mlp" recomputes the matmuls of output width `mlp_width`: a block's gate and up projections
     (and any other of that width: only more recompute, never a wrong gradient); "ops" and "mlp"
     recompute the products of inner dimension `low_rank` (0: none)."""
-    policy = {"full": _recompute_all, "attention": _keep_attention,
-              "ops": functools.partial(_keep_matmuls, None, int(low_rank)),
-              "mlp": functools.partial(_keep_matmuls, int(mlp_width), int(low_rank))}[mode]
+    policy = {
+        "full": _recompute_all,
+        "attention": _keep_attention,
+        "ops": functools.partial(_keep_matmuls, None, int(low_rank)),
+        "mlp": functools.partial(_keep_matmuls, int(mlp_width), int(low_rank)),
+    }[mode]
     return create_selective_checkpoint_contexts(policy)
 
 
@@ -158,9 +167,12 @@ def _compiled_blocks(modes: list[str], compile: bool, random: bool) -> list[bool
     when they draw random numbers and this torch cannot compile that (a warning says so)."""
     eager = compile and random and not compiles_random_recompute() and any(m != "none" for m in modes)
     if eager:
-        warnings.warn(f"torch {torch.__version__} cannot compile a recomputed block with LoRA dropout: the "
-                      "recomputed blocks run uncompiled (slower); torch >= 2.13 compiles them, or set "
-                      "model.lora_dropout 0", stacklevel=4)
+        warnings.warn(
+            f"torch {torch.__version__} cannot compile a recomputed block with LoRA dropout: the "
+            "recomputed blocks run uncompiled (slower); torch >= 2.13 compiles them, or set "
+            "model.lora_dropout 0",
+            stacklevel=4,
+        )
     return [compile and not (eager and mode != "none") for mode in modes]
 
 
@@ -191,14 +203,12 @@ def parallelize(
     (the last block always keeps them: its backward comes next).
     `random`: the training forward draws random numbers (dropout), which recomputation must repeat.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
-        MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     blocks = list(model.model.layers)
     modes = checkpointing.block_modes(len(blocks))
     for i, (block, mode, compiled) in enumerate(zip(blocks, modes, _compiled_blocks(modes, compile, random))):
         if mode != "none":
-            block.forward = _checkpointed(block.forward, mode, block.mlp.gate_proj.out_features,
-                                          _adapter_rank(block), random)
+            block.forward = _checkpointed(block.forward, mode, block.mlp.gate_proj.out_features, _adapter_rank(block), random)
         if compiled:
             block.forward = torch.compile(block.forward, dynamic=True)
         # The last block's parameters are needed again at once by the backward: keep them gathered.
@@ -246,8 +256,9 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(rows)
 
 
-def load_sharded(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], source: str,
-                 *, skip: tuple[str, ...] = ()) -> set[str]:
+def load_sharded(
+    model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], source: str, *, skip: tuple[str, ...] = ()
+) -> set[str]:
     """Copy HF-named full tensors into the model's shards; return the names that were filled.
 
     Names starting with one of `skip` are ignored (e.g. `lm_head.` for a critic built from a
@@ -332,8 +343,16 @@ def build_sharded(
         model = make().to(dtype)  # before sharding: FSDP shards (and allocates) in this dtype
         if adapt is not None:
             adapt(model)
-    parallelize(model, mesh, param_dtype=param_dtype, checkpointing=checkpointing, compile=compile,
-                forward_methods=forward_methods, reshard_after_forward=reshard_after_forward, random=random)
+    parallelize(
+        model,
+        mesh,
+        param_dtype=param_dtype,
+        checkpointing=checkpointing,
+        compile=compile,
+        forward_methods=forward_methods,
+        reshard_after_forward=reshard_after_forward,
+        random=random,
+    )
     with region if region is not None else contextlib.nullcontext():
         materialize(model, device)
     names = {n for n, _ in model.named_parameters()}

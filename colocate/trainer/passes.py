@@ -79,16 +79,16 @@ def plan_steps(batch: RolloutBatch, max_tokens: int, samples_per_step: int | Non
     plans = []
     for sl in slices:
         trained = in_loss(batch, sl)
-        counts = dist.all_reduce_sum([sum(batch.mask_sums[i] for i in sl), len(sl), len(sl) - len(trained)],
-                                     batch.mask.device)
+        counts = dist.all_reduce_sum([sum(batch.mask_sums[i] for i in sl), len(sl), len(sl) - len(trained)], batch.mask.device)
         parts = agreed_micro_batches(lengths, trained, max_tokens)
         plans.append(StepPlan(parts, float(counts[0]), float(counts[1]), float(counts[2])))
     return plans
 
 
 @torch.no_grad()
-def no_grad_pass(model: nn.Module, batch: RolloutBatch, parts: list[list[int]],
-                 fn: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
+def no_grad_pass(
+    model: nn.Module, batch: RolloutBatch, parts: list[list[int]], fn: Callable[[MicroBatch], torch.Tensor]
+) -> torch.Tensor:
     """Run `fn` (micro-batch -> (T_mb,) per response token) over every micro-batch and scatter
     the results into one (T,) fp32 tensor; then free the gathered parameters the root kept."""
     out = torch.zeros_like(batch.mask)  # (T,)
@@ -100,7 +100,10 @@ def no_grad_pass(model: nn.Module, batch: RolloutBatch, parts: list[list[int]],
 
 
 def gradient_step(
-    opt: OptimizerStep, arrival: StateArrival, batch: RolloutBatch, plan: StepPlan,
+    opt: OptimizerStep,
+    arrival: StateArrival,
+    batch: RolloutBatch,
+    plan: StepPlan,
     loss_fn: Callable[[MicroBatch, StepPlan], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     gathered: nn.Module | None = None,
 ) -> tuple[dict[str, float], int]:

@@ -19,8 +19,15 @@ from colocate.trainer.passes import no_grad_pass
 
 
 class Reference:
-    def __init__(self, model: nn.Module, memory: TrainerMemory, tag: str, *, temperature: float,
-                 scope: Callable[[], ContextManager] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        memory: TrainerMemory,
+        tag: str,
+        *,
+        temperature: float,
+        scope: Callable[[], ContextManager] | None = None,
+    ):
         self.model, self.memory, self.tag = model, memory, tag
         self.temperature = temperature
         self.scope = scope
@@ -37,8 +44,7 @@ class Reference:
         return out
 
     def _pass(self, batch: RolloutBatch, parts: list[list[int]]) -> torch.Tensor:
-        return no_grad_pass(self.model, batch, parts,
-                            lambda mb: response_logprobs(self.model, mb, self.temperature)[0])
+        return no_grad_pass(self.model, batch, parts, lambda mb: response_logprobs(self.model, mb, self.temperature)[0])
 
     @property
     def offloaded(self) -> bool:

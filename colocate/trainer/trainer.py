@@ -52,9 +52,11 @@ from colocate.trainer.reference import Reference
 def _summarize(steps: list[dict[str, float]], prefix: str) -> dict[str, float]:
     """Per-step metrics -> one dict: shares averaged over steps (maxima maximised), grad_norm
     averaged, the last lr, the number of skipped steps."""
-    out = {f"{prefix}grad_norm": sum(s["grad_norm"] for s in steps) / len(steps),
-           f"{prefix}lr": steps[-1]["lr"],
-           f"{prefix}skipped_steps": sum(s["skipped"] for s in steps)}
+    out = {
+        f"{prefix}grad_norm": sum(s["grad_norm"] for s in steps) / len(steps),
+        f"{prefix}lr": steps[-1]["lr"],
+        f"{prefix}skipped_steps": sum(s["skipped"] for s in steps),
+    }
     for name in steps[0]:
         if name.endswith("_max"):
             out[name] = max(s[name] for s in steps)
@@ -74,8 +76,15 @@ class Trainer:
     computes with (with algorithm.true_on_policy, the mode's, built by the caller); default
     `Ops.standard()`."""
 
-    def __init__(self, cfg: Config, info: dist.DistInfo, *, ops: Ops | None = None,
-                 model_config: ArchConfig | None = None, checkpointing: ActivationCheckpointing | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        info: dist.DistInfo,
+        *,
+        ops: Ops | None = None,
+        model_config: ArchConfig | None = None,
+        checkpointing: ActivationCheckpointing | None = None,
+    ):
         self.cfg, self.info = cfg, info
         self.ops = Ops.standard() if ops is None else ops
         m, t, a, r = cfg.model, cfg.train, cfg.algorithm, cfg.rollout
@@ -87,8 +96,9 @@ class Trainer:
         self.keep_gathered = info.world_size == 1 if t.keep_gathered is None else t.keep_gathered
         policy_cfg = model_config or ArchConfig.from_dir(m.path)
         self.memory_plan = self._plan_memory(policy_cfg, checkpointing)
-        self.checkpointing = checkpointing or ActivationCheckpointing(m.full_recompute_fraction, m.recompute_rest,
-                                                                      m.recompute_keeps_attention)
+        self.checkpointing = checkpointing or ActivationCheckpointing(
+            m.full_recompute_fraction, m.recompute_rest, m.recompute_keeps_attention
+        )
         steps_per_rollout = -(-cfg.samples_per_rollout // cfg.global_batch_size)
         actor_rollouts = t.num_rollout - (a.num_critic_only_steps if a.use_critic else 0)
         norm_len = r.response_budget
@@ -101,24 +111,29 @@ class Trainer:
         self.vocab_size = policy_cfg.vocab_size
         self.lora = LoRASpec.from_config(m)
         with timed(self.startup_seconds, "actor", self.device):
-            actor_model = self._build(lambda: CausalLM(policy_cfg, self.ops), m.path, ACTOR_PARAMS, train=True,
-                                      lora=self.lora)
-            actor_opt, arrival = self._optimizer(actor_model, t.lr, ACTOR_OPTIM,
-                                                 max(1, actor_rollouts * steps_per_rollout))
-        self.actor = Actor(actor_model, actor_opt, arrival, a, temperature=r.temperature, norm_len=norm_len,
-                           keep_gathered=self.keep_gathered)
+            actor_model = self._build(lambda: CausalLM(policy_cfg, self.ops), m.path, ACTOR_PARAMS, train=True, lora=self.lora)
+            actor_opt, arrival = self._optimizer(actor_model, t.lr, ACTOR_OPTIM, max(1, actor_rollouts * steps_per_rollout))
+        self.actor = Actor(
+            actor_model, actor_opt, arrival, a, temperature=r.temperature, norm_len=norm_len, keep_gathered=self.keep_gathered
+        )
         if cfg.offload.offload_train:  # pinned on helper threads while the rest starts
             self.startup_seconds["pinned_buffers"] = self.memory.reserve(ACTOR_PARAMS, ACTOR_OPTIM)
 
         self.reference = None
         if a.needs_ref and self.lora is not None:
-            self.reference = Reference(actor_model, self.memory, REFERENCE, temperature=r.temperature,
-                                       scope=functools.partial(adapters_disabled, actor_model))
+            self.reference = Reference(
+                actor_model,
+                self.memory,
+                REFERENCE,
+                temperature=r.temperature,
+                scope=functools.partial(adapters_disabled, actor_model),
+            )
         elif a.needs_ref:
             ref_path = m.ref_path or m.path
             with timed(self.startup_seconds, "reference", self.device):
-                ref_model = self._build(lambda: CausalLM(model_config or ArchConfig.from_dir(ref_path), self.ops),
-                                        ref_path, REFERENCE, train=False)
+                ref_model = self._build(
+                    lambda: CausalLM(model_config or ArchConfig.from_dir(ref_path), self.ops), ref_path, REFERENCE, train=False
+                )
                 self.reference = Reference(ref_model, self.memory, REFERENCE, temperature=r.temperature)
                 self.memory.offload(REFERENCE)
 
@@ -127,13 +142,21 @@ class Trainer:
             critic_path = m.critic_path or m.path
             critic_cfg = model_config or ArchConfig.from_dir(critic_path)
             with timed(self.startup_seconds, "critic", self.device):
-                critic_model = self._build(lambda: ValueModel(critic_cfg, self.ops), critic_path, CRITIC_PARAMS,
-                                           train=True, skip=("lm_head.",), new=("value_head.",),
-                                           forward_methods=(), lora=self.lora, adapt=add_critic_adapters)
-                critic_opt, critic_arrival = self._optimizer(critic_model, t.critic_lr, CRITIC_OPTIM,
-                                                             max(1, t.num_rollout * steps_per_rollout))
-            self.critic = Critic(critic_model, critic_opt, critic_arrival, a, norm_len=norm_len,
-                                 keep_gathered=self.keep_gathered)
+                critic_model = self._build(
+                    lambda: ValueModel(critic_cfg, self.ops),
+                    critic_path,
+                    CRITIC_PARAMS,
+                    train=True,
+                    skip=("lm_head.",),
+                    new=("value_head.",),
+                    forward_methods=(),
+                    lora=self.lora,
+                    adapt=add_critic_adapters,
+                )
+                critic_opt, critic_arrival = self._optimizer(
+                    critic_model, t.critic_lr, CRITIC_OPTIM, max(1, t.num_rollout * steps_per_rollout)
+                )
+            self.critic = Critic(critic_model, critic_opt, critic_arrival, a, norm_len=norm_len, keep_gathered=self.keep_gathered)
         if self.critic is not None and cfg.offload.offload_train:
             self.startup_seconds["pinned_buffers"] += self.memory.reserve(CRITIC_PARAMS, CRITIC_OPTIM)
 
@@ -164,25 +187,41 @@ class Trainer:
             m.recompute_rest = plan.recompute_rest or "none"
         return plan
 
-    def _build(self, make, path: str, tag: str, *, train: bool, skip: tuple[str, ...] = (),
-               new: tuple[str, ...] = (), forward_methods: tuple[str, ...] = ("hidden_states",),
-               lora: LoRASpec | None = None, adapt=add_adapters) -> nn.Module:
+    def _build(
+        self,
+        make,
+        path: str,
+        tag: str,
+        *,
+        train: bool,
+        skip: tuple[str, ...] = (),
+        new: tuple[str, ...] = (),
+        forward_methods: tuple[str, ...] = ("hidden_states",),
+        lora: LoRASpec | None = None,
+        adapt=add_adapters,
+    ) -> nn.Module:
         """Trained models keep fp32 master shards and compute in the compute dtype; the frozen
         reference, and the frozen base under `lora` adapters (fp32 masters, added by `adapt`),
         store their shards in the compute dtype directly."""
         mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
         model, missing = build_sharded(
-            make, self.mesh, self.device,
+            make,
+            self.mesh,
+            self.device,
             dtype=torch.float32 if train and lora is None else self.compute_dtype,
             param_dtype=mixed if train else None,
             adapt=None if lora is None else functools.partial(adapt, spec=lora),
             random=lora is not None and lora.dropout > 0,
             weights=None if self.random_config is not None else iter_safetensors(path),
-            source=str(path), skip=skip,
+            source=str(path),
+            skip=skip,
             checkpointing=self.checkpointing if train else ActivationCheckpointing(),
             compile=bool(self.cfg.model.compile),
-            forward_methods=forward_methods, reshard_after_forward=not (train and self.keep_gathered),
-            region=self.memory.region(tag), seed=self.cfg.train.seed)
+            forward_methods=forward_methods,
+            reshard_after_forward=not (train and self.keep_gathered),
+            region=self.memory.region(tag),
+            seed=self.cfg.train.seed,
+        )
         unexpected = sorted(n for n in missing if not n.startswith(new) and not is_adapter(n))
         if unexpected:
             raise ValueError(f"{path}: missing tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
@@ -199,14 +238,20 @@ class Trainer:
         o = self.cfg.offload
         return lora is not None and o.keep_adapters and o.method == "pinned"
 
-    def _optimizer(self, model: nn.Module, lr: float, tag: str, total_steps: int
-                   ) -> tuple[OptimizerStep, StateArrival]:
+    def _optimizer(self, model: nn.Module, lr: float, tag: str, total_steps: int) -> tuple[OptimizerStep, StateArrival]:
         t = self.cfg.train
         schedule = LRSchedule(t.lr_schedule, t.lr_warmup_steps, total_steps, t.min_lr_ratio)
-        opt = OptimizerStep(model, lr=lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                            weight_decay=t.weight_decay, grad_clip=t.grad_clip, schedule=schedule,
-                            max_skipped_steps=t.max_skipped_steps,
-                            lr_field="train.critic_lr" if tag == CRITIC_OPTIM else "train.lr")
+        opt = OptimizerStep(
+            model,
+            lr=lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            schedule=schedule,
+            max_skipped_steps=t.max_skipped_steps,
+            lr_field="train.critic_lr" if tag == CRITIC_OPTIM else "train.lr",
+        )
         with self.memory.region(tag):
             init_optimizer_state(opt.optimizer)
         return opt, self.memory.add_optimizer(tag, opt, model, keep=self._keeps_adapters(self.lora))
@@ -231,8 +276,7 @@ class Trainer:
         r = cfg.rollout
         stale_before = weight_version if r.partial_rollout and r.partial_mask_stale_tokens else None
         with record_function("train.prepare"):
-            batch = RolloutBatch.from_samples(samples, self.device, vocab_size=self.vocab_size,
-                                              stale_before=stale_before)
+            batch = RolloutBatch.from_samples(samples, self.device, vocab_size=self.vocab_size, stale_before=stale_before)
             per_rank = t.global_batch_size // self.info.world_size if t.global_batch_size else None
             plans = plan_steps(batch, t.max_tokens_per_gpu, per_rank)
             parts = pass_parts(batch, t.max_tokens_per_gpu)
@@ -272,10 +316,10 @@ class Trainer:
         m = self.cfg.model
         describe = (lambda base: None) if self.lora is None else self.lora.describe
         opt = self.actor.opt
-        states = {ACTOR_STATE: ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler,
-                                                   adapters=describe(m.path))}
+        states = {ACTOR_STATE: ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler, adapters=describe(m.path))}
         if self.critic is not None:
             c = self.critic.opt
-            states["critic"] = ModelOptimizerState(self.critic.model, c.optimizer, c.scheduler,
-                                                   adapters=describe(m.critic_path or m.path))
+            states["critic"] = ModelOptimizerState(
+                self.critic.model, c.optimizer, c.scheduler, adapters=describe(m.critic_path or m.path)
+            )
         return states

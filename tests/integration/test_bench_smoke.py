@@ -25,8 +25,13 @@ def _bench(tmp_path, name: str, *args: str, timeout: float = 240) -> tuple[dict,
     """`python -m bench.<name>` with `args` and `--out` a JSON file, from the repository root: the
     results it wrote, which name the machine they came from, and the finished process."""
     out = tmp_path / "results.json"
-    done = subprocess.run([sys.executable, "-m", f"bench.{name}", *args, "--out", str(out)], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     results = json.loads(out.read_text())
     machine = results.get("machine", results)
@@ -80,7 +85,8 @@ def test_rollout_bench_tail_cpu_smoke_reports_the_tail_and_the_roofline_probes(t
     assert floor["utilization_ceiling"] == pytest.approx(floor["equal_lengths_s"] / floor["full_seats_s"])
     for probe in r["roofline"].values():
         assert probe["ms_per_decode_step"] > 0 and probe["roofline_fraction"] == pytest.approx(
-            probe["roofline_ms"] / probe["ms_per_decode_step"])
+            probe["roofline_ms"] / probe["ms_per_decode_step"]
+        )
     assert done.stdout.startswith("rollout tail (tiny shape, 16 samples, lengths median 14 mean 18, 1 at 64)")
 
 
@@ -143,8 +149,10 @@ def test_e2e_bench_tail_cpu_smoke_loses_no_group_with_partial_rollout_off_or_on(
         every = run["every_step"]
         assert len(every) == results["warmup_steps"] + results["timed_steps"], name
         prompts = results["batch"]["prompts"] * results["batch"]["prompt_tokens"]  # a step's at least
-        assert all(r["prefill_tokens"] >= prompts and r["preemptions"] >= 0 and r["generate_time"] > 0
-                   and r["train_time"] > 0 for r in every), (name, every)
+        assert all(
+            r["prefill_tokens"] >= prompts and r["preemptions"] >= 0 and r["generate_time"] > 0 and r["train_time"] > 0
+            for r in every
+        ), (name, every)
         loss_free = [r["loss_free_samples"] for r in every]
         assert loss_free == [0] * len(every) if name.endswith("_off") else max(loss_free) > 0, (name, every)
     # Two steps of 4 groups each; with partial rollout 12 are drawn first (3x in flight), 4 more
@@ -175,11 +183,12 @@ def test_train_bench_cpu_smoke_tuned_peers_match_the_default_peers_loss(tmp_path
     results, done = _bench(tmp_path, "trainer_throughput", "--cpu-smoke")
     assert results["torchtitan"].startswith("not run: torchtitan 0.3.0 has no Qwen2 model")
     peers = results["models"]["tiny"]["peers"]
-    assert [(p["peer"], p["recompute"], p["num_sequences"], p["compile"], p["fused_loss"], p["loss_kind"])
-            for p in peers] == [("default", False, 8, False, False, "fp32 logits"),
-                                ("tuned", False, 8, False, True, "chunked (plain torch)"),
-                                ("tuned", True, 8, True, True, "chunked (plain torch)"),
-                                ("tuned", True, 4, False, True, "chunked (plain torch)")]
+    assert [(p["peer"], p["recompute"], p["num_sequences"], p["compile"], p["fused_loss"], p["loss_kind"]) for p in peers] == [
+        ("default", False, 8, False, False, "fp32 logits"),
+        ("tuned", False, 8, False, True, "chunked (plain torch)"),
+        ("tuned", True, 8, True, True, "chunked (plain torch)"),
+        ("tuned", True, 4, False, True, "chunked (plain torch)"),
+    ]
     default = peers[0]
     assert default["first_loss"] == pytest.approx(math.log(512), abs=0.05)  # random init: about uniform
     # Same weights and batch: the chunked loss (six chunks) and its gradients are the full fp32
@@ -194,8 +203,9 @@ def test_train_bench_cpu_smoke_tuned_peers_match_the_default_peers_loss(tmp_path
 
 @pytest.mark.slow
 def test_true_on_policy_bench_cpu_smoke_reports_both_modes_and_bitwise_equal_logprobs(tmp_path):
-    results, done = _bench(tmp_path, "true_on_policy", "--cpu-smoke", "--profile",
-                           str(tmp_path / "profile.txt"), "--max-tokens-per-gpu", "4096")
+    results, done = _bench(
+        tmp_path, "true_on_policy", "--cpu-smoke", "--profile", str(tmp_path / "profile.txt"), "--max-tokens-per-gpu", "4096"
+    )
     assert results["device"] == "cpu" and results["torch"]
     r = results["models"]["tiny"]
     assert r["bitwise_equal_frac"] == 1.0
@@ -209,15 +219,21 @@ def test_true_on_policy_bench_cpu_smoke_reports_both_modes_and_bitwise_equal_log
     assert rollout["slowdown"] == pytest.approx(rollout["off"]["tokens_per_s"] / rollout["on"]["tokens_per_s"])
     assert train["slowdown"] == pytest.approx(train["off"]["tokens_per_s"] / train["on"]["tokens_per_s"])
     assert train["slowdown_uncompiled"] == pytest.approx(
-        train["off_uncompiled"]["tokens_per_s"] / train["on_uncompiled"]["tokens_per_s"])
+        train["off_uncompiled"]["tokens_per_s"] / train["on_uncompiled"]["tokens_per_s"]
+    )
     assert r["targets"] == {"rollout_slowdown": 1.3, "train_slowdown": 1.15}
     assert r["met"] == {"rollout": rollout["slowdown"] <= 1.3, "train": train["slowdown"] <= 1.15}
     assert r["plan"]["max_tokens_per_gpu"] == 4096 and r["plan"]["source"].endswith("micro-batch overridden")
     assert "tiny: rollout " in done.stdout and "bitwise equal log-probs 100.00% of tokens" in done.stdout
     sections = [line for line in (tmp_path / "profile.tiny.txt").read_text().splitlines() if line.startswith("== ")]
-    assert sections == ["== train step, mode off, uncompiled", "== train step, mode off, uncompiled",
-                        "== train step, mode on, uncompiled", "== train step, mode on, uncompiled",
-                        "== generate, mode off", "== generate, mode on"]  # training first: no engine pools held
+    assert sections == [
+        "== train step, mode off, uncompiled",
+        "== train step, mode off, uncompiled",
+        "== train step, mode on, uncompiled",
+        "== train step, mode on, uncompiled",
+        "== generate, mode off",
+        "== generate, mode on",
+    ]  # training first: no engine pools held
 
 
 def test_true_on_policy_bench_reports_a_failed_training_case_and_keeps_the_others(monkeypatch):
@@ -230,12 +246,16 @@ def test_true_on_policy_bench_reports_a_failed_training_case_and_keeps_the_other
         return {"compile": compiled, "tokens_per_s": 100.0 if on else 250.0}
 
     monkeypatch.setattr(true_on_policy, "run_train", run_train)
-    monkeypatch.setattr(true_on_policy, "run_rollout", lambda mcfg, on, *rest: {
-        "tokens_per_s": 50.0 if on else 100.0, **({"bitwise_equal_frac": 1.0} if on else {})})
+    monkeypatch.setattr(
+        true_on_policy,
+        "run_rollout",
+        lambda mcfg, on, *rest: {"tokens_per_s": 50.0 if on else 100.0, **({"bitwise_equal_frac": 1.0} if on else {})},
+    )
     monkeypatch.setattr(true_on_policy, "train_batches", lambda *args: [])
     args = SimpleNamespace(cpu_smoke=False, profile=None, reps=1, step_tokens=512)
-    r = true_on_policy.run_shape("tiny", SimpleNamespace(vocab_size=512), true_on_policy.GRID["0.5b"][0], "test",
-                                 args, SimpleNamespace(device=None))
+    r = true_on_policy.run_shape(
+        "tiny", SimpleNamespace(vocab_size=512), true_on_policy.GRID["0.5b"][0], "test", args, SimpleNamespace(device=None)
+    )
     assert ran == [(False, True), (False, False), (True, True), (True, False)]
     train = r["train"]
     assert train["on_uncompiled"] == {"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.07 GiB."}

@@ -53,8 +53,7 @@ def _step(model, opt, sched, device="cpu"):
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
-            for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def _draws(device="cpu") -> list[float]:
@@ -73,8 +72,9 @@ def _run_and_resume(model_dir, root, extra, device="cpu"):
     model, opt, sched = _build(model_dir, shard=True, fresh=False, device=device)
     for _ in range(2):
         _step(model, opt, sched, device)
-    path = save_checkpoint(root, 2, {"model": ModelOptimizerState(model, opt, sched)}, extra=extra,
-                           model_dir=model_dir, keep_last=2)
+    path = save_checkpoint(
+        root, 2, {"model": ModelOptimizerState(model, opt, sched)}, extra=extra, model_dir=model_dir, keep_last=2
+    )
     at_save = _full(model)
     draws = _draws(device)
     _step(model, opt, sched, device)
@@ -129,15 +129,19 @@ def test_resume_world1_is_exact(world1_run):
     assert latest_checkpoint(root) == root / "rollout_000002"
     assert sorted(p.name for p in root.iterdir()) == ["rollout_000002"]
     assert sorted(p.name for p in (root / "rollout_000002" / "hf").iterdir()) == [
-        "config.json", "generation_config.json", "tokenizer_config.json"]
+        "config.json",
+        "generation_config.json",
+        "tokenizer_config.json",
+    ]
 
 
 def _worker(rank, store_file, model_dir, root, out, device_type="cpu"):
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store_file}",
-                            rank=rank, world_size=2)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store_file}", rank=rank, world_size=2
+    )
     result = _run_and_resume(model_dir, root, {"rollout_id": 2}, device)
     if rank == 0:
         torch.save(result, out)
@@ -198,8 +202,7 @@ def test_keep_last_prunes_only_its_own_older_checkpoints(tmp_path):
     assert names == ["notes", "rollout_000000", "rollout_000003", "rollout_000004"]
     # A re-save of an older id is the newest written, so it survives although its id is lowest.
     save_checkpoint(tmp_path, 2, _tiny_state(2)[0], keep_last=2)
-    assert sorted(p.name for p in tmp_path.glob("rollout_00000[1-4]")) == [
-        "rollout_000002", "rollout_000003", "rollout_000004"]
+    assert sorted(p.name for p in tmp_path.glob("rollout_00000[1-4]")) == ["rollout_000002", "rollout_000003", "rollout_000004"]
     with pytest.warns(UserWarning, match="rollout_000000: skipped"):
         assert latest_checkpoint(tmp_path) == tmp_path / "rollout_000004"
 

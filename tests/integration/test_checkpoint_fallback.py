@@ -38,7 +38,7 @@ def _save(root: Path, *ids: int, keep_last: int = 0) -> None:
 
 def _truncate(file: Path) -> tuple[int, int]:
     size = file.stat().st_size
-    file.write_bytes(file.read_bytes()[:size // 2])
+    file.write_bytes(file.read_bytes()[: size // 2])
     return size // 2, size
 
 
@@ -51,8 +51,7 @@ def test_a_truncated_file_in_the_newest_checkpoint_falls_back_to_the_previous_on
     with pytest.warns(UserWarning) as warned:
         path = latest_checkpoint(tmp_path)
     assert path == tmp_path / "rollout_000001"
-    assert [str(w.message) for w in warned] == [
-        f"{newest}: skipped, damaged: {name} has {now} bytes, {saved} when saved"]
+    assert [str(w.message) for w in warned] == [f"{newest}: skipped, damaged: {name} has {now} bytes, {saved} when saved"]
     states, layer = _tiny_state(7)
     assert load_checkpoint(path, states) == {"id": 1}
     assert torch.equal(layer.weight, _tiny_state(1)[1].weight)
@@ -72,7 +71,8 @@ def test_an_edited_or_missing_small_file_is_caught_and_none_usable_is_an_error(t
         latest_checkpoint(tmp_path)
     assert str(info.value) == (
         f"no usable checkpoint under {tmp_path}: {tmp_path / 'rollout_000002'} (meta.json differs from the "
-        f"saved file (CRC-32)); {tmp_path / 'rollout_000001'} (rng_rank0.pt is missing)")
+        f"saved file (CRC-32)); {tmp_path / 'rollout_000001'} (rng_rank0.pt is missing)"
+    )
     assert snapshot(tmp_path) == before
 
 
@@ -125,8 +125,10 @@ def test_a_failed_save_is_one_line_naming_the_checkpoint_and_leaves_nothing(tmp_
         reason = f"[Errno 30] Read-only file system: '{tmp_path / '.tmp-rollout_000002'}'"
     with pytest.raises(OSError) as info:
         save_checkpoint(tmp_path, 2, _tiny_state(2)[0], keep_last=1)
-    assert str(info.value) == (f"cannot save checkpoint {tmp_path / 'rollout_000002'}: {reason} (its temporary "
-                               "directory was removed; earlier checkpoints are intact)")
+    assert str(info.value) == (
+        f"cannot save checkpoint {tmp_path / 'rollout_000002'}: {reason} (its temporary "
+        "directory was removed; earlier checkpoints are intact)"
+    )
     assert snapshot(tmp_path) == before
     monkeypatch.undo()
     assert latest_checkpoint(tmp_path) == tmp_path / "rollout_000001"
@@ -156,14 +158,19 @@ def test_export_never_replaces_what_it_did_not_write(actor_checkpoint, tmp_path,
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me\n")
-    _refused(ckpt, mine, f"output {mine} is not empty and was not written by colocate: choose a new "
-                         "directory, or replace it with --overwrite", capsys)
+    _refused(
+        ckpt,
+        mine,
+        f"output {mine} is not empty and was not written by colocate: choose a new directory, or replace it with --overwrite",
+        capsys,
+    )
     monkeypatch.chdir(mine)
     _refused(ckpt, ".", "output . is or contains the working directory: choose a new directory", capsys)
     monkeypatch.chdir(tmp_path)
     for out in (run, run / "checkpoints", ckpt, ckpt / "hf_export"):
-        _refused(ckpt, out, f"output {out} must not be, contain or lie inside {ckpt}, which it is read from",
-                 capsys, "--overwrite")
+        _refused(
+            ckpt, out, f"output {out} must not be, contain or lie inside {ckpt}, which it is read from", capsys, "--overwrite"
+        )
     first = export(ckpt, tmp_path / "exported", dtype="float32")
     assert (first / MARKER).is_file() and (first / "model.safetensors").is_file()
     export(ckpt, first)  # an earlier export is replaced
@@ -185,6 +192,5 @@ def test_a_failed_export_leaves_the_earlier_one(actor_checkpoint, tmp_path, monk
 def test_export_of_a_damaged_checkpoint_names_the_file(actor_checkpoint, tmp_path, capsys):
     ckpt = Path(shutil.copytree(actor_checkpoint, tmp_path / "rollout_000000"))
     now, saved = _truncate(ckpt / ".metadata")
-    _refused(ckpt, tmp_path / "out", f"checkpoint {ckpt} is damaged: .metadata has {now} bytes, {saved} when saved",
-             capsys)
+    _refused(ckpt, tmp_path / "out", f"checkpoint {ckpt} is damaged: .metadata has {now} bytes, {saved} when saved", capsys)
     assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == ["rollout_000000"]

@@ -37,8 +37,9 @@ def _state(seed: int, nan: bool = False):
 
 
 def _values(layer, opt) -> list[torch.Tensor]:
-    return [t.detach().clone() for t in (layer.weight, layer.bias, *(opt.state[p]["momentum_buffer"]
-                                                                     for p in layer.parameters()))]
+    return [
+        t.detach().clone() for t in (layer.weight, layer.bias, *(opt.state[p]["momentum_buffer"] for p in layer.parameters()))
+    ]
 
 
 def _save(root: Path, *ids: int, keep_last: int = 0, nan: bool = False) -> None:
@@ -69,12 +70,12 @@ def _damage(path: Path, how: str) -> None:
         weight = _state(int(path.name[-6:]))[1].weight.detach().numpy().tobytes()
         at = data.find(weight)
         assert at > 0 and data.count(weight) == 1
-        data[at:at + len(weight)] = torch.full((6,), float("nan")).numpy().tobytes()
+        data[at : at + len(weight)] = torch.full((6,), float("nan")).numpy().tobytes()
     elif how == "garbage":
         middle = len(data) // 2
-        data[middle - 512:middle + 512] = random.Random(0).randbytes(1024)
+        data[middle - 512 : middle + 512] = random.Random(0).randbytes(1024)
     else:
-        del data[len(data) // 2:]
+        del data[len(data) // 2 :]
     shard.write_bytes(bytes(data))
 
 
@@ -89,8 +90,11 @@ def test_every_file_is_checksummed_as_written_and_never_read_back(tmp_path, monk
     path = save_checkpoint(tmp_path / "ckpt", 1, _state(1)[0], model_dir=model_dir)
     doc = _manifest(path)
     on_disk = sorted(f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file())
-    assert sorted(doc["files"]) == sorted(set(on_disk) - {"manifest.json"}) == [
-        ".metadata", SHARD, "hf/config.json", "meta.json", "rng_rank0.pt"]
+    assert (
+        sorted(doc["files"])
+        == sorted(set(on_disk) - {"manifest.json"})
+        == [".metadata", SHARD, "hf/config.json", "meta.json", "rng_rank0.pt"]
+    )
     for name, entry in doc["files"].items():
         data = (path / name).read_bytes()
         assert entry == {"size": len(data), "crc32": zlib.crc32(data)}, name
@@ -113,9 +117,10 @@ def test_a_damaged_shard_falls_back_to_the_older_checkpoint(tmp_path, how, shard
         path, extra = resume_newest(tmp_path, states)
     assert (path, extra) == (tmp_path / "rollout_000001", {"id": 1})
     (line,) = [str(w.message) for w in warned]
-    reason = {"truncated": f"{SHARD} has {size // 2} bytes, {size} when saved",
-              "nan": f"{SHARD} differs from the saved file (CRC-32)" if shard_checksum else
-              "model.model.weight holds NaN or inf"}.get(how, f"{SHARD} differs from the saved file (CRC-32)")
+    reason = {
+        "truncated": f"{SHARD} has {size // 2} bytes, {size} when saved",
+        "nan": f"{SHARD} differs from the saved file (CRC-32)" if shard_checksum else "model.model.weight holds NaN or inf",
+    }.get(how, f"{SHARD} differs from the saved file (CRC-32)")
     if how == "garbage" and not shard_checksum:
         assert line.startswith(f"{newest}: skipped, damaged: unreadable (") and "\n" not in line
     else:
@@ -136,9 +141,11 @@ def test_none_loading_is_one_error_naming_each_and_nothing_is_deleted(tmp_path):
     before = snapshot(tmp_path)
     with pytest.warns(UserWarning) as warned, pytest.raises(ValueError) as info:
         resume_newest(tmp_path, _state(7)[0])
-    reasons = [f"{tmp_path / 'rollout_000003'} ({SHARD} differs from the saved file (CRC-32))",
-               f"{tmp_path / 'rollout_000002'} (rng_rank0.pt is missing)",
-               f"{tmp_path / 'rollout_000001'} ({SHARD} differs from the saved file (CRC-32))"]
+    reasons = [
+        f"{tmp_path / 'rollout_000003'} ({SHARD} differs from the saved file (CRC-32))",
+        f"{tmp_path / 'rollout_000002'} (rng_rank0.pt is missing)",
+        f"{tmp_path / 'rollout_000001'} ({SHARD} differs from the saved file (CRC-32))",
+    ]
     assert str(info.value) == f"no usable checkpoint under {tmp_path}: {'; '.join(reasons)}"
     assert len(warned) == 3
     assert snapshot(tmp_path) == before
@@ -172,7 +179,9 @@ def test_a_non_finite_save_is_marked_skipped_and_never_prunes_the_last_good_one(
         _save(tmp_path, 2, 3, keep_last=1, nan=True)
     assert [str(w.message) for w in warned] == [
         f"checkpoint {tmp_path / f'rollout_00000{i}'}: model.model.weight holds NaN or inf; it is kept, but "
-        "resuming skips it and pruning does not count it" for i in (2, 3)]
+        "resuming skips it and pruning does not count it"
+        for i in (2, 3)
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout_000001", "rollout_000002", "rollout_000003"]
     doc = _manifest(tmp_path / "rollout_000003")
     assert doc["finite"] is False and doc["non_finite"] == "model.model.weight"
@@ -180,8 +189,8 @@ def test_a_non_finite_save_is_marked_skipped_and_never_prunes_the_last_good_one(
     with pytest.warns(UserWarning) as warned:
         assert resume_newest(tmp_path, states) == (tmp_path / "rollout_000001", {"id": 1})
     assert [str(w.message) for w in warned] == [
-        f"{tmp_path / f'rollout_00000{i}'}: skipped, damaged: model.model.weight held NaN or inf when saved"
-        for i in (3, 2)]
+        f"{tmp_path / f'rollout_00000{i}'}: skipped, damaged: model.model.weight held NaN or inf when saved" for i in (3, 2)
+    ]
     assert all(torch.equal(a, b) for a, b in zip(_values(layer, opt), _values(*_state(1)[1:])))
     _save(tmp_path, 4, keep_last=1)  # a usable checkpoint: the others may go
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout_000004"]
@@ -238,9 +247,15 @@ def _two_rank_worker(rank, store_file, root, out):
         warnings.simplefilter("always")
         path, _ = resume_newest(root, {"model": ModelOptimizerState(fresh, fresh_opt)})
     equal = all(torch.equal(a, b) for a, b in zip(full(fresh), at_save))
-    torch.save(dict(path=str(path), equal=equal, saved=[str(w.message) for w in saved_warnings],
-                    resumed=[str(w.message) for w in resume_warnings if "skipped" in str(w.message)]),
-               out / f"rank{rank}.pt")
+    torch.save(
+        dict(
+            path=str(path),
+            equal=equal,
+            saved=[str(w.message) for w in saved_warnings],
+            resumed=[str(w.message) for w in resume_warnings if "skipped" in str(w.message)],
+        ),
+        out / f"rank{rank}.pt",
+    )
     cdist.destroy()
     cdist.exit_process(0)
 
@@ -256,6 +271,7 @@ def test_two_ranks_agree_on_a_nan_in_one_shard_and_on_a_file_damaged_on_one_rank
     assert [len(r["saved"]) for r in ranks] == [1, 0]  # only rank 0 warns
     assert ranks[0]["resumed"] == [
         f"{root / 'rollout_000003'}: skipped, damaged: model.model.0.weight held NaN or inf when saved",
-        f"{root / 'rollout_000002'}: skipped, damaged: __1_0.distcp differs from the saved file (CRC-32)"]
+        f"{root / 'rollout_000002'}: skipped, damaged: __1_0.distcp differs from the saved file (CRC-32)",
+    ]
     assert ranks[1]["resumed"] == []
     assert sorted(p.name for p in root.iterdir()) == ["rollout_000001", "rollout_000002", "rollout_000003"]

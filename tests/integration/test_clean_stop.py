@@ -41,8 +41,7 @@ def reward(prompts, responses, labels, metadata):
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def _steps(out: Path) -> list[int]:
@@ -60,8 +59,9 @@ def _run(tmp_path: Path, out: Path, *flags: str, kind: str = "train", at: int = 
     config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
     config["rollout"]["reward"] = config["eval"]["datasets"][0]["reward"] = f"{hook}:reward"
     (tmp_path / "stop.yaml").write_text(yaml.safe_dump(config))
-    return run_module("colocate.train", "--config", str(tmp_path / "stop.yaml"), "--output-dir", str(out),
-                      "--logging.console", "True", *flags)
+    return run_module(
+        "colocate.train", "--config", str(tmp_path / "stop.yaml"), "--output-dir", str(out), "--logging.console", "True", *flags
+    )
 
 
 @pytest.mark.slow
@@ -75,10 +75,21 @@ def test_signal_during_a_step_saves_that_step_and_resumes(tmp_path, sig, code):
     assert _steps(out) == [0, 1, 2]  # the step in flight finished and logged its record
     assert _checkpoints(out) == [2]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last == (f"stopped by {sig} after step 2: checkpoint {out / 'checkpoints' / 'rollout_000002'}; "
-                    "run the same command to resume from it")
-    resumed = run_module("colocate.train", "--config", str(ROOT / "configs/default.yaml"), "--output-dir", str(out),
-                         "--train.num_rollout", "5", "--logging.console", "False")
+    assert last == (
+        f"stopped by {sig} after step 2: checkpoint {out / 'checkpoints' / 'rollout_000002'}; "
+        "run the same command to resume from it"
+    )
+    resumed = run_module(
+        "colocate.train",
+        "--config",
+        str(ROOT / "configs/default.yaml"),
+        "--output-dir",
+        str(out),
+        "--train.num_rollout",
+        "5",
+        "--logging.console",
+        "False",
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(out) == [0, 1, 2, 3, 4]
     assert _checkpoints(out) == [2, 4]  # save_on_exit saves the run's last step too
@@ -102,18 +113,26 @@ def test_signal_between_steps_saves_the_last_trained_step(tmp_path):
 @pytest.mark.slow
 def test_save_on_exit_off_stops_without_saving(tmp_path):
     out = tmp_path / "run"
-    proc = _run(tmp_path, out, "--train.num_rollout", "40", "--eval.interval", "1000",
-                "--checkpoint.save_on_exit", "False", at=2)
+    proc = _run(tmp_path, out, "--train.num_rollout", "40", "--eval.interval", "1000", "--checkpoint.save_on_exit", "False", at=2)
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert _steps(out) == [0, 1] and _checkpoints(out) == []
     assert "nothing saved (checkpoint.save_on_exit is off)" in proc.stdout.strip().splitlines()[-1]
 
 
 def _launch(out: Path, env: dict) -> subprocess.Popen:
-    cmd = ["./launch.sh", "configs/default.yaml", "--output-dir", str(out), "--train.num_rollout", "400",
-           "--logging.console", "False"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group, like a terminal's job
+    cmd = [
+        "./launch.sh",
+        "configs/default.yaml",
+        "--output-dir",
+        str(out),
+        "--train.num_rollout",
+        "400",
+        "--logging.console",
+        "False",
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )  # its own process group, like a terminal's job
 
 
 def _wait_for_steps(out: Path, proc: subprocess.Popen, num_steps: int, timeout: float) -> None:
@@ -147,8 +166,7 @@ def test_two_process_run_stops_cleanly(tmp_path, sig, code):
     assert steps == list(range(len(steps))) and _checkpoints(out) == [steps[-1]]
     log = (out / "log.txt").read_text().strip().splitlines()
     path = out / "checkpoints" / f"rollout_{steps[-1]:06d}"
-    assert log[-1].endswith(f"stopped by {sig} after step {steps[-1]}: checkpoint {path}; "
-                            "run the same command to resume from it")
+    assert log[-1].endswith(f"stopped by {sig} after step {steps[-1]}: checkpoint {path}; run the same command to resume from it")
 
 
 @pytest.mark.slow
@@ -164,9 +182,9 @@ def test_second_sigint_exits_at_once(tmp_path):
         "print('first handled', flush=True)\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "time.sleep(30)\n"
-        "print('not reached')\n")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT)
+        "print('not reached')\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout.readline() == "first handled\n"
     handled = time.monotonic()  # the imports are behind: what is left is the second signal and the exit
     out, err = proc.communicate(timeout=60)

@@ -29,8 +29,11 @@ READ_WITH = {
     "algorithm.mis_low": {"algorithm.use_mis": True},
     "algorithm.mis_high": {"algorithm.use_mis": True},
     "algorithm.overlong_penalty_factor": {"algorithm.overlong_buffer_len": 4},
-    "algorithm.gamma": GAE, "algorithm.lam": GAE, "algorithm.value_clip": GAE,
-    "algorithm.num_critic_only_steps": GAE, "train.critic_lr": GAE,
+    "algorithm.gamma": GAE,
+    "algorithm.lam": GAE,
+    "algorithm.value_clip": GAE,
+    "algorithm.num_critic_only_steps": GAE,
+    "train.critic_lr": GAE,
     "train.num_rollout": {"eval.interval": 1, "eval.datasets": [EvalDataset(path="eval.jsonl")]},
     # Several optimizer steps per rollout, so that ratios move away from 1 and clipping matters.
     "algorithm.eps_clip": {"train.global_batch_size": 4},
@@ -84,8 +87,9 @@ def _samples(vocab: int, reward: float | None = None) -> list[Sample]:
         for j in range(GROUP):
             n = int(torch.randint(2, 10, (1,), generator=g))
             r = float(torch.rand(1, generator=g)) if reward is None else reward
-            out.append(Sample(prompt, torch.randint(2, vocab, (n,), generator=g).tolist(), [-3.0] * n, [1] * n,
-                              group, j, reward=r))
+            out.append(
+                Sample(prompt, torch.randint(2, vocab, (n,), generator=g).tolist(), [-3.0] * n, [1] * n, group, j, reward=r)
+            )
     return out
 
 
@@ -164,5 +168,7 @@ def test_the_trainer_refuses_non_finite_weights_and_stops_after_repeated_skips(w
     assert results["nan_weights"] == f"{file}: tensor model.norm.weight holds non-finite values (1 NaN, 0 inf of 56)"
     skipped, error = results["skips"]
     assert skipped == 1.0  # one optimizer step per rollout: the first skip is only logged
-    assert error == ("2 optimizer steps in a row (train.max_skipped_steps) were skipped for a non-finite loss (nan) "
-                     "or grad norm (nan): training diverged; lower train.lr (now 0.001)")
+    assert error == (
+        "2 optimizer steps in a row (train.max_skipped_steps) were skipped for a non-finite loss (nan) "
+        "or grad norm (nan): training diverged; lower train.lr (now 0.001)"
+    )

@@ -17,19 +17,55 @@ from tests.tolerances import assert_within_noise, error_stats, release_expectati
 pytestmark = pytest.mark.gpu
 
 QWEN25_05B = ArchConfig(
-    model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
-    tie_word_embeddings=True, attention_bias=True, eos_token_id=151643)
+    model_type="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    attention_bias=True,
+    eos_token_id=151643,
+)
 SMALL = ArchConfig(
-    model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=32, qk_norm=True, eos_token_id=1)
+    model_type="qwen3",
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    qk_norm=True,
+    eos_token_id=1,
+)
 # transformers models for the log-prob tests. N(0, 0.08) weights, as random_model's: peaked
 # distributions, as a trained model's are.
-HF_MEDIUM = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=2, head_dim=64, initializer_range=0.08)
-HF_QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                     num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                     max_position_embeddings=4096, initializer_range=0.08)
+HF_MEDIUM = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    initializer_range=0.08,
+)
+HF_QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    initializer_range=0.08,
+)
 
 
 def random_model(cfg, seed=0, dtype=torch.bfloat16):
@@ -54,7 +90,7 @@ def trainer_logprobs(model, sequences, temperature):
     for prompt, output in sequences:
         ids = torch.tensor(prompt + output, device="cuda")
         with torch.no_grad():
-            hidden = model.hidden_states(ids)[len(prompt) - 1:-1]  # (T, H)
+            hidden = model.hidden_states(ids)[len(prompt) - 1 : -1]  # (T, H)
             logits = torch.mm(hidden, model.lm_head.weight.T, out_dtype=torch.float32)
         logp = (logits / temperature).log_softmax(-1)  # (T, V)
         out.append(logp.gather(1, torch.tensor(output, device="cuda")[:, None]).squeeze(1).cpu())
@@ -71,8 +107,7 @@ def transformers_pair(path_and_model):
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory):
     """A random Qwen3 (qk-norm) with bf16-exact weights: its directory, fp32 and bf16 transformers."""
-    return transformers_pair(write_hf_model(tmp_path_factory.mktemp("hf"), "qwen3", bf16_weights=True,
-                                            **HF_MEDIUM))
+    return transformers_pair(write_hf_model(tmp_path_factory.mktemp("hf"), "qwen3", bf16_weights=True, **HF_MEDIUM))
 
 
 def check_logprobs(label, ours, sequences, hf32, hf16, temperature):
@@ -160,8 +195,9 @@ def test_compiled_decode_compiles_one_layer_for_all_layers():
     torch._dynamo.reset()  # graphs an earlier test compiled would be reused, not counted
     counters.clear()
     engine = NativeEngine(random_model(cfg), max_kv_tokens=1 << 15, compile_decode=True)
-    out = engine.generate(prompts(16, 24, cfg.vocab_size),
-                          SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=3))
+    out = engine.generate(
+        prompts(16, 24, cfg.vocab_size), SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=3)
+    )
     assert engine.runner.compiled_decode and engine.runner.graphs.captured
     assert counters["stats"]["unique_graphs"] == 3  # embedding, the layer every layer shares, head
     assert [len(c.output_ids) for c in out] == [32] * 16
@@ -181,10 +217,20 @@ def test_production_sampler_paths():
     logits = torch.randn(b, v, device="cuda", generator=g) * 4
     cuda = dict(device="cuda")
     counter = torch.arange(b, **cuda) + 100
-    args = (logits, torch.rand(b, **cuda) * (torch.arange(b, **cuda) % 4 > 0), torch.full((b,), v, **cuda),
-            torch.ones(b, **cuda), torch.zeros(b, **cuda), torch.arange(b, **cuda) * 7919, counter)
-    plain = SamplingBatch.build([(SamplingParams(temperature=float(t)), int(sd), frozenset(), 0)
-                                 for t, sd in zip(args[1].tolist(), args[5].tolist())], v, torch.device("cuda"))
+    args = (
+        logits,
+        torch.rand(b, **cuda) * (torch.arange(b, **cuda) % 4 > 0),
+        torch.full((b,), v, **cuda),
+        torch.ones(b, **cuda),
+        torch.zeros(b, **cuda),
+        torch.arange(b, **cuda) * 7919,
+        counter,
+    )
+    plain = SamplingBatch.build(
+        [(SamplingParams(temperature=float(t)), int(sd), frozenset(), 0) for t, sd in zip(args[1].tolist(), args[5].tolist())],
+        v,
+        torch.device("cuda"),
+    )
     assert not plain.truncate
     ids_c, lp_c = plain.sample(logits, counter)
     ids_e, lp_e = sample_tokens(*args, truncate=False)
@@ -199,8 +245,10 @@ def test_production_sampler_paths():
     assert (lp - full).abs().max().item() <= 1e-4  # untruncated log-prob, the protocol's definition
 
 
-@pytest.mark.parametrize("case", ["plain", "uncompiled", "shared_prefix", "chunked_prefill", "preemption",
-                                  "compiled_prefill", "compiled_chunked_prefill"])
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "uncompiled", "shared_prefix", "chunked_prefill", "preemption", "compiled_prefill", "compiled_chunked_prefill"],
+)
 def test_bf16_logprobs_are_within_transformers_bf16_error(medium, case):
     """Every paging path gives log-probs as close to transformers' fp32 forward as transformers'
     own bf16 forward is, on the same 3200 sampled tokens; a paging bug (wrong block, wrong causal
@@ -243,7 +291,19 @@ def test_bf16_logprobs_at_0_5b_shape_are_within_transformers_bf16_error(tmp_path
         sp = SamplingParams(temperature=temperature, max_new_tokens=64, ignore_eos=True, seed=4)
         outs = engine.generate(batch, sp)
         sequences = [(batch[c.prompt_index], c.output_ids) for c in outs]
-        check_logprobs(f"engine, 0.5B shape, T={temperature}", torch.tensor([lp for c in outs for lp in c.logprobs]),
-                       sequences, hf32, hf16, temperature)
-        check_logprobs(f"trainer-style, 0.5B shape, T={temperature}", trainer_logprobs(ours, sequences, temperature),
-                       sequences, hf32, hf16, temperature)
+        check_logprobs(
+            f"engine, 0.5B shape, T={temperature}",
+            torch.tensor([lp for c in outs for lp in c.logprobs]),
+            sequences,
+            hf32,
+            hf16,
+            temperature,
+        )
+        check_logprobs(
+            f"trainer-style, 0.5B shape, T={temperature}",
+            trainer_logprobs(ours, sequences, temperature),
+            sequences,
+            hf32,
+            hf16,
+            temperature,
+        )

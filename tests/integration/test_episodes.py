@@ -31,24 +31,33 @@ def single_process():
 class Chat(Environment):
     """Three policy turns; after each the user says which turn comes next."""
 
-    def __init__(self, fail_reset_at: int | None = None, fail_step_at: int | None = None, sleep_s: float = 0.0,
-                 fail_sample: int | None = None):
+    def __init__(
+        self,
+        fail_reset_at: int | None = None,
+        fail_step_at: int | None = None,
+        sleep_s: float = 0.0,
+        fail_sample: int | None = None,
+    ):
         self.fail_reset_at, self.fail_step_at, self.sleep_s = fail_reset_at, fail_step_at, sleep_s
         self.fail_sample = fail_sample
 
     def reset(self, row):
         if row["index"] == self.fail_reset_at:
             raise RuntimeError("no episode for this row")
-        return Observation(messages=[{"role": "user", "content": row["prompt"]}],
-                           state={"turns": 0, "sample": row["sample_index"]})
+        return Observation(
+            messages=[{"role": "user", "content": row["prompt"]}], state={"turns": 0, "sample": row["sample_index"]}
+        )
 
     def step(self, state, action):
         time.sleep(self.sleep_s)
         state["turns"] += 1
         if state["turns"] == self.fail_step_at and self.fail_sample in (None, state["sample"]):
             raise ValueError("the environment broke")
-        return Observation(messages=[{"role": "user", "content": f"turn {state['turns']}"}], done=state["turns"] == TURNS,
-                           reward_parts={"turn": 1.0})
+        return Observation(
+            messages=[{"role": "user", "content": f"turn {state['turns']}"}],
+            done=state["turns"] == TURNS,
+            reward_parts={"turn": 1.0},
+        )
 
     def reward(self, state):
         return state["turns"] / TURNS
@@ -66,8 +75,9 @@ def _prompts(tok, texts):
 
 
 def _run(tok, engine, env, *, n=2, turn_tokens=6, strict=False, recorder=None, env_timeout_s=None):
-    limits = EpisodeLimits(max_turns=5, max_episode_tokens=200, turn_max_new_tokens=turn_tokens, tool_timeout_s=1.0,
-                           env_timeout_s=env_timeout_s)
+    limits = EpisodeLimits(
+        max_turns=5, max_episode_tokens=200, turn_max_new_tokens=turn_tokens, tool_timeout_s=1.0, env_timeout_s=env_timeout_s
+    )
     runner = EpisodeRunner(env, tok, limits, workers=4, strict=strict)
     if recorder is not None:
         turn = runner._turn
@@ -75,13 +85,17 @@ def _run(tok, engine, env, *, n=2, turn_tokens=6, strict=False, recorder=None, e
         def record(episode, end):
             cont = turn(episode, end)
             recorder.setdefault((episode.prompt.index, episode.sample_index), []).append(
-                (list(end.turn_ids), None if cont is None else list(cont.observation_ids)))
+                (list(end.turn_ids), None if cont is None else list(cont.observation_ids))
+            )
             return cont
 
         runner._turn = record
     prompts = _prompts(tok, ["Hello there", "What is 2+3?"])
-    sampling = [SamplingParams(n=n, temperature=1.0, max_new_tokens=turn_tokens, seed=11,
-                               stop_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),))] * len(prompts)
+    sampling = [
+        SamplingParams(
+            n=n, temperature=1.0, max_new_tokens=turn_tokens, seed=11, stop_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),)
+        )
+    ] * len(prompts)
     try:
         return runner.run(engine, prompts, sampling), runner
     finally:
@@ -180,8 +194,9 @@ def test_an_environment_that_raises_drops_its_episode_and_is_counted(chat_model)
     start = time.perf_counter()
     samples, runner = _run(tok, engine, Chat(sleep_s=5.0), env_timeout_s=0.3)
     assert time.perf_counter() - start < 3
-    assert all("step: TimeoutError: step took more than rollout.env_timeout_s=0.3 s" in s.metadata["env"]["error"]
-               for s in samples)
+    assert all(
+        "step: TimeoutError: step took more than rollout.env_timeout_s=0.3 s" in s.metadata["env"]["error"] for s in samples
+    )
     with pytest.raises(ValueError, match="rollout.env: step raised ValueError: the environment broke"):
         _run(tok, engine, Chat(fail_step_at=2), strict=True)
     assert not engine.has_unfinished_requests()

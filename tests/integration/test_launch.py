@@ -14,7 +14,8 @@ from tests.integration.test_loop import ROOT, toy_config
 
 pytestmark = pytest.mark.skipif(
     subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode != 0,
-    reason="launch.sh checks the PYTHON interpreter's packages with pip, which this one lacks")
+    reason="launch.sh checks the PYTHON interpreter's packages with pip, which this one lacks",
+)
 
 
 def launch(*args: str, **env_vars: str) -> subprocess.CompletedProcess:
@@ -24,8 +25,7 @@ def launch(*args: str, **env_vars: str) -> subprocess.CompletedProcess:
 
 
 def test_launch_runs_the_config_with_its_flags_in_one_process(tmp_path):
-    config = toy_config(tmp_path, train={"num_rollout": 3}, eval={"interval": None},
-                        checkpoint={"save_interval": None})
+    config = toy_config(tmp_path, train={"num_rollout": 3}, eval={"interval": None}, checkpoint={"save_interval": None})
     done = launch(str(config), "--output-dir", str(tmp_path / "run"), "--train.num_rollout", "2")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     rows = read_metrics(tmp_path / "run")
@@ -48,8 +48,7 @@ def test_a_process_count_that_does_not_divide_the_batch_is_the_last_line_before_
     config = toy_config(tmp_path)
     done = launch(str(config), "--output-dir", str(tmp_path / "run"), NPROC="3")
     assert done.returncode == 2, (done.stdout + done.stderr)[-3000:]
-    assert done.stderr.strip().splitlines() == [
-        "error: rollout.rollout_batch_size=8 must be divisible by the world size 3"]
+    assert done.stderr.strip().splitlines() == ["error: rollout.rollout_batch_size=8 must be divisible by the world size 3"]
     assert not (tmp_path / "run").exists()  # no rank started
 
 
@@ -60,14 +59,15 @@ def test_help_after_a_config_is_the_runs_help(tmp_path):
 
 
 def test_a_command_passes_through_to_colocate(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "rollout/raw_reward": 0.5}\n'
-                                            '{"step": 1, "rollout/raw_reward": 0.75}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "rollout/raw_reward": 0.5}\n{"step": 1, "rollout/raw_reward": 0.75}\n')
     done = launch("plot", str(tmp_path))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert done.stdout.splitlines()[-1] == str(tmp_path / "plots" / "rollout.png")
     done = launch("plot", str(tmp_path / "none"))
     assert (done.returncode, done.stderr.splitlines()[-1]) == (
-        2, f"error: no metrics file at {tmp_path / 'none' / 'metrics.jsonl'}")
+        2,
+        f"error: no metrics file at {tmp_path / 'none' / 'metrics.jsonl'}",
+    )
 
 
 def test_the_test_command_runs_only_the_files_it_is_given():

@@ -30,13 +30,24 @@ def toy_config(tmp_path: Path, **sections) -> Path:
     toy = ensure_toy(tmp_path / "toy")
     cfg = {
         "model": {"path": str(toy / "model")},
-        "rollout": {"prompt_data": str(toy / "train.jsonl"), "reward": "toy", "rollout_batch_size": 8,
-                    "n_samples_per_prompt": 4, "max_response_len": 8, "apply_chat_template": False,
-                    "max_kv_tokens": 4096},
+        "rollout": {
+            "prompt_data": str(toy / "train.jsonl"),
+            "reward": "toy",
+            "rollout_batch_size": 8,
+            "n_samples_per_prompt": 4,
+            "max_response_len": 8,
+            "apply_chat_template": False,
+            "max_kv_tokens": 4096,
+        },
         "algorithm": {"advantage_estimator": "grpo"},
         "train": {"num_rollout": 6, "lr": 3e-3, "max_tokens_per_gpu": 2048, "seed": 3},
-        "eval": {"interval": 3, "datasets": [{"name": "toy", "path": str(toy / "eval.jsonl"), "reward": "toy"}],
-                 "n_samples_per_eval_prompt": 2, "temperature": 1.0, "max_response_len": 8},
+        "eval": {
+            "interval": 3,
+            "datasets": [{"name": "toy", "path": str(toy / "eval.jsonl"), "reward": "toy"}],
+            "n_samples_per_eval_prompt": 2,
+            "temperature": 1.0,
+            "max_response_len": 8,
+        },
         "checkpoint": {"save_interval": 2, "keep_last": 2},
         "logging": {"wandb": False},
     }
@@ -47,16 +58,25 @@ def toy_config(tmp_path: Path, **sections) -> Path:
     return path
 
 
-def torchrun(config: Path, out: Path, *flags: str, nproc: int = 2, extra: tuple[str, ...] = (),
-             wait: bool = True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", *(extra or ("--standalone",)),
-           f"--nproc-per-node={nproc}", "-m", "colocate.train", "--config", str(config),
-           "--output-dir", str(out), *flags]
+def torchrun(config: Path, out: Path, *flags: str, nproc: int = 2, extra: tuple[str, ...] = (), wait: bool = True):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *(extra or ("--standalone",)),
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "colocate.train",
+        "--config",
+        str(config),
+        "--output-dir",
+        str(out),
+        *flags,
+    ]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     # torchrun's own report ends stderr; a rank's C++ abort message sits above it.
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-12000:]
@@ -117,8 +137,14 @@ def assert_every_step_logged(out: Path, logged_before_kill: list[int]) -> None:
     assert (rows[1].get("resume/record_from_checkpoint") == 1) == (1 not in logged_before_kill)
 
 
-DETERMINISTIC = ("rollout/raw_reward", "rollout/response_len/mean", "train/pg_loss", "train/grad_norm",
-                 "train/entropy_loss", "train/ppo_kl")
+DETERMINISTIC = (
+    "rollout/raw_reward",
+    "rollout/response_len/mean",
+    "train/pg_loss",
+    "train/grad_norm",
+    "train/entropy_loss",
+    "train/ppo_kl",
+)
 
 
 @pytest.mark.slow
@@ -190,17 +216,28 @@ def test_eval_only_run(tmp_path):
 
 @pytest.mark.slow
 def test_two_node_rendezvous_on_one_machine(tmp_path):
-    config = toy_config(tmp_path, train={"num_rollout": 2}, eval={"interval": None},
-                        checkpoint={"save_interval": None})
+    config = toy_config(tmp_path, train={"num_rollout": 2}, eval={"interval": None}, checkpoint={"save_interval": None})
     # The endpoint's port, found free, can be taken before node 0's agent binds it: the agents then
     # fail to meet (node 0 falls back to connecting, and times out), before any code of ours runs.
     for attempt in range(3):
         out = tmp_path / f"two_nodes_{attempt}"
         port = free_port()
-        procs = [torchrun(config, out, nproc=1, wait=False,
-                          extra=("--nnodes=2", f"--node-rank={r}", "--rdzv-backend=c10d",
-                                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=colocate-test"))
-                 for r in range(2)]
+        procs = [
+            torchrun(
+                config,
+                out,
+                nproc=1,
+                wait=False,
+                extra=(
+                    "--nnodes=2",
+                    f"--node-rank={r}",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=colocate-test",
+                ),
+            )
+            for r in range(2)
+        ]
         outputs = [p.communicate(timeout=600)[0].decode() for p in procs]
         if not any("RendezvousConnectionError" in o or "address already in use" in o.lower() for o in outputs):
             break
@@ -211,8 +248,9 @@ def test_two_node_rendezvous_on_one_machine(tmp_path):
 
 def test_bad_config_fails_before_any_model_work(tmp_path):
     config = toy_config(tmp_path, rollout={"top_p": 1.5})
-    done = subprocess.run([sys.executable, "-m", "colocate.train", "--config", str(config)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "colocate.train", "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode != 0 and "rollout.top_p" in done.stderr
     assert "Traceback" not in done.stderr.splitlines()[-1]
 
@@ -223,9 +261,14 @@ def test_default_run_learns(tmp_path):
     env = {**os.environ, "COLOCATE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2"}
     out = tmp_path / "default"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([sys.executable, "-m", "colocate.train", "--config", "configs/default.yaml",
-                           "--output-dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "colocate.train", "--config", "configs/default.yaml", "--output-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     # "Within minutes" as CPU time, which other work on a shared machine does not stretch as it does

@@ -13,8 +13,15 @@ from tests.integration.test_loop import torchrun, toy_config
 
 pytestmark = pytest.mark.gpu
 
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 
 
 def _half_billion_model(tmp_path, toy_model_dir):
@@ -34,11 +41,14 @@ def _half_billion_model(tmp_path, toy_model_dir):
 
 
 def test_offloaded_loop_ledger_shows_both_releases(tmp_path):
-    config = toy_config(tmp_path, train={"num_rollout": 3, "lr": 1e-5},
-                        offload={"offload_rollout": True, "offload_train": True},
-                        rollout={"gpu_memory_fraction": 0.3, "cuda_graph_max_bs": 32, "compile_decode": False},
-                        eval={"interval": None},
-                        checkpoint={"save_interval": None})
+    config = toy_config(
+        tmp_path,
+        train={"num_rollout": 3, "lr": 1e-5},
+        offload={"offload_rollout": True, "offload_train": True},
+        rollout={"gpu_memory_fraction": 0.3, "cuda_graph_max_bs": 32, "compile_decode": False},
+        eval={"interval": None},
+        checkpoint={"save_interval": None},
+    )
     model = _half_billion_model(tmp_path, tmp_path / "toy" / "model")
     out = tmp_path / "run"
     torch.cuda.empty_cache()  # the model written above
@@ -50,10 +60,11 @@ def test_offloaded_loop_ledger_shows_both_releases(tmp_path):
         gen, to_train, train = (r[f"memory/{p}/device_used_gib"] for p in ("generate", "to_train", "train"))
         engine_gib = r["handoff/engine_release_gib"]
         trainer_gib = r["handoff/trainer_onload_gib"] + r["handoff/trainer_state_streamed_gib"]
-        print(f"step {r['step']}: device used generate {gen:.1f} / to_train {to_train:.1f} / train {train:.1f} "
-              f"GiB -> engine released {engine_gib:.1f} GiB, trainer back {trainer_gib:.1f} GiB; "
-              f"phases " + " ".join(f"{k[5:-5]}={v:.3f}s" for k, v in r.items() if k.startswith("perf/")
-                                    and k.endswith("_time")))
+        print(
+            f"step {r['step']}: device used generate {gen:.1f} / to_train {to_train:.1f} / train {train:.1f} "
+            f"GiB -> engine released {engine_gib:.1f} GiB, trainer back {trainer_gib:.1f} GiB; "
+            f"phases " + " ".join(f"{k[5:-5]}={v:.3f}s" for k, v in r.items() if k.startswith("perf/") and k.endswith("_time"))
+        )
         # 30% of the memory free at the engine's start went to its KV cache (the trainer's 0.5B
         # shape already held some of what is free now): it comes back at release, read from the
         # device, not from the engine's counters.

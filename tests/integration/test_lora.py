@@ -77,13 +77,15 @@ def _start_and_push(path, info) -> dict:
     samples = _samples(vocab=101)
     ids = torch.tensor(samples[0].tokens)
     trainer, full = Trainer(_lora(path), info), Trainer(_config(path), info)
-    out = dict(init=(_logits(trainer, ids), _logits(full, ids)), num_trained=len(trainer.actor.opt.params),
-               optim_state=[sorted(s) for s in trainer.actor.opt.optimizer.state.values()])
+    out = dict(
+        init=(_logits(trainer, ids), _logits(full, ids)),
+        num_trained=len(trainer.actor.opt.params),
+        optim_state=[sorted(s) for s in trainer.actor.opt.optimizer.state.values()],
+    )
     trainer.train(samples, rollout_id=0)
     groups = trainer.memory.offloader.groups  # what an offload would move (offload.keep_adapters)
     frozen = {id(p) for p in trainer.actor_module.parameters() if not p.requires_grad}
-    out["offload_sources"] = ({id(t) for t in groups[ACTOR_PARAMS].source()} == frozen,
-                              len(list(groups[ACTOR_OPTIM].source())))
+    out["offload_sources"] = ({id(t) for t in groups[ACTOR_PARAMS].source()} == frozen, len(list(groups[ACTOR_OPTIM].source())))
     engines = {dtype: NativeEngine(str(path), dtype=dtype, max_kv_tokens=256) for dtype in (torch.float32, torch.bfloat16)}
     for dtype, engine in engines.items():
         out[dtype, "stats"] = sync_weights(trainer.actor_module, engine, version=1, dtype=dtype)
@@ -101,8 +103,15 @@ def _reference(path, info) -> dict:
     from colocate.trainer import Trainer
     from colocate.trainer.memory import REFERENCE
 
-    cfg = _lora(path, **{"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.1,
-                         "algorithm.kl_estimator": "k3", "train.global_batch_size": 4})
+    cfg = _lora(
+        path,
+        **{
+            "algorithm.use_kl_loss": True,
+            "algorithm.kl_loss_coef": 0.1,
+            "algorithm.kl_estimator": "k3",
+            "train.global_batch_size": 4,
+        },
+    )
     trainer = Trainer(cfg, info)
     shared = trainer.reference.model is trainer.actor_module and REFERENCE not in trainer.memory.offloader.groups
     return dict(shared=shared, metrics=[trainer.train(_samples(vocab=101), rollout_id=i) for i in range(2)])
@@ -113,21 +122,25 @@ def _recompute_and_compile(path, info, directory) -> dict:
     test_trainer_fsdp), and with dropout, recomputed vs not under one seed."""
     samples = _samples(vocab=101)
     out = {"eager": _two_steps(path, info, samples, **{"train.max_tokens_per_gpu": 4096})["grads"]}
-    out["full"] = _two_steps(path, info, samples, **{"train.max_tokens_per_gpu": 16,
-                                                     "model.gradient_checkpointing": True})["grads"]
-    out["mlp"] = _two_steps(path, info, samples, **{"train.max_tokens_per_gpu": 32, "model.recompute_fraction": 0.5,
-                                                    "model.recompute_rest": "mlp"})["grads"]
+    out["full"] = _two_steps(path, info, samples, **{"train.max_tokens_per_gpu": 16, "model.gradient_checkpointing": True})[
+        "grads"
+    ]
+    out["mlp"] = _two_steps(
+        path, info, samples, **{"train.max_tokens_per_gpu": 32, "model.recompute_fraction": 0.5, "model.recompute_rest": "mlp"}
+    )["grads"]
     for recompute in (False, True):
         torch.manual_seed(7)
-        out["dropout", recompute] = _two_steps(path, info, samples, **{"model.lora_dropout": 0.3,
-                                                                       "model.gradient_checkpointing": recompute})["grads"]
+        out["dropout", recompute] = _two_steps(
+            path, info, samples, **{"model.lora_dropout": 0.3, "model.gradient_checkpointing": recompute}
+        )["grads"]
     qwen3, _ = write_hf_model(directory, "qwen3")
     compile_fn = torch.compile
     torch.compile = functools.partial(compile_fn, backend="aot_eager")
     try:
         for compiled in (False, True):
-            out["qwen3", compiled] = _two_steps(qwen3, info, samples, **{"model.compile": compiled,
-                                                                         "train.max_tokens_per_gpu": 24})["grads"]
+            out["qwen3", compiled] = _two_steps(
+                qwen3, info, samples, **{"model.compile": compiled, "train.max_tokens_per_gpu": 24}
+            )["grads"]
     finally:
         torch.compile = compile_fn
     return out
@@ -151,10 +164,13 @@ def _resume(path, info, directory) -> dict:
     out["metrics"] = (first.train(batch, rollout_id=1), second.train(batch, rollout_id=1))
     out["adapters"] = (_adapters(first), _adapters(second))
     other, _ = write_hf_model(directory, "qwen2", hidden_size=48)
-    full_saved = save_checkpoint(directory / "full", 0, Trainer(_config(path), info).checkpoint_states(),
-                                 model_dir=path)
-    for name, cfg, ckpt in (("other_base", _lora(other), saved), ("other_alpha", _lora(path, **{"model.lora_alpha": 4.0}), saved),
-                            ("full_into_lora", _lora(path), full_saved), ("lora_into_full", _config(path), saved)):
+    full_saved = save_checkpoint(directory / "full", 0, Trainer(_config(path), info).checkpoint_states(), model_dir=path)
+    for name, cfg, ckpt in (
+        ("other_base", _lora(other), saved),
+        ("other_alpha", _lora(path, **{"model.lora_alpha": 4.0}), saved),
+        ("full_into_lora", _lora(path), full_saved),
+        ("lora_into_full", _config(path), saved),
+    ):
         try:
             load_checkpoint(ckpt, Trainer(cfg, info).checkpoint_states())
         except ValueError as e:
@@ -173,8 +189,9 @@ def _critic(path, info, directory) -> dict:
     lora = Trainer(_lora(path, **GAE), info)
     model = lora.critic.model
     base = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    out = dict(trained=sorted(n for n, p in model.named_parameters() if p.requires_grad),
-               num_state=len(lora.critic.opt.optimizer.state))
+    out = dict(
+        trained=sorted(n for n, p in model.named_parameters() if p.requires_grad), num_state=len(lora.critic.opt.optimizer.state)
+    )
     for rollout_id in range(2):  # the value head moves first, then B, then A
         lora.train(samples, rollout_id=rollout_id)
     weights = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
@@ -205,10 +222,17 @@ def _one_rank(rank, world_size, path, out_file):
 
     torch.set_num_threads(1)
     info = dist.get_info()
-    torch.save(dict(two_steps=_two_steps(path, info, _samples(vocab=101)), start=_start_and_push(path, info),
-                    reference=_reference(path, info), variants=_recompute_and_compile(path, info, out_file.parent),
-                    resume=_resume(path, info, out_file.parent), critic=_critic(path, info, out_file.parent)),
-               out_file)
+    torch.save(
+        dict(
+            two_steps=_two_steps(path, info, _samples(vocab=101)),
+            start=_start_and_push(path, info),
+            reference=_reference(path, info),
+            variants=_recompute_and_compile(path, info, out_file.parent),
+            resume=_resume(path, info, out_file.parent),
+            critic=_critic(path, info, out_file.parent),
+        ),
+        out_file,
+    )
 
 
 def _two_ranks(rank, world_size, path, out_file):
@@ -219,7 +243,7 @@ def _two_ranks(rank, world_size, path, out_file):
 
     samples = _samples(vocab=101)
     half = len(samples) // world_size
-    mine = samples[rank * half:(rank + 1) * half]
+    mine = samples[rank * half : (rank + 1) * half]
     result = _two_steps(path, dist.get_info(), mine)
     critic = Trainer(_lora(path, **GAE), dist.get_info())  # as _critic: grads of the third rollout
     for rollout_id in range(2):
@@ -264,8 +288,7 @@ def test_adapter_gradients_match_a_plain_torch_reference(model_path, one_rank):
         weight = name.replace(".lora_A.", ".").replace(".lora_B.", ".")
         a, b = leaves[weight.replace(".weight", ".lora_A.weight")], leaves[weight.replace(".weight", ".lora_B.weight")]
         merged[weight] = params[weight] + (ALPHA / RANK) * b @ a
-    loss = plain_grpo_loss(lambda ids: torch.func.functional_call(model, merged, (ids,)), _samples(vocab=101),
-                           "token_mean")
+    loss = plain_grpo_loss(lambda ids: torch.func.functional_call(model, merged, (ids,)), _samples(vocab=101), "token_mean")
     loss.backward()
     _assert_close(r["grads"], {n: leaf.grad for n, leaf in leaves.items()}, 1e-5)
     for name, leaf in leaves.items():  # q/k's A gradients are tiny here (~1e-7): relative too
@@ -281,11 +304,13 @@ def test_pushed_weights_are_peft_merges_and_later_pushes_send_adapted_modules_on
 
     def peft_merge(adapters):
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                         "gate_proj", "up_proj", "down_proj"])
+        config = peft.LoraConfig(
+            r=RANK, lora_alpha=ALPHA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        )
         wrapped = peft.get_peft_model(hf, config)
         assert not peft.set_peft_model_state_dict(
-            wrapped, {f"base_model.model.{n}": t for n, t in adapters.items()}).unexpected_keys
+            wrapped, {f"base_model.model.{n}": t for n, t in adapters.items()}
+        ).unexpected_keys
         return {n: t for n, t in wrapped.merge_and_unload().state_dict().items() if n in engine}
 
     start = one_rank["start"]
@@ -342,10 +367,10 @@ def test_checkpoint_of_another_base_or_kind_is_refused(one_rank, model_path):
     assert errors["other_base"].startswith(f"the checkpoint's LoRA adapters were trained on the base {model_path} ")
     assert "not on this run's base" in errors["other_base"] and "qwen2 (config.json SHA-256" in errors["other_base"]
     assert errors["other_alpha"] == "the checkpoint's LoRA adapters have alpha 8.0, this run's model.lora_alpha is 4.0"
-    assert errors["full_into_lora"].endswith("'model' is a whole model, not LoRA adapters (it was saved with "
-                                             "model.lora_rank 0)")
-    assert errors["lora_into_full"].endswith(f"'model' holds LoRA adapters of rank 4 on the base {model_path}; "
-                                             "resume it with model.lora_rank 4")
+    assert errors["full_into_lora"].endswith("'model' is a whole model, not LoRA adapters (it was saved with model.lora_rank 0)")
+    assert errors["lora_into_full"].endswith(
+        f"'model' holds LoRA adapters of rank 4 on the base {model_path}; resume it with model.lora_rank 4"
+    )
 
 
 def test_critic_trains_adapters_and_value_head_on_a_frozen_base(one_rank):
@@ -467,8 +492,9 @@ def _cuda_rank(rank, world_size, path, keep_adapters):
         assert moved == (first if rollout_id == 0 else 0 if keep_adapters else trained_bytes), rollout_id
         left = {n: p.to_local().untyped_storage().nbytes() for n, p in trainer.actor_module.named_parameters()}
         assert all(b == (storage_bytes[n] if keep_adapters and is_adapter(n) else 0) for n, b in left.items())
-        moments = [v for state in trainer.actor.opt.optimizer.state.values() for v in state.values()
-                   if torch.is_tensor(v) and v.is_cuda]
+        moments = [
+            v for state in trainer.actor.opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.is_cuda
+        ]
         local = [v.to_local() if hasattr(v, "to_local") else v for v in moments]
         assert local and all(bool(v.untyped_storage().nbytes()) == keep_adapters for v in local)
     trainer.memory.onload(*PARAMS)
@@ -478,8 +504,9 @@ def _cuda_rank(rank, world_size, path, keep_adapters):
     sync_weights(trainer.actor_module, engine, version=1, dtype=torch.bfloat16)
     got = dict(engine.model.named_parameters())
     for name, m in adapted_modules(trainer.actor_module):
-        expected = merged_weight(m.weight.full_tensor(), m.lora_A.weight.full_tensor(),
-                                 m.lora_B.weight.full_tensor(), m.scale, torch.bfloat16)
+        expected = merged_weight(
+            m.weight.full_tensor(), m.lora_A.weight.full_tensor(), m.lora_B.weight.full_tensor(), m.scale, torch.bfloat16
+        )
         assert torch.equal(got[f"{name}.weight"], expected), name
 
 

@@ -97,7 +97,8 @@ def test_resuming_onto_other_weights_is_refused_and_an_identical_copy_accepted(t
     assert str(info.value) == (
         f"the checkpoint's LoRA adapters were trained on the base {model_dir} (weights fingerprint "
         f"{weights_fingerprint(model_dir)[:12]}), not on this run's base {copy} (weights fingerprint "
-        f"{weights_fingerprint(copy)[:12]}): same config.json, other weights")
+        f"{weights_fingerprint(copy)[:12]}): same config.json, other weights"
+    )
     assert snapshot(tmp_path) == before
 
 
@@ -109,7 +110,8 @@ def test_adapters_saved_without_a_fingerprint_load_with_a_warning(tmp_path):
         load_checkpoint(ckpt, _states(model_dir))
     assert [str(w.message) for w in warned] == [
         f"the LoRA adapters of the base {model_dir} were saved without a fingerprint of its weights: that "
-        "base is checked by its config.json only"]
+        "base is checked by its config.json only"
+    ]
     with pytest.warns(UserWarning, match="checked by its config.json only"):
         export(ckpt, tmp_path / "merged", dtype="float32")
 
@@ -130,5 +132,6 @@ def test_export_refuses_a_base_whose_weights_changed(trained, tmp_path, adapter_
             export(ckpt, tmp_path / "refused", base=base, adapter_only=adapter_only)
         assert str(info.value) == (
             f"base model {changed} is not the one the adapters were trained on ({model_dir}): its weights differ "
-            f"(fingerprint {weights_fingerprint(changed)[:12]}, {trained_fingerprint[:12]} when trained)")
+            f"(fingerprint {weights_fingerprint(changed)[:12]}, {trained_fingerprint[:12]} when trained)"
+        )
         assert snapshot(tmp_path) == before

@@ -17,11 +17,29 @@ def _toy_run(tmp_path, *flags: str) -> dict:
     """The default run with rank-8 adapters on the frozen toy model (`flags` added); its rows by step."""
     env = {**os.environ, "COLOCATE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2"}
     out = tmp_path / "lora"
-    done = subprocess.run([sys.executable, "-m", "colocate.train", "--config", "configs/default.yaml",
-                           "--output-dir", str(out), "--model.lora-rank", "8", "--train.lr", "4e-3",
-                           "--offload.offload-rollout", "True", *flags],  # the engine keeps its weights
-                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colocate.train",
+            "--config",
+            "configs/default.yaml",
+            "--output-dir",
+            str(out),
+            "--model.lora-rank",
+            "8",
+            "--train.lr",
+            "4e-3",
+            "--offload.offload-rollout",
+            "True",
+            *flags,
+        ],  # the engine keeps its weights
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {r["step"]: r for r in read_metrics(out)}
 

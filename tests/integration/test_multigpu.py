@@ -24,21 +24,30 @@ from tests.integration.test_loop import (
 )
 
 NPROC = torch.cuda.device_count()
-pytestmark = [pytest.mark.multigpu,
-              pytest.mark.skipif(NPROC < 2, reason="needs 2 or more CUDA devices")]
+pytestmark = [pytest.mark.multigpu, pytest.mark.skipif(NPROC < 2, reason="needs 2 or more CUDA devices")]
 
-QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+QWEN25_15B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 
 
 def _ledgers(out, nproc: int) -> list[list[dict]]:
-    return [[json.loads(line) for line in (out / f"memory_rank{r}.jsonl").read_text().splitlines()]
-            for r in range(nproc)]
+    return [[json.loads(line) for line in (out / f"memory_rank{r}.jsonl").read_text().splitlines()] for r in range(nproc)]
 
 
 def _offloaded(tmp_path, **sections):
-    return toy_config(tmp_path, offload={"offload_rollout": True, "offload_train": True},
-                      rollout={"gpu_memory_fraction": 0.3, "cuda_graph_max_bs": 32}, **sections)
+    return toy_config(
+        tmp_path,
+        offload={"offload_rollout": True, "offload_train": True},
+        rollout={"gpu_memory_fraction": 0.3, "cuda_graph_max_bs": 32},
+        **sections,
+    )
 
 
 def test_toy_loop_on_every_gpu_releases_on_every_rank(tmp_path):
@@ -69,8 +78,9 @@ def _qwen15b(tmp_path, toy_model_dir):
 
 
 def test_one_and_a_half_billion_shape_trains_with_offload(tmp_path):
-    config = _offloaded(tmp_path, train={"num_rollout": 5, "lr": 1e-6}, eval={"interval": None},
-                        checkpoint={"save_interval": None})
+    config = _offloaded(
+        tmp_path, train={"num_rollout": 5, "lr": 1e-6}, eval={"interval": None}, checkpoint={"save_interval": None}
+    )
     model = _qwen15b(tmp_path, tmp_path / "toy" / "model")
     out = tmp_path / "run"
     torchrun(config, out, "--model.path", str(model), nproc=NPROC)

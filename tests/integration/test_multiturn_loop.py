@@ -18,8 +18,14 @@ CONFIG = "configs/multiturn-toy.yaml"
 
 def train(tmp_path: Path, out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
     env = {**os.environ, "COLOCATE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-m", "colocate.train", "--config", CONFIG, "--output-dir", str(out),
-                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "colocate.train", "--config", CONFIG, "--output-dir", str(out), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
@@ -63,8 +69,9 @@ def test_a_multiturn_run_resumed_mid_training_continues_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_multiturn_log_probs_are_bitwise_on_policy_in_the_mode(tmp_path):
-    _, rows = train(tmp_path, tmp_path / "run", "--train.num-rollout", "3", "--algorithm.true-on-policy",
-                    "--logging.console", "False")
+    _, rows = train(
+        tmp_path, tmp_path / "run", "--train.num-rollout", "3", "--algorithm.true-on-policy", "--logging.console", "False"
+    )
     for step, r in rows.items():
         assert r["env/turns_mean"] > 1, step  # episodes of several turns, observations between them
         assert r["train/train_rollout_logprob_abs_diff"] == 0.0 and r["train/ppo_kl"] == 0.0, step
@@ -79,8 +86,17 @@ def test_the_multiturn_toy_on_a_gpu_learns_and_is_bitwise_on_policy_in_the_mode(
     rewards = [rows[s]["rollout/raw_reward"] for s in sorted(rows)]
     assert sum(rewards[-4:]) / 4 - sum(rewards[:4]) / 4 >= 0.3, rewards
     assert all(r["rollout/kv_reuse"] == 1.0 for r in rows.values())
-    _, rows = train(tmp_path, tmp_path / "mode", "--train.num-rollout", "3", "--algorithm.true-on-policy",
-                    "--logging.console", "False", "--eval.interval", "None")
+    _, rows = train(
+        tmp_path,
+        tmp_path / "mode",
+        "--train.num-rollout",
+        "3",
+        "--algorithm.true-on-policy",
+        "--logging.console",
+        "False",
+        "--eval.interval",
+        "None",
+    )
     for step, r in rows.items():
         assert r["env/turns_mean"] > 1 and r["train/mismatch/abs_diff_max"] == 0.0, step
 
@@ -88,22 +104,53 @@ def test_the_multiturn_toy_on_a_gpu_learns_and_is_bitwise_on_policy_in_the_mode(
 @pytest.mark.slow
 def test_a_step_whose_every_episode_fails_stops_the_run_with_one_line(tmp_path):
     env_file = tmp_path / "broken.py"
-    env_file.write_text("class Broken:\n    def reset(self, row):\n        raise RuntimeError('no sandbox here')\n"
-                        "    def step(self, state, action): pass\n    def reward(self, state): return 0.0\n")
+    env_file.write_text(
+        "class Broken:\n    def reset(self, row):\n        raise RuntimeError('no sandbox here')\n"
+        "    def step(self, state, action): pass\n    def reward(self, state): return 0.0\n"
+    )
     env = {**os.environ, "COLOCATE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-m", "colocate.train", "--config", CONFIG, "--output-dir",
-                           str(tmp_path / "run"), "--rollout.env", f"{env_file}:Broken", "--eval.interval", "None"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colocate.train",
+            "--config",
+            CONFIG,
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--rollout.env",
+            f"{env_file}:Broken",
+            "--eval.interval",
+            "None",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (
-        "error: rollout.env: every episode of step 0 failed, e.g. reset: RuntimeError: no sandbox here")
+        "error: rollout.env: every episode of step 0 failed, e.g. reset: RuntimeError: no sandbox here"
+    )
 
 
 @pytest.mark.slow
 def test_episodes_train_with_dynamic_sampling_lora_and_tis(tmp_path):
-    _, rows = train(tmp_path, tmp_path / "run", "--train.num-rollout", "3", "--rollout.dynamic-sampling",
-                    "--model.lora-rank", "8", "--algorithm.use-tis", "--eval.interval", "None",
-                    "--logging.console", "False")
+    _, rows = train(
+        tmp_path,
+        tmp_path / "run",
+        "--train.num-rollout",
+        "3",
+        "--rollout.dynamic-sampling",
+        "--model.lora-rank",
+        "8",
+        "--algorithm.use-tis",
+        "--eval.interval",
+        "None",
+        "--logging.console",
+        "False",
+    )
     assert sorted(rows) == [0, 1, 2]
     for step, r in rows.items():
         assert r["env/turns_mean"] > 1 and r["rollout/kv_reuse"] == 1.0, step

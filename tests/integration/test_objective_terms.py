@@ -36,30 +36,53 @@ EFFECT = 30 * ATOL
 TERMS = ("pg", "kl_loss", "kl_reward", "entropy", "tis", "tis_clip", "mis", "clip", "clip_high", "dual_clip")
 
 COMMON = {
-    "algorithm.eps_clip": 0.02, "algorithm.eps_clip_high": 0.4, "algorithm.dual_clip_c": 1.15,
-    "algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.5,
-    "algorithm.kl_in_reward": True, "algorithm.kl_reward_coef": 0.3,
+    "algorithm.eps_clip": 0.02,
+    "algorithm.eps_clip_high": 0.4,
+    "algorithm.dual_clip_c": 1.15,
+    "algorithm.use_kl_loss": True,
+    "algorithm.kl_loss_coef": 0.5,
+    "algorithm.kl_in_reward": True,
+    "algorithm.kl_reward_coef": 0.3,
     "algorithm.entropy_coef": 0.05,
-    "algorithm.use_tis": True, "algorithm.tis_clip": 1.2,
-    "algorithm.use_mis": True, "algorithm.mis_low": 0.5, "algorithm.mis_high": 2.0,
+    "algorithm.use_tis": True,
+    "algorithm.tis_clip": 1.2,
+    "algorithm.use_mis": True,
+    "algorithm.mis_low": 0.5,
+    "algorithm.mis_high": 2.0,
 }
 CASES = {
     "k1_token_mean": {"algorithm.kl_estimator": "k1", "algorithm.loss_agg_mode": "token_mean"},
     "k2_seq_mean_token_mean": {"algorithm.kl_estimator": "k2", "algorithm.loss_agg_mode": "seq_mean_token_mean"},
     "k3_seq_mean_token_sum": {"algorithm.kl_estimator": "k3", "algorithm.loss_agg_mode": "seq_mean_token_sum"},
-    "low_var_kl_gae": {"algorithm.kl_estimator": "low_var_kl", "algorithm.loss_agg_mode": "token_mean",
-                       "algorithm.advantage_estimator": "gae", "algorithm.gamma": 0.9, "algorithm.lam": 0.8,
-                       "algorithm.value_clip": 0.05},
+    "low_var_kl_gae": {
+        "algorithm.kl_estimator": "low_var_kl",
+        "algorithm.loss_agg_mode": "token_mean",
+        "algorithm.advantage_estimator": "gae",
+        "algorithm.gamma": 0.9,
+        "algorithm.lam": 0.8,
+        "algorithm.value_clip": 0.05,
+    },
 }
 SEQUENCE_LOSSES = {"gspo": ("dual_clip", "clip_high"), "cispo": ("dual_clip",)}
 """GSPO and CISPO, run on the settings of COMMON but the dual clip (PPO's only), and the terms
 that do not act in their run: no sequence ratio of GSPO's reaches the clip-higher range."""
 SETTINGS = {
-    "train.critic_lr": 0.01, "train.adam_beta1": 0.7, "train.adam_beta2": 0.5, "train.grad_clip": 0.05,
-    "train.lr_schedule": "cosine", "train.lr_warmup_steps": 0, "train.min_lr_ratio": 0.3,
-    "algorithm.advantage_estimator": "gae", "algorithm.gamma": 0.9, "algorithm.lam": 0.8,
-    "algorithm.value_clip": 0.3, "algorithm.kl_estimator": "k2", "algorithm.loss_agg_mode": "seq_mean_token_sum",
-    "algorithm.mis_low": 0.85, "algorithm.mis_high": 2.35, "algorithm.dual_clip_c": 1.04,
+    "train.critic_lr": 0.01,
+    "train.adam_beta1": 0.7,
+    "train.adam_beta2": 0.5,
+    "train.grad_clip": 0.05,
+    "train.lr_schedule": "cosine",
+    "train.lr_warmup_steps": 0,
+    "train.min_lr_ratio": 0.3,
+    "algorithm.advantage_estimator": "gae",
+    "algorithm.gamma": 0.9,
+    "algorithm.lam": 0.8,
+    "algorithm.value_clip": 0.3,
+    "algorithm.kl_estimator": "k2",
+    "algorithm.loss_agg_mode": "seq_mean_token_sum",
+    "algorithm.mis_low": 0.85,
+    "algorithm.mis_high": 2.35,
+    "algorithm.dual_clip_c": 1.04,
 }
 """Every setting of the AdamW step away from its default (critic_lr away from lr), a clip that
 every step's gradient exceeds, and MIS bounds that keep or drop samples that the default bounds
@@ -74,7 +97,11 @@ def _config(paths: dict, overrides: dict) -> Config:
     m.path, m.ref_path, m.critic_path = (str(paths[k]) for k in ("policy", "ref", "critic"))
     m.dtype = "float32"
     r.rollout_batch_size, r.n_samples_per_prompt, r.max_response_len, r.temperature = (
-        NUM_GROUPS, GROUP, MAX_RESPONSE_LEN, TEMPERATURE)
+        NUM_GROUPS,
+        GROUP,
+        MAX_RESPONSE_LEN,
+        TEMPERATURE,
+    )
     # A large Adam epsilon keeps the update smooth in the gradient, so the weights can be held to
     # the gradients' tolerance; two warm-up steps put the schedule in the comparison.
     t.lr, t.critic_lr, t.adam_eps, t.weight_decay, t.grad_clip = 0.02, 0.02, 1e-2, 0.1, 1e6
@@ -97,8 +124,10 @@ def paths(tmp_path_factory):
     critic = root / "critic"
     shutil.copytree(policy, critic)
     g = torch.Generator().manual_seed(2)
-    save_file({"value_head.weight": torch.randn(1, hf.config.hidden_size, generator=g) * 0.3,
-               "value_head.bias": torch.tensor([0.2])}, critic / "value_head.safetensors")
+    save_file(
+        {"value_head.weight": torch.randn(1, hf.config.hidden_size, generator=g) * 0.3, "value_head.bias": torch.tensor([0.2])},
+        critic / "value_head.safetensors",
+    )
     return {"policy": policy, "ref": ref, "critic": critic}
 
 
@@ -127,8 +156,15 @@ def _samples(policy_path) -> list[Sample]:
         for j in range(GROUP):
             n = int(torch.randint(3, 10, (1,), generator=g))
             response = torch.randint(2, 101, (n,), generator=g).tolist()
-            s = Sample(prompt, response, [0.0] * n, [0 if k == 1 else 1 for k in range(n)], group, j,
-                       reward=float(torch.rand(1, generator=g)))
+            s = Sample(
+                prompt,
+                response,
+                [0.0] * n,
+                [0 if k == 1 else 1 for k in range(n)],
+                group,
+                j,
+                reward=float(torch.rand(1, generator=g)),
+            )
             with torch.no_grad():
                 lp, _ = _response_stats(model, s)
             shift = (1.0 if group % 2 else -1.0) if j == GROUP - 1 else 0.0
@@ -148,8 +184,12 @@ def _recorder(trainer, part: str) -> list[dict]:
 
     def before(optimizer, args, kwargs):
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        steps.append({"before": {names[id(p)]: full(p) for p in params},
-                      "grads": {names[id(p)]: p.grad.full_tensor().clone() for p in params}})
+        steps.append(
+            {
+                "before": {names[id(p)]: full(p) for p in params},
+                "grads": {names[id(p)]: p.grad.full_tensor().clone() for p in params},
+            }
+        )
 
     def after(optimizer, args, kwargs):
         steps[-1]["after"] = {names[id(p)]: full(p) for group in optimizer.param_groups for p in group["params"]}
@@ -191,6 +231,7 @@ def _train(cfg, samples) -> tuple[list[dict], list[dict] | None]:
 
 
 # ---------------------------------------------------------------- the objective in plain torch
+
 
 def _kl(lp, ref, kind):
     d = ref - lp
@@ -324,8 +365,9 @@ class _PlainCritic(nn.Module):
         self.lm = [lm]  # a list, not a submodule: only the backbone's parameters are the critic's
         self.model = lm.model
         self.value_head = nn.Linear(lm.config.hidden_size, 1)
-        self.value_head.load_state_dict({k.removeprefix("value_head."): v for k, v in
-                                         load_file(critic_dir / "value_head.safetensors").items()})
+        self.value_head.load_state_dict(
+            {k.removeprefix("value_head."): v for k, v in load_file(critic_dir / "value_head.safetensors").items()}
+        )
 
     def forward(self, sample: Sample) -> torch.Tensor:
         tokens, rows = _predictors(sample)
@@ -380,7 +422,7 @@ class _AdamW:
             g = grads[name]
             self.m[name] = b1 * self.m.get(name, 0.0) + (1 - b1) * g
             self.v[name] = b2 * self.v.get(name, 0.0) + (1 - b2) * g * g
-            m_hat, v_hat = self.m[name] / (1 - b1 ** self.step), self.v[name] / (1 - b2 ** self.step)
+            m_hat, v_hat = self.m[name] / (1 - b1**self.step), self.v[name] / (1 - b2**self.step)
             decayed = w * (1 - lr * t.weight_decay) if w.ndim >= 2 else w
             out[name] = decayed - lr * m_hat / (v_hat.sqrt() + t.adam_eps)
         return out
@@ -430,11 +472,17 @@ def _check_run(cfg, paths, samples, terms=TERMS) -> tuple[list[float], list[floa
         assert critic_steps is None
     inputs = _Inputs(samples, cfg.algorithm, policy, load(paths["ref"]), critic)
     if critic is not None:  # the critic trains first, on the values read before its first step
-        critic_norms = _check_steps(critic_steps, critic, functools.partial(_value_loss, critic, inputs),
-                                    ("value_clip",), _AdamW(cfg.train, cfg.train.critic_lr))
+        critic_norms = _check_steps(
+            critic_steps,
+            critic,
+            functools.partial(_value_loss, critic, inputs),
+            ("value_clip",),
+            _AdamW(cfg.train, cfg.train.critic_lr),
+        )
     model = load(paths["policy"])
-    actor_norms = _check_steps(actor, model, functools.partial(_policy_loss, model, inputs), terms,
-                               _AdamW(cfg.train, cfg.train.lr))
+    actor_norms = _check_steps(
+        actor, model, functools.partial(_policy_loss, model, inputs), terms, _AdamW(cfg.train, cfg.train.lr)
+    )
     return actor_norms, critic_norms
 
 

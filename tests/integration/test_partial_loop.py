@@ -23,15 +23,30 @@ from tests.distributed import run_ranks
 from tests.integration.test_resume_state import _assert_equal, _compared, assert_record_from_checkpoint, run_loop
 
 BEFORE = [
-    {"rollout/raw_reward": 0.0796875, "rollout/response_len/mean": 7.75, "rollout/truncated_ratio": 0.8125,
-     "train/pg_loss": -0.0047665988095104694, "train/grad_norm": 1.7957444190979004,
-     "train/entropy_loss": 1.9063349962234497},
-    {"rollout/raw_reward": 0.0796875, "rollout/response_len/mean": 6.0625, "rollout/truncated_ratio": 0.5,
-     "train/pg_loss": 0.029546614736318588, "train/grad_norm": 2.4724488258361816,
-     "train/entropy_loss": 1.7579885721206665},
-    {"rollout/raw_reward": 0.09114583333333333, "rollout/response_len/mean": 5.9375, "rollout/truncated_ratio": 0.625,
-     "train/pg_loss": -0.1401595026254654, "train/grad_norm": 1.9826443195343018,
-     "train/entropy_loss": 1.4364463090896606},
+    {
+        "rollout/raw_reward": 0.0796875,
+        "rollout/response_len/mean": 7.75,
+        "rollout/truncated_ratio": 0.8125,
+        "train/pg_loss": -0.0047665988095104694,
+        "train/grad_norm": 1.7957444190979004,
+        "train/entropy_loss": 1.9063349962234497,
+    },
+    {
+        "rollout/raw_reward": 0.0796875,
+        "rollout/response_len/mean": 6.0625,
+        "rollout/truncated_ratio": 0.5,
+        "train/pg_loss": 0.029546614736318588,
+        "train/grad_norm": 2.4724488258361816,
+        "train/entropy_loss": 1.7579885721206665,
+    },
+    {
+        "rollout/raw_reward": 0.09114583333333333,
+        "rollout/response_len/mean": 5.9375,
+        "rollout/truncated_ratio": 0.625,
+        "train/pg_loss": -0.1401595026254654,
+        "train/grad_norm": 1.9826443195343018,
+        "train/entropy_loss": 1.4364463090896606,
+    },
 ]
 """What three GRPO steps of `_config(partial=False)` logged before partial rollout was added."""
 
@@ -58,10 +73,14 @@ def _run(cfg, stop: bool = False, record: dict | None = None):
     (dataset indices) on this rank. Returns where it started, its groups in flight and weights."""
     prepare = None if record is None else (lambda loop: _record(loop, record))
     with run_loop(cfg, stop, prepare) as loop:
-        in_flight = [(g.prompt.index, [(s.response_ids, s.rollout_logprobs, s.versions, s.finish_reason)
-                                       for s in g.samples]) for g in loop.rollout.in_flight]
-        weights = {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
-                   for k, v in loop.trainer.actor_module.state_dict().items()}
+        in_flight = [
+            (g.prompt.index, [(s.response_ids, s.rollout_logprobs, s.versions, s.finish_reason) for s in g.samples])
+            for g in loop.rollout.in_flight
+        ]
+        weights = {
+            k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+            for k, v in loop.trainer.actor_module.state_dict().items()
+        }
         return loop.start_rollout_id, in_flight, weights
 
 
@@ -77,7 +96,7 @@ def _record(loop, record: dict) -> None:
 
     def trained(samples, *args):
         n = loop.cfg.rollout.n_samples_per_prompt
-        assert all([s.sample_index for s in samples[i:i + n]] == list(range(n)) for i in range(0, len(samples), n))
+        assert all([s.sample_index for s in samples[i : i + n]] == list(range(n)) for i in range(0, len(samples), n))
         record["trained"].update(s.group_index for s in samples[::n])
         return train(samples, *args)
 
@@ -99,8 +118,9 @@ def test_partial_off_logs_what_it_logged_before_and_on_without_carry_the_same(tm
     off, on = read_metrics(tmp_path / "off"), read_metrics(tmp_path / "on")
     for row, before in zip(off, BEFORE, strict=True):
         got = {k: row[k] for k in before}
-        assert {k: v for k, v in got.items() if k.startswith("rollout/")} == \
-               {k: v for k, v in before.items() if k.startswith("rollout/")}
+        assert {k: v for k, v in got.items() if k.startswith("rollout/")} == {
+            k: v for k, v in before.items() if k.startswith("rollout/")
+        }
         assert got == pytest.approx(before, rel=1e-5, abs=1e-7)
         assert not any(k.startswith("rollout/partial/") for k in row)
     for a, b in zip(off, on, strict=True):
@@ -113,8 +133,14 @@ NUM_ROLLOUT, STOP_AFTER = 5, 1
 
 
 def _resume_config(toy, out) -> Config:
-    cfg = _config(toy, out, partial=True, over_sampling_batch_size=8, max_response_len=40,
-                  reward="tests.integration.test_resume_state:noisy_toy_reward")
+    cfg = _config(
+        toy,
+        out,
+        partial=True,
+        over_sampling_batch_size=8,
+        max_response_len=40,
+        reward="tests.integration.test_resume_state:noisy_toy_reward",
+    )
     cfg.train.num_rollout, cfg.train.max_tokens_per_gpu = NUM_ROLLOUT, 2048
     cfg.checkpoint.save_interval, cfg.checkpoint.keep_last = 2, 3
     return cfg
@@ -127,8 +153,10 @@ def _resume_runs(rank, world_size, toy, root):
     stopped = _resume_config(toy, root / "stopped")
     _run(stopped, stop=True)
     start, flight, weights = _run(stopped)
-    torch.save({"record": record, "start": start, "in_flight": (full_flight, flight),
-                "weights": (full_weights, weights)}, root / f"rank{rank}.pt")
+    torch.save(
+        {"record": record, "start": start, "in_flight": (full_flight, flight), "weights": (full_weights, weights)},
+        root / f"rank{rank}.pt",
+    )
 
 
 @pytest.mark.slow
@@ -142,7 +170,7 @@ def test_resume_continues_carried_samples_and_every_group_trains_once(tmp_path):
     stopped = read_metrics(tmp_path / "stopped")
     assert [r["step"] for r in stopped] == list(range(NUM_ROLLOUT))  # step 1's record from the checkpoint
     assert_record_from_checkpoint(stopped[STOP_AFTER], full[STOP_AFTER])
-    resumed_rows = stopped[STOP_AFTER + 1:]
+    resumed_rows = stopped[STOP_AFTER + 1 :]
     assert sum(r["rollout/partial/resumed_samples"] for r in resumed_rows) > 0
     assert any(r["rollout/partial/staleness_1"] > 0 for r in resumed_rows)
     for row in resumed_rows:
@@ -175,8 +203,10 @@ def _lora_partial_run(rank, world_size, toy, out):
     with run_loop(cfg, False, lambda loop: _record(loop, record)) as loop:
         engine = {n: p.detach().clone() for n, p in loop.engine.model.named_parameters()}
         modules = {f"{name}.weight": m for name, m in adapted_modules(loop.trainer.actor_module)}
-        merged = {k: merged_weight(full(m.weight), full(m.lora_A.weight), full(m.lora_B.weight), m.scale,
-                                   engine[k].dtype) for k, m in modules.items()}
+        merged = {
+            k: merged_weight(full(m.weight), full(m.lora_A.weight), full(m.lora_B.weight), m.scale, engine[k].dtype)
+            for k, m in modules.items()
+        }
         base = {k: full(m.weight).to(engine[k].dtype) for k, m in modules.items()}
         in_flight = Counter(g.prompt.index for g in loop.rollout.in_flight)
     torch.save(dict(record=record, in_flight=in_flight, engine=engine, merged=merged, base=base), out / "result.pt")

@@ -31,15 +31,28 @@ def test_abort_returns_tokens_so_far_and_continuing_equals_the_uninterrupted_sam
     cut = engine.generate_requests([short, long], stop=lambda done: seen.append(len(done)) or True)
     assert seen == [1]  # the short request finished first, then everything else was aborted
     assert [(c.prompt_index, c.sample_index, c.finish_reason) for c in cut] == [
-        (0, 0, "length"), (1, 0, "abort"), (1, 1, "abort"), (1, 2, "abort")]
+        (0, 0, "length"),
+        (1, 0, "abort"),
+        (1, 1, "abort"),
+        (1, 2, "abort"),
+    ]
     for aborted, whole in zip(cut[1:], full[1:]):
         assert len(aborted.output_ids) == 3 == len(aborted.logprobs)
         assert aborted.output_ids == whole.output_ids[:3]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
-    resumed = engine.generate_requests([
-        Request(long.prompt_ids, SamplingParams(max_new_tokens=12, ignore_eos=True, seed=5), c.output_ids,
-                c.logprobs, sample_index=c.sample_index) for c in cut[1:]])
+    resumed = engine.generate_requests(
+        [
+            Request(
+                long.prompt_ids,
+                SamplingParams(max_new_tokens=12, ignore_eos=True, seed=5),
+                c.output_ids,
+                c.logprobs,
+                sample_index=c.sample_index,
+            )
+            for c in cut[1:]
+        ]
+    )
     for again, whole in zip(resumed, full[1:]):
         assert again.sample_index == whole.sample_index and again.finish_reason == "length"
         assert again.output_ids == whole.output_ids
@@ -49,15 +62,17 @@ def test_abort_returns_tokens_so_far_and_continuing_equals_the_uninterrupted_sam
 
 def _state(rm) -> dict:
     """(group, sample) -> (tokens, log-probs, versions, finish reason) of every sample in flight."""
-    return {(g.prompt.index, s.sample_index): (list(s.response_ids), list(s.rollout_logprobs), s.versions,
-                                              s.finish_reason)
-            for g in rm.in_flight for s in g.samples}
+    return {
+        (g.prompt.index, s.sample_index): (list(s.response_ids), list(s.rollout_logprobs), s.versions, s.finish_reason)
+        for g in rm.in_flight
+        for s in g.samples
+    }
 
 
 def _check_whole_groups(samples, n=4):
     assert len(samples) % n == 0
     for i in range(0, len(samples), n):
-        group = samples[i:i + n]
+        group = samples[i : i + n]
         assert {s.group_index for s in group} == {group[0].group_index}
         assert [s.sample_index for s in group] == list(range(n))
         assert all(s.finish_reason in ("stop", "length") for s in group)
@@ -85,7 +100,8 @@ def test_carried_samples_keep_tokens_logprobs_and_versions(toy):  # noqa: F811
     new_groups = {s.group_index: len(s.prompt_ids) for s in second if s.group_index not in prompt_len}
     new_groups |= {g.prompt.index: len(g.prompt.prompt_ids) for g in rm.in_flight if g.prompt.index not in prompt_len}
     assert m2["rollout/prefill_tokens"] == sum(new_groups.values()) + sum(
-        prompt_len[g] + len(carried[g, j][0]) for g, j in unfinished)
+        prompt_len[g] + len(carried[g, j][0]) for g, j in unfinished
+    )
     assert m2["rollout/preemptions"] == 0
     assert m2["rollout/partial/resumed_samples"] == sum(1 for k in unfinished if carried[k][0])
     now = {(s.group_index, s.sample_index): s for s in second} | {k: None for k in _state(rm)}
@@ -96,7 +112,7 @@ def test_carried_samples_keep_tokens_logprobs_and_versions(toy):  # noqa: F811
             tokens_now, logprobs_now, versions_now, _ = _state(rm)[key]
         else:
             tokens_now, logprobs_now, versions_now = s.response_ids, s.rollout_logprobs, s.versions
-        assert tokens_now[:len(tokens)] == tokens and logprobs_now[:len(tokens)] == logprobs, key
+        assert tokens_now[: len(tokens)] == tokens and logprobs_now[: len(tokens)] == logprobs, key
         expected = versions if reason != "abort" else versions + [2] * (len(tokens_now) - len(tokens))
         assert versions_now == expected, key
         checked += bool(tokens) and reason == "abort" and len(tokens_now) > len(tokens)
@@ -134,8 +150,9 @@ def test_staleness_bound_restarts_old_samples(toy):  # noqa: F811
 def test_a_run_never_exceeds_the_staleness_bound_nor_restarts(toy, max_staleness, in_flight):  # noqa: F811
     """One update a step, the most groups in flight the bound allows: the groups at their bound
     finish within the step (it is held open for them) instead of restarting."""
-    rm, data = manager(toy, max_staleness=max_staleness,
-                       **{**PARTIAL, "over_sampling_batch_size": in_flight, "max_response_len": 64})
+    rm, data = manager(
+        toy, max_staleness=max_staleness, **{**PARTIAL, "over_sampling_batch_size": in_flight, "max_response_len": 64}
+    )
     held = 0
     for step in range(8):
         rm.engine.weight_version = step + 1

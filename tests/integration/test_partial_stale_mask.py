@@ -26,8 +26,11 @@ def _with_versions(samples, all_stale_groups=()):
     out = []
     for s in samples:
         old = s.response_len if s.group_index in all_stale_groups else s.response_len // 2
-        out.append(dataclasses.replace(s, token_versions=[VERSION - 1] * old + [VERSION] * (s.response_len - old),
-                                       weight_version=VERSION))
+        out.append(
+            dataclasses.replace(
+                s, token_versions=[VERSION - 1] * old + [VERSION] * (s.response_len - old), weight_version=VERSION
+            )
+        )
     return out
 
 
@@ -38,12 +41,17 @@ def _steps(rank, world_size, path, out_file):
     torch.set_num_threads(1)
     info = dist.get_info()
     samples = _with_versions(_samples(vocab=101))
-    zeroed = [dataclasses.replace(s, token_versions=[], loss_mask=[m if v == VERSION else 0 for m, v in
-                                                                   zip(s.loss_mask, s.versions)]) for s in samples]
+    zeroed = [
+        dataclasses.replace(s, token_versions=[], loss_mask=[m if v == VERSION else 0 for m, v in zip(s.loss_mask, s.versions)])
+        for s in samples
+    ]
     partial = {"rollout.partial_rollout": True, "rollout.over_sampling_batch_size": 4}
     out = {}
-    for name, overrides, batch in (("masked", partial, samples), ("zeroed", {}, zeroed),
-                                   ("kept", {**partial, "rollout.partial_mask_stale_tokens": False}, samples)):
+    for name, overrides, batch in (
+        ("masked", partial, samples),
+        ("zeroed", {}, zeroed),
+        ("kept", {**partial, "rollout.partial_mask_stale_tokens": False}, samples),
+    ):
         trainer = Trainer(_config(path, **overrides), info)
         out[name] = trainer.train(batch, rollout_id=0, weight_version=VERSION), _weights(trainer)
     torch.save(out, out_file)
@@ -72,9 +80,14 @@ def _skipping(rank, world_size, path, out_file):
     torch.set_num_threads(1)
     samples = _with_versions(_samples(vocab=101), all_stale_groups=(0,))
     local = [s for s in samples if s.group_index == rank]
-    overrides = {"rollout.partial_rollout": True, "rollout.over_sampling_batch_size": 4,
-                 "algorithm.loss_agg_mode": "seq_mean_token_mean", "algorithm.use_kl_loss": True,
-                 "algorithm.kl_loss_coef": 0.5, "train.global_batch_size": 4}
+    overrides = {
+        "rollout.partial_rollout": True,
+        "rollout.over_sampling_batch_size": 4,
+        "algorithm.loss_agg_mode": "seq_mean_token_mean",
+        "algorithm.use_kl_loss": True,
+        "algorithm.kl_loss_coef": 0.5,
+        "train.global_batch_size": 4,
+    }
     out = {}
     for name, in_loss in (("skipped", passes.in_loss), ("run", lambda batch, indices: list(indices))):
         passes.in_loss = in_loss

@@ -55,6 +55,7 @@ class _Stopped(Exception):
 def _state(loop) -> dict:
     """Everything that must carry over, as plain tensors and numbers: the checkpointed parts
     (weights, optimizer moments and steps, scheduler) of actor and critic, and the sampler."""
+
     def plain(value):
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
@@ -133,8 +134,9 @@ def assert_record_from_checkpoint(row: dict, full: dict) -> None:
 
 def _compared(row: dict) -> dict:
     """A step's logged values that do not depend on timing or memory."""
-    return {k: v for k, v in row.items() if k.split("/")[0] in ("train", "critic", "rollout")
-            and not k.endswith(("_time", "_per_s"))}
+    return {
+        k: v for k, v in row.items() if k.split("/")[0] in ("train", "critic", "rollout") and not k.endswith(("_time", "_per_s"))
+    }
 
 
 def _assert_equal(a, b, where: str) -> None:
@@ -156,7 +158,7 @@ def test_resumed_run_matches_the_uninterrupted_one(runs):
     # Stopped between its save and its log: resume writes step 1's record from the checkpoint.
     assert [r["step"] for r in stopped] == list(range(NUM_ROLLOUT))
     assert_record_from_checkpoint(stopped[STOP_AFTER], full[STOP_AFTER])
-    for row in stopped[STOP_AFTER + 1:]:
+    for row in stopped[STOP_AFTER + 1 :]:
         expected, got = _compared(full[row["step"]]), _compared(row)
         assert {"train/lr", "critic/lr", "train/kl_loss", "critic/value_loss", "rollout/raw_reward"} <= set(got)
         assert got == expected, row["step"]

@@ -27,10 +27,23 @@ def toy(tmp_path_factory):
 
 
 def rollout_cfg(**over):
-    base = dict(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=None,
-                dynamic_sampling=False, max_sampling_rounds=3, temperature=1.0, top_p=1.0, top_k=-1,
-                min_p=0.0, max_response_len=6, stop_token_ids=[], max_running_requests=256,
-                partial_rollout=False, max_staleness=1, partial_mask_stale_tokens=True)
+    base = dict(
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        over_sampling_batch_size=None,
+        dynamic_sampling=False,
+        max_sampling_rounds=3,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=0.0,
+        max_response_len=6,
+        stop_token_ids=[],
+        max_running_requests=256,
+        partial_rollout=False,
+        max_staleness=1,
+        partial_mask_stale_tokens=True,
+    )
     return SimpleNamespace(**{**base, **over})
 
 
@@ -42,8 +55,7 @@ def manager(toy, reward="toy", **over):
 
     data = PromptSampler(PromptDataset(toy / "train.jsonl", tok), seed=0)
     fn = reward if callable(reward) else load_reward_fn(reward)
-    return RolloutManager(engine, tok, rollout_cfg(**over), reward_fn=fn, strict=strict, seed=1,
-                          custom_generate=hook), data
+    return RolloutManager(engine, tok, rollout_cfg(**over), reward_fn=fn, strict=strict, seed=1, custom_generate=hook), data
 
 
 def test_groups_rewards_and_metrics(toy):
@@ -95,7 +107,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_tops_up(toy):
     assert len(samples) == 16
     assert m["rollout/dynamic_filtered_groups"] >= 1
     assert m["rollout/generated_groups"] == 8 * m["rollout/sampling_rounds"]
-    varied = [len({s.reward for s in samples[i:i + 4]}) > 1 for i in range(0, 16, 4)]
+    varied = [len({s.reward for s in samples[i : i + 4]}) > 1 for i in range(0, 16, 4)]
     assert sum(varied) == 4 - m["rollout/topped_up_groups"]
 
 

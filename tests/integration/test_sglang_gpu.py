@@ -21,8 +21,9 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed (pip install 'colocate[sglang]')", allow_module_level=True)
 
 GIB = 1 << 30
-MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-             num_key_value_heads=2, initializer_range=0.05)  # head_dim 64: every attention backend has it
+MODEL = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05
+)  # head_dim 64: every attention backend has it
 PROMPTS = [[3, 17, 42, 99, 7], [250, 11], [5, 6, 7, 8, 9, 10, 11]]
 
 
@@ -30,7 +31,7 @@ def reference_logprobs(model, prompt: list[int], output: list[int], temperature:
     """log_softmax(logits / T) of each output token (unscaled when greedy), by transformers in fp32."""
     ids = torch.tensor([prompt + output], device="cuda")
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()  # (len(output), V)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # (len(output), V)
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     return logp, logp.gather(1, torch.tensor(output, device="cuda")[:, None])[:, 0]
 
@@ -40,7 +41,8 @@ def check_parity(engine, model, sampling: SamplingParams, version: int) -> float
     diffs = []
     completions = engine.generate(PROMPTS, sampling)
     assert [(c.prompt_index, c.sample_index) for c in completions] == [
-        (i, j) for i in range(len(PROMPTS)) for j in range(sampling.n)]
+        (i, j) for i in range(len(PROMPTS)) for j in range(sampling.n)
+    ]
     for c in completions:
         assert c.weight_version == version and c.finish_reason in ("stop", "length")
         assert len(c.output_ids) == len(c.logprobs) >= 1
@@ -73,9 +75,18 @@ def test_sglang_engine_on_gpu(tmp_path):
     free_before = torch.cuda.mem_get_info()[0]
 
     engine = SGLangEngine(
-        model_path=str(dir_a), dtype="bfloat16", seed=0, rank=0, local_rank=0,
-        device_index=visible_device_index(0), mem_fraction_static=0.3, max_running_requests=32,
-        cuda_graph_max_bs=8, release_cuda_graph=True, eos_token_ids=[], load_dummy=False,
+        model_path=str(dir_a),
+        dtype="bfloat16",
+        seed=0,
+        rank=0,
+        local_rank=0,
+        device_index=visible_device_index(0),
+        mem_fraction_static=0.3,
+        max_running_requests=32,
+        cuda_graph_max_bs=8,
+        release_cuda_graph=True,
+        eos_token_ids=[],
+        load_dummy=False,
         log_level="warning",
     )
     try:
@@ -97,7 +108,7 @@ def test_sglang_engine_on_gpu(tmp_path):
         engine.begin_weight_update()
         named = [(n, p.detach().to(torch.bfloat16).contiguous()) for n, p in model_b.named_parameters()]
         engine.update_weights(named[: len(named) // 2])
-        engine.update_weights(named[len(named) // 2:])
+        engine.update_weights(named[len(named) // 2 :])
         del named
         engine.end_weight_update(1)
         engine.resume_memory(["cuda_graph", "kv_cache"])
@@ -111,7 +122,9 @@ def test_sglang_engine_on_gpu(tmp_path):
         children = engine._engine.get_all_child_pids()
     finally:
         engine.shutdown()
-    assert all(not Path(f"/proc/{pid}").exists() or
-               Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX" for pid in children)
+    assert all(
+        not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+        for pid in children
+    )
     assert wait_free_at_least(free_before - GIB) >= free_before - GIB
     assert dict(os.environ) == env_before and signal.getsignal(signal.SIGTERM) == sigterm_before

@@ -13,9 +13,18 @@ from colocate.sizing import GIB
 pytestmark = pytest.mark.gpu
 
 GROUP, NUM_GROUPS, PROMPT, RESPONSE = 4, 10, 128, 256
-SHAPE = ArchConfig(model_type="qwen2", vocab_size=32768, hidden_size=1024, intermediate_size=2816,
-                    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                    tie_word_embeddings=True, attention_bias=True)
+SHAPE = ArchConfig(
+    model_type="qwen2",
+    vocab_size=32768,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    tie_word_embeddings=True,
+    attention_bias=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +42,9 @@ def _samples() -> list[Sample]:
         prompt = torch.randint(2, SHAPE.vocab_size, (PROMPT,), generator=g).tolist()
         for j in range(GROUP):
             response = torch.randint(2, SHAPE.vocab_size, (RESPONSE,), generator=g).tolist()
-            out.append(Sample(prompt, response, [0.0] * RESPONSE, [1] * RESPONSE, group, j,
-                              reward=float(torch.rand(1, generator=g))))
+            out.append(
+                Sample(prompt, response, [0.0] * RESPONSE, [1] * RESPONSE, group, j, reward=float(torch.rand(1, generator=g)))
+            )
     return out
 
 

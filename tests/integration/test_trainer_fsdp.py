@@ -51,8 +51,7 @@ def _samples(vocab: int, num_groups: int = 2, seed: int = 0) -> list[Sample]:
             n = int(torch.randint(2, 10, (1,), generator=g))
             response = torch.randint(2, vocab, (n,), generator=g).tolist()
             mask = [0 if k == 1 else 1 for k in range(n)]  # one tool-output token per sample
-            out.append(Sample(prompt, response, [-2.0] * n, mask, group, j,
-                              reward=float(torch.rand(1, generator=g))))
+            out.append(Sample(prompt, response, [-2.0] * n, mask, group, j, reward=float(torch.rand(1, generator=g))))
     return out
 
 
@@ -66,7 +65,7 @@ def _modes(path, samples, rank, world_size) -> dict:
     from colocate.trainer import Trainer
 
     per_rank = len(samples) // world_size
-    local = samples[rank * per_rank:(rank + 1) * per_rank]
+    local = samples[rank * per_rank : (rank + 1) * per_rank]
     results = {}
     for mode in ("token_mean", "seq_mean_token_mean"):
         trainer = Trainer(_config(path, **{"algorithm.loss_agg_mode": mode}), dist.get_info())
@@ -77,10 +76,9 @@ def _modes(path, samples, rank, world_size) -> dict:
     # Once more with parameters kept gathered and gradients reduced once per step (the default
     # with one rank, where both runs take that path).
     groups = _samples(vocab=101, num_groups=4, seed=2)
-    local = groups if world_size == 1 else (groups[:3 * GROUP] if rank == 0 else groups[3 * GROUP:])
+    local = groups if world_size == 1 else (groups[: 3 * GROUP] if rank == 0 else groups[3 * GROUP :])
     for name, keep in (("uneven", None), ("uneven_gathered", True)):
-        trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": 16, "train.keep_gathered": keep}),
-                          dist.get_info())
+        trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": 16, "train.keep_gathered": keep}), dist.get_info())
         grads = capture_grads(trainer)
         metrics = trainer.train(local, rollout_id=0)
         results[name] = (grads, _weights(trainer), metrics)
@@ -103,9 +101,12 @@ def _budgets(path, info) -> list[dict]:
     # and middle budgets with half the blocks recomputed (keeping attention's output) and the rest
     # recomputing element-wise ops (and the gate/up projections).
     half = {"model.recompute_fraction": 0.5, "model.recompute_keeps_attention": True}
-    plans = ((4096, {}, ["none"] * 2), (16, {"model.gradient_checkpointing": True}, ["full"] * 2),
-             (64, {**half, "model.recompute_rest": "ops"}, ["attention", "ops"]),
-             (32, {**half, "model.recompute_rest": "mlp"}, ["attention", "mlp"]))
+    plans = (
+        (4096, {}, ["none"] * 2),
+        (16, {"model.gradient_checkpointing": True}, ["full"] * 2),
+        (64, {**half, "model.recompute_rest": "ops"}, ["attention", "ops"]),
+        (32, {**half, "model.recompute_rest": "mlp"}, ["attention", "mlp"]),
+    )
     for budget, recompute, block_modes in plans:
         trainer = Trainer(_config(path, **{"train.max_tokens_per_gpu": budget, **recompute}), info)
         assert trainer.checkpointing.block_modes(2) == block_modes
@@ -121,7 +122,7 @@ def _plain_logprobs(path, samples, temperature):
     with torch.no_grad():
         for s in samples:
             logits = model(torch.tensor(s.tokens)) / temperature  # (L, V)
-            logp = torch.log_softmax(logits, dim=-1)[len(s.prompt_ids) - 1:-1]
+            logp = torch.log_softmax(logits, dim=-1)[len(s.prompt_ids) - 1 : -1]
             s.rollout_logprobs = logp.gather(1, torch.tensor(s.response_ids)[:, None]).squeeze(1).tolist()
 
 
@@ -153,8 +154,16 @@ def _nan_reward(path, info) -> dict:
 def _critic(path, info) -> dict:
     from colocate.trainer import Trainer
 
-    cfg = _config(path, **{"algorithm.advantage_estimator": "gae", "algorithm.num_critic_only_steps": 2,
-                           "train.critic_lr": 2e-3, "algorithm.value_clip": 10.0, "algorithm.lam": 1.0})
+    cfg = _config(
+        path,
+        **{
+            "algorithm.advantage_estimator": "gae",
+            "algorithm.num_critic_only_steps": 2,
+            "train.critic_lr": 2e-3,
+            "algorithm.value_clip": 10.0,
+            "algorithm.lam": 1.0,
+        },
+    )
     trainer = Trainer(cfg, info)
     samples = _samples(vocab=101)
     weights, metrics = [_weights(trainer)], []
@@ -167,8 +176,15 @@ def _critic(path, info) -> dict:
 def _reference(path, info) -> dict:
     from colocate.trainer import Trainer
 
-    cfg = _config(path, **{"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.1,
-                           "algorithm.kl_estimator": "k3", "train.global_batch_size": 4})
+    cfg = _config(
+        path,
+        **{
+            "algorithm.use_kl_loss": True,
+            "algorithm.kl_loss_coef": 0.1,
+            "algorithm.kl_estimator": "k3",
+            "train.global_batch_size": 4,
+        },
+    )
     trainer = Trainer(cfg, info)
     assert trainer.reference is not None and trainer.critic is None
     # On CPU the offload calls move nothing but still answer, so the loop needs no special case.
@@ -178,16 +194,29 @@ def _reference(path, info) -> dict:
 
 
 VARIANTS = {
-    "dr_grpo_seq_sum_entropy": {"algorithm.advantage_estimator": "dr_grpo",
-                                "algorithm.loss_agg_mode": "seq_mean_token_sum", "algorithm.entropy_coef": 0.01},
+    "dr_grpo_seq_sum_entropy": {
+        "algorithm.advantage_estimator": "dr_grpo",
+        "algorithm.loss_agg_mode": "seq_mean_token_sum",
+        "algorithm.entropy_coef": 0.01,
+    },
     "rloo_gspo": {"algorithm.advantage_estimator": "rloo", "algorithm.policy_loss": "gspo"},
-    "reinforce_pp_cispo_tis": {"algorithm.advantage_estimator": "reinforce_plus_plus",
-                               "algorithm.policy_loss": "cispo", "algorithm.use_tis": True},
+    "reinforce_pp_cispo_tis": {
+        "algorithm.advantage_estimator": "reinforce_plus_plus",
+        "algorithm.policy_loss": "cispo",
+        "algorithm.use_tis": True,
+    },
     "reinforce_pp_baseline_mis_dual_clip": {
-        "algorithm.advantage_estimator": "reinforce_plus_plus_baseline", "algorithm.use_mis": True,
-        "algorithm.dual_clip_c": 3.0, "algorithm.eps_clip_high": 0.3},
-    "grpo_kl_in_reward_two_steps": {"algorithm.kl_in_reward": True, "algorithm.kl_reward_coef": 0.1,
-                                    "algorithm.kl_estimator": "k1", "train.global_batch_size": 4},
+        "algorithm.advantage_estimator": "reinforce_plus_plus_baseline",
+        "algorithm.use_mis": True,
+        "algorithm.dual_clip_c": 3.0,
+        "algorithm.eps_clip_high": 0.3,
+    },
+    "grpo_kl_in_reward_two_steps": {
+        "algorithm.kl_in_reward": True,
+        "algorithm.kl_reward_coef": 0.1,
+        "algorithm.kl_estimator": "k1",
+        "train.global_batch_size": 4,
+    },
 }
 
 
@@ -202,8 +231,10 @@ def _variant_samples() -> list[Sample]:
 def _variants(path, info) -> dict:
     from colocate.trainer import Trainer
 
-    return {name: Trainer(_config(path, **overrides), info).train(_variant_samples(), rollout_id=0)
-            for name, overrides in VARIANTS.items()}
+    return {
+        name: Trainer(_config(path, **overrides), info).train(_variant_samples(), rollout_id=0)
+        for name, overrides in VARIANTS.items()
+    }
 
 
 def _resume(path, info, directory) -> tuple[dict, dict]:
@@ -262,12 +293,20 @@ def _one_rank(rank, world_size, path, out_file):
 
     torch.set_num_threads(1)  # tiny models: extra intra-op threads only fight over the cores
     info = dist.get_info()
-    torch.save(dict(modes=_modes(path, _samples(vocab=101), rank, world_size), budgets=_budgets(path, info),
-                    first_steps=_first_steps(path, info), nan=_nan_reward(path, info),
-                    critic=_critic(path, info), reference=_reference(path, info),
-                    variants=_variants(path, info), resume=_resume(path, info, out_file.parent / "ckpt"),
-                    compiled=_compiled(path, info, out_file.parent)),
-               out_file)
+    torch.save(
+        dict(
+            modes=_modes(path, _samples(vocab=101), rank, world_size),
+            budgets=_budgets(path, info),
+            first_steps=_first_steps(path, info),
+            nan=_nan_reward(path, info),
+            critic=_critic(path, info),
+            reference=_reference(path, info),
+            variants=_variants(path, info),
+            resume=_resume(path, info, out_file.parent / "ckpt"),
+            compiled=_compiled(path, info, out_file.parent),
+        ),
+        out_file,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +356,7 @@ def plain_grpo_loss(logits_fn, samples, mode) -> torch.Tensor:
     num_tokens = sum(sum(s.loss_mask) for s in samples)
     loss = 0.0
     for i, s in enumerate(samples):
-        logp = torch.log_softmax(logits_fn(torch.tensor(s.tokens)), dim=-1)[len(s.prompt_ids) - 1:-1]
+        logp = torch.log_softmax(logits_fn(torch.tensor(s.tokens)), dim=-1)[len(s.prompt_ids) - 1 : -1]
         lp = logp.gather(1, torch.tensor(s.response_ids)[:, None]).squeeze(1)
         per_token = -adv[i] * torch.exp(lp - lp.detach()) * torch.tensor(s.loss_mask, dtype=torch.float32)
         if mode == "token_mean":
@@ -434,10 +473,16 @@ def test_advantages_match_the_algo_estimators():
 
     assert torch.allclose(run(advantage_estimator="grpo"), algo.broadcast_to_tokens(algo.grpo(r, GROUP), idx, mask))
     assert torch.allclose(run(advantage_estimator="rloo"), algo.broadcast_to_tokens(algo.rloo(r, GROUP), idx, mask))
-    assert torch.allclose(run(advantage_estimator="reinforce_plus_plus", gamma=0.9),
-                          algo.reinforce_plus_plus(r, idx, mask, None, 0.0, gamma=0.9), atol=1e-6)
-    assert torch.allclose(run(advantage_estimator="reinforce_plus_plus_baseline"),
-                          algo.reinforce_plus_plus_baseline(r, GROUP, idx, mask, None, 0.0), atol=1e-6)
+    assert torch.allclose(
+        run(advantage_estimator="reinforce_plus_plus", gamma=0.9),
+        algo.reinforce_plus_plus(r, idx, mask, None, 0.0, gamma=0.9),
+        atol=1e-6,
+    )
+    assert torch.allclose(
+        run(advantage_estimator="reinforce_plus_plus_baseline"),
+        algo.reinforce_plus_plus_baseline(r, GROUP, idx, mask, None, 0.0),
+        atol=1e-6,
+    )
     adv, returns = algo.gae(algo.token_rewards(r, idx, mask), batch["values"], idx, mask, 0.9, 0.8)
     assert torch.allclose(run(advantage_estimator="gae", lam=0.8), algo.whiten(adv, mask), atol=1e-6)
     assert torch.allclose(batch["returns"], returns)

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.gpu
 GROUP = 4
 # Flash attention wants head dims that are multiples of 8.
 SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
-MEDIUM = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
-              num_key_value_heads=2, num_hidden_layers=4)
+MEDIUM = dict(
+    vocab_size=8192, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4
+)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +96,7 @@ def test_reference_is_offloaded_between_uses(tmp_path, info):
     from colocate.trainer import Trainer
 
     path, _ = write_hf_model(tmp_path, "qwen2", **SMALL)
-    cfg = _config(path, **{"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.01,
-                           "train.global_batch_size": 8})
+    cfg = _config(path, **{"algorithm.use_kl_loss": True, "algorithm.kl_loss_coef": 0.01, "train.global_batch_size": 8})
     trainer = Trainer(cfg, info)
     ref_bytes = sum(p.to_local().nbytes for p in trainer.reference.model.parameters())
     assert trainer.reference.offloaded
@@ -180,8 +180,10 @@ def test_overlapped_onload_updates_like_a_waited_one(tmp_path, info, determinist
         assert (away > 0) == overlap == memory.is_offloaded(ACTOR_OPTIM)
         streamed = memory.param_arrivals[ACTOR_PARAMS].pending  # each block's wait in the next forward
         assert len(streamed) == (len(trainer.actor_module.model.layers) if overlap else 0)
-        storages = {p.to_local().untyped_storage().data_ptr(): p.to_local().untyped_storage().nbytes()
-                    for p in trainer.actor_module.parameters()}
+        storages = {
+            p.to_local().untyped_storage().data_ptr(): p.to_local().untyped_storage().nbytes()
+            for p in trainer.actor_module.parameters()
+        }
         assert stats.num_bytes == sum(storages.values()) if overlap else stats.num_bytes > sum(storages.values())
         parts, onload_part = [], memory.offloader.onload_part
         memory.offloader.onload_part = lambda *args: parts.append(onload_part(*args)) or parts[-1]
@@ -298,8 +300,9 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path, info, family):
     grads, metrics = {}, {}
     for run, overrides in (("fp32", {"model.dtype": "float32"}), ("eager", {}), ("compiled", {"model.compile": True})):
         # No clipping: the gradients themselves are compared, not a rescaling by each run's norm.
-        trainer = Trainer(_config(path, **{"train.grad_clip": 1e9, **overrides}), info,
-                          checkpointing=ActivationCheckpointing(0.5, "ops"))
+        trainer = Trainer(
+            _config(path, **{"train.grad_clip": 1e9, **overrides}), info, checkpointing=ActivationCheckpointing(0.5, "ops")
+        )
         assert trainer.compute_dtype == (torch.float32 if run == "fp32" else torch.bfloat16)
         grads[run] = capture_grads(trainer)  # fp32: the gradients of the fp32 master weights
         graphs = counters["stats"]["unique_graphs"]

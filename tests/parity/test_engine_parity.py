@@ -27,7 +27,7 @@ def teacher_forced_logprobs(model, prompt, output, temperature):
     """log_softmax(logits / T) of each output token under our model, in one forward."""
     ids = torch.tensor(prompt + output)
     with torch.no_grad():
-        logits = model(ids)[len(prompt) - 1:-1].double()  # (T, V)
+        logits = model(ids)[len(prompt) - 1 : -1].double()  # (T, V)
     scaled = logits / (temperature if temperature > 0 else 1.0)
     return scaled.log_softmax(-1).gather(1, torch.tensor(output)[:, None]).squeeze(1)
 
@@ -38,8 +38,9 @@ def test_greedy_equals_transformers_generate(models, family):
     engine = NativeEngine(str(path), **SMALL)
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
     for prompt, completion in zip(PROMPTS, outs):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)[
+            0, len(prompt) :
+        ].tolist()
         assert completion.output_ids == ref
         assert completion.finish_reason == "length" and len(completion.logprobs) == 10
 
@@ -62,10 +63,11 @@ def test_shared_prefix_sampling_equals_separate_requests(models):
     # 11 prompt tokens in blocks of 4: two shared full blocks and a partial one copied on write.
     prompt = PROMPTS[1]
     together = NativeEngine(str(path), **SMALL).generate(
-        [prompt], SamplingParams(n=4, temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=11))
+        [prompt], SamplingParams(n=4, temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=11)
+    )
     separate = NativeEngine(str(path), **SMALL).generate(
-        [prompt] * 4, [SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=11 + j)
-                       for j in range(4)])
+        [prompt] * 4, [SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=11 + j) for j in range(4)]
+    )
     assert [c.output_ids for c in together] == [c.output_ids for c in separate]
     assert len({tuple(c.output_ids) for c in together}) > 1  # the samples did diverge
     for a, b in zip(together, separate):
@@ -132,8 +134,15 @@ def test_sampler_truncation_keeps_the_expected_tokens():
 
     def support(top_k=4, top_p=1.0, min_p=0.0):
         ids, logprobs = sample_tokens(
-            logits, torch.ones(b), torch.full((b,), top_k), torch.full((b,), top_p), torch.full((b,), min_p),
-            seeds, torch.zeros(b, dtype=torch.int64), truncate=True)
+            logits,
+            torch.ones(b),
+            torch.full((b,), top_k),
+            torch.full((b,), top_p),
+            torch.full((b,), min_p),
+            seeds,
+            torch.zeros(b, dtype=torch.int64),
+            truncate=True,
+        )
         assert torch.allclose(logprobs, logits[0].log_softmax(-1)[ids], atol=1e-6)  # untruncated
         return torch.bincount(ids, minlength=4) / b
 
@@ -150,8 +159,9 @@ def test_sampling_frequencies_follow_the_distribution():
     # Every (seed, position) pair draws fresh noise: vary both.
     seeds = torch.arange(b) // 100
     positions = torch.arange(b) % 100
-    ids, _ = sample_tokens(probs.log().repeat(b, 1), torch.full((b,), 0.5), torch.full((b,), 5),
-                           torch.ones(b), torch.zeros(b), seeds, positions)
+    ids, _ = sample_tokens(
+        probs.log().repeat(b, 1), torch.full((b,), 0.5), torch.full((b,), 5), torch.ones(b), torch.zeros(b), seeds, positions
+    )
     expected = probs.pow(2) / probs.pow(2).sum()  # temperature 0.5 squares the probabilities
     observed = torch.bincount(ids, minlength=5) / b
     assert (observed - expected).abs().max().item() < 0.015
@@ -165,20 +175,24 @@ def test_stop_ids_and_min_new_tokens(models):
     stop = tokens[3]
     first = tokens.index(stop)
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop,)))
-    assert out[0].output_ids == tokens[:first + 1] and out[0].finish_reason == "stop"
+    assert out[0].output_ids == tokens[: first + 1] and out[0].finish_reason == "stop"
     # min_new_tokens masks the stop id: it cannot appear among the first min_new_tokens tokens
     # (counted down on the device across decode windows of 2 steps).
     windows = NativeEngine(str(path), max_decode_steps=2, **SMALL)
-    held = windows.generate([PROMPTS[0]], SamplingParams(
-        temperature=0, max_new_tokens=12, min_new_tokens=first + 2, stop_token_ids=(stop,)))
-    assert stop not in held[0].output_ids[:first + 2]
+    held = windows.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=12, min_new_tokens=first + 2, stop_token_ids=(stop,))
+    )
+    assert stop not in held[0].output_ids[: first + 2]
     assert held[0].output_ids[:first] == tokens[:first]
     # eos from the config stops generation unless ignore_eos.
     eos_engine = NativeEngine(str(path), eos_token_ids=[stop], **SMALL)
-    assert eos_engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=12))[0].output_ids \
-        == tokens[:first + 1]
-    assert eos_engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-                               )[0].output_ids == tokens
+    assert (
+        eos_engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=12))[0].output_ids == tokens[: first + 1]
+    )
+    assert (
+        eos_engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))[0].output_ids
+        == tokens
+    )
 
 
 def test_release_resume_update_round_trip_equals_a_fresh_engine(models):
@@ -296,8 +310,28 @@ def test_generate_cli_writes_completions_in_input_order(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "a b c say d :"}) + "\n\n" + json.dumps({"input_ids": [5, 6, 7]}) + "\n")
     out = tmp_path / "out.jsonl"
-    assert main(["--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--n", "2",
-                 "--temperature", "0", "--max-new-tokens", "5", "--ignore-eos", "--max-kv-tokens", "256"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(model_dir),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--n",
+                "2",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "5",
+                "--ignore-eos",
+                "--max-kv-tokens",
+                "256",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert "start-up " in capsys.readouterr().err
@@ -305,7 +339,8 @@ def test_generate_cli_writes_completions_in_input_order(tmp_path, capsys):
 
     ids = AutoTokenizer.from_pretrained(str(model_dir)).encode("a b c say d :")
     ref = NativeEngine(str(model_dir), max_kv_tokens=256).generate(
-        [ids, [5, 6, 7]], SamplingParams(n=2, temperature=0, max_new_tokens=5, ignore_eos=True))
+        [ids, [5, 6, 7]], SamplingParams(n=2, temperature=0, max_new_tokens=5, ignore_eos=True)
+    )
     assert [r["output_ids"] for r in rows] == [c.output_ids for c in ref]
     assert all(len(r["logprobs"]) == 5 and r["finish_reason"] == "length" and "text" in r for r in rows)
     prompts.write_text(json.dumps({"input_ids": [1]}) + "\n" + json.dumps({"text": "x"}) + "\n")

@@ -65,8 +65,8 @@ def test_packed_projections_keep_logits_and_alias_the_parameters(tmp_path, famil
         attn.k_proj.weight.fill_(0.5)  # a copy into a parameter lands in the packed tensor
         mlp.up_proj.weight.fill_(-0.25)
     q_rows, k_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-    assert bool((attn.qkv_weight[q_rows:q_rows + k_rows] == 0.5).all())
-    assert bool((mlp.gate_up_weight[mlp.gate_proj.weight.shape[0]:] == -0.25).all())
+    assert bool((attn.qkv_weight[q_rows : q_rows + k_rows] == 0.5).all())
+    assert bool((mlp.gate_up_weight[mlp.gate_proj.weight.shape[0] :] == -0.25).all())
     assert (after - before).abs().max().item() <= 1e-5
 
 
@@ -119,8 +119,9 @@ def test_packed_flash_attention_matches_per_sequence_sdpa(head_dim):
     lengths = torch.tensor([5, 130, 1, 64])
     cu, _ = packing_from_lengths(lengths)
     n = int(lengths.sum())
-    leaves = [torch.randn(n, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-              for heads in (6, 2, 2)]
+    leaves = [
+        torch.randn(n, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_() for heads in (6, 2, 2)
+    ]
     grad_out = torch.randn(n, 6, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
     results = []
     for device in ("cuda", "cpu"):  # the CPU branch runs per-sequence SDPA in fp32

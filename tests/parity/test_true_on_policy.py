@@ -36,8 +36,10 @@ def invariant():
 
 
 def _samples(outs, prompts) -> list[Sample]:
-    return [Sample(prompts[c.prompt_index], c.output_ids, c.logprobs, [1] * len(c.output_ids), c.prompt_index,
-                   c.sample_index) for c in outs]
+    return [
+        Sample(prompts[c.prompt_index], c.output_ids, c.logprobs, [1] * len(c.output_ids), c.prompt_index, c.sample_index)
+        for c in outs
+    ]
 
 
 def _trainer_logprobs(model, samples: list[Sample], temperature: float, max_tokens: int) -> torch.Tensor:
@@ -60,8 +62,7 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(tmp_path, family, invaria
     engine = NativeEngine(path, dtype=torch.float32, device="cpu", max_kv_tokens=4096, seed=3, ops=invariant)
     together = engine.generate(PROMPTS, sampling)  # one batch, each prompt's prefix shared by its 3 samples
     alone = {i: engine.generate([PROMPTS[i]], sampling) for i in (2, 0, 3, 1)}  # one prompt at a time
-    tight = NativeEngine(path, dtype=torch.float32, device="cpu", block_size=4, max_kv_tokens=72, seed=3,
-                         ops=invariant)
+    tight = NativeEngine(path, dtype=torch.float32, device="cpu", block_size=4, max_kv_tokens=72, seed=3, ops=invariant)
     preempted = tight.generate(PROMPTS, sampling)
     assert tight.scheduler.num_preemptions > 0
     rollout = torch.tensor([lp for c in together for lp in c.logprobs])
@@ -111,7 +112,7 @@ def test_the_mode_is_refused_off_cpu_and_cuda_and_can_be_left():
     assert Ops.true_on_policy(torch.device("cpu")) is ops  # idempotent
     assert ops.invariant and not Ops.standard().invariant
     a, b = torch.randn(3, 56), torch.randn(56, 72)
-    assert batch_invariant.enabled() and torch.equal(a @ b, torch.cat([a[i:i + 1] @ b for i in range(3)]))
+    assert batch_invariant.enabled() and torch.equal(a @ b, torch.cat([a[i : i + 1] @ b for i in range(3)]))
     batch_invariant.disable()
     assert not batch_invariant.enabled()
 
@@ -137,14 +138,15 @@ def test_the_table_reaches_every_layer_and_the_engine_keeps_its_own_choice(tmp_p
 def test_attention_matches_sdpa_and_ignores_chunks_past_the_query():
     torch.manual_seed(0)
     q, k, v = torch.randn(37, 6, 20), torch.randn(37, 2, 20), torch.randn(37, 2, 20)
-    got = batch_invariant.attention(q, k, v, torch.arange(37), 20 ** -0.5)
+    got = batch_invariant.attention(q, k, v, torch.arange(37), 20**-0.5)
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True).transpose(0, 1)
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # The last query alone, with its own keys only, gives the same bits as inside the whole sequence.
-    last = batch_invariant.attention(q[-1:], k, v, torch.tensor([36]), 20 ** -0.5)
+    last = batch_invariant.attention(q[-1:], k, v, torch.tensor([36]), 20**-0.5)
     assert torch.equal(last, got[-1:])
-    first = batch_invariant.attention(q[:1], k[:1], v[:1], torch.tensor([0]), 20 ** -0.5)
+    first = batch_invariant.attention(q[:1], k[:1], v[:1], torch.tensor([0]), 20**-0.5)
     assert torch.equal(first, got[:1])
 
 
@@ -153,10 +155,29 @@ def assert_toy_run_has_no_mismatch(tmp_path, steps: int, env: dict, args: tuple[
     forward agree exactly at every step. Returns the steps' records."""
     out = tmp_path / "run"
     env = {**env, "COLOCATE_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-m", "colocate.train", "--config", "configs/default.yaml",
-                           "--output-dir", str(out), "--train.num-rollout", str(steps),
-                           "--algorithm.true-on-policy", "True", "--logging.console", "False", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colocate.train",
+            "--config",
+            "configs/default.yaml",
+            "--output-dir",
+            str(out),
+            "--train.num-rollout",
+            str(steps),
+            "--algorithm.true-on-policy",
+            "True",
+            "--logging.console",
+            "False",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/ppo_kl" in r]
@@ -178,8 +199,9 @@ def test_a_lora_run_in_the_mode_logs_no_mismatch_after_its_adapters_moved(tmp_pa
     """With LoRA the engine holds merged weights W + s B A: the trainer's forward multiplies the same
     merged weight in the mode (x W^T + x A^T B^T differs in the last bits once B is not zero: 70-81%
     of the tokens of steps 1-3 differed before)."""
-    rows = assert_toy_run_has_no_mismatch(tmp_path, 4, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"},
-                                          ("--model.lora-rank", "8"))
+    rows = assert_toy_run_has_no_mismatch(
+        tmp_path, 4, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"}, ("--model.lora-rank", "8")
+    )
     assert all(r["train/grad_norm"] > 0 for r in rows)  # the adapters train, so B moves from zero
 
 
@@ -201,14 +223,25 @@ def test_two_compiled_lora_ranks_in_the_mode_log_no_mismatch_and_one_process_s_g
     and its gradient norms are the one-process run's."""
     from tests.integration.test_loop import torchrun
 
-    flags = ("--train.num-rollout", "3", "--algorithm.true-on-policy", "True", "--model.compile", "True",
-             "--model.lora-rank", "8", "--logging.console", "False")
+    flags = (
+        "--train.num-rollout",
+        "3",
+        "--algorithm.true-on-policy",
+        "True",
+        "--model.compile",
+        "True",
+        "--model.lora-rank",
+        "8",
+        "--logging.console",
+        "False",
+    )
     torchrun(ROOT / "configs" / "default.yaml", tmp_path / "two", *flags)
     rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/ppo_kl" in r]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    one = assert_toy_run_has_no_mismatch(tmp_path / "one", 3, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"},
-                                         ("--model.lora-rank", "8"))
+    one = assert_toy_run_has_no_mismatch(
+        tmp_path / "one", 3, {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"}, ("--model.lora-rank", "8")
+    )
     for two, single in zip(rows, one):
         assert two["train/train_rollout_logprob_abs_diff"] == 0.0 and two["train/mismatch/nonzero_frac"] == 0.0
         assert two["train/grad_norm"] == pytest.approx(single["train/grad_norm"], rel=1e-4), two["step"]

@@ -34,8 +34,7 @@ def _flat(seqs, seq_numbers=None):
             mask.append(float(m))
             values.append(float(v))
         spans.append((start, len(mask)))
-    return (torch.tensor(seq_index), torch.tensor(mask, dtype=torch.float64),
-            torch.tensor(values, dtype=torch.float64), spans)
+    return (torch.tensor(seq_index), torch.tensor(mask, dtype=torch.float64), torch.tensor(values, dtype=torch.float64), spans)
 
 
 def _whiten_list(xs):
@@ -63,8 +62,7 @@ def test_grpo_without_std_and_dr_grpo_center_only():
 
 def test_grpo_accepts_integer_rewards():
     adv = grpo(torch.tensor([1, 0, 0, 1]), group_size=2)
-    torch.testing.assert_close(adv, torch.tensor([0.707106, -0.707106, -0.707106, 0.707106]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(adv, torch.tensor([0.707106, -0.707106, -0.707106, 0.707106]), atol=1e-5, rtol=0)
 
 
 def test_rloo_leave_one_out():
@@ -99,10 +97,8 @@ def test_whiten_hand_computed():
     x = torch.tensor([1.0, 2.0, 3.0, 100.0])
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
     # mean 2, biased var 2/3, std 0.816497 -> -1.224745, 0, 1.224745; masked token 0.
-    torch.testing.assert_close(whiten(x, mask), torch.tensor([-1.224745, 0.0, 1.224745, 0.0]),
-                               atol=1e-5, rtol=0)
-    torch.testing.assert_close(whiten(x, mask, shift_mean=False),
-                               torch.tensor([0.775255, 2.0, 3.224745, 0.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(whiten(x, mask), torch.tensor([-1.224745, 0.0, 1.224745, 0.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(whiten(x, mask, shift_mean=False), torch.tensor([0.775255, 2.0, 3.224745, 0.0]), atol=1e-5, rtol=0)
 
 
 def test_token_rewards_places_reward_on_last_masked_token():
@@ -110,8 +106,7 @@ def test_token_rewards_places_reward_on_last_masked_token():
     seq_index = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 2])
     mask = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 0], dtype=torch.float64)
     kl = torch.tensor([9, 0.1, 0.2, 9, 0.3, 9, 9, 0.4, 9], dtype=torch.float64)
-    out = token_rewards(torch.tensor([1.0, -1.0, 5.0], dtype=torch.float64), seq_index, mask,
-                        kl, kl_coef=0.5)
+    out = token_rewards(torch.tensor([1.0, -1.0, 5.0], dtype=torch.float64), seq_index, mask, kl, kl_coef=0.5)
     expected = [0, -0.05, -0.1, 0, 1 - 0.15, 0, 0, -1 - 0.2, 0]
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64))
 
@@ -159,8 +154,7 @@ SEQS = [
 def test_reinforce_plus_plus_matches_loop(gamma):
     seq_index, mask, kl, _ = _flat(SEQS)
     rewards = [1.0, 0.0, 0.5, 1.0]
-    out = reinforce_plus_plus(torch.tensor(rewards, dtype=torch.float64), seq_index, mask, kl,
-                              kl_coef=0.1, gamma=gamma)
+    out = reinforce_plus_plus(torch.tensor(rewards, dtype=torch.float64), seq_index, mask, kl, kl_coef=0.1, gamma=gamma)
     expected = _reinforce_pp_reference(rewards, SEQS, kl_coef=0.1, gamma=gamma)
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64))
 
@@ -168,8 +162,7 @@ def test_reinforce_plus_plus_matches_loop(gamma):
 def test_reinforce_plus_plus_without_kl():
     seq_index, mask, _, _ = _flat(SEQS)
     rewards = [1.0, 0.0, 0.5, 1.0]
-    out = reinforce_plus_plus(torch.tensor(rewards, dtype=torch.float64), seq_index, mask, None,
-                              kl_coef=0.1)
+    out = reinforce_plus_plus(torch.tensor(rewards, dtype=torch.float64), seq_index, mask, None, kl_coef=0.1)
     expected = _reinforce_pp_reference(rewards, SEQS, kl_coef=0.0, gamma=1.0)
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64))
 
@@ -177,8 +170,7 @@ def test_reinforce_plus_plus_without_kl():
 def test_reinforce_plus_plus_baseline_subtracts_group_mean():
     seq_index, mask, kl, _ = _flat(SEQS)
     rewards = [1.0, 0.0, 0.5, 1.0]
-    out = reinforce_plus_plus_baseline(torch.tensor(rewards, dtype=torch.float64), 2, seq_index,
-                                       mask, kl, kl_coef=0.1)
+    out = reinforce_plus_plus_baseline(torch.tensor(rewards, dtype=torch.float64), 2, seq_index, mask, kl, kl_coef=0.1)
     centered = [0.5, -0.5, -0.25, 0.25]  # group means 0.5 and 0.75
     expected = _reinforce_pp_reference(centered, SEQS, kl_coef=0.1, gamma=1.0)
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64))
@@ -260,11 +252,9 @@ def test_gae_and_reinforce_plus_plus_on_cuda_match_cpu():
     r = torch.randn(mask.shape[0], generator=gen, dtype=torch.float64)
     v = torch.randn(mask.shape[0], generator=gen, dtype=torch.float64)
     rewards = torch.tensor([1.0, 0.0, 0.5, 1.0], dtype=torch.float64)
-    cpu = (*gae(r, v, seq_index, mask, 0.95, 0.9),
-           reinforce_plus_plus(rewards, seq_index, mask, kl, 0.1, gamma=0.9))
+    cpu = (*gae(r, v, seq_index, mask, 0.95, 0.9), reinforce_plus_plus(rewards, seq_index, mask, kl, 0.1, gamma=0.9))
     dev = [t.cuda() for t in (r, v, seq_index, mask, kl, rewards)]
     r, v, seq_index, mask, kl, rewards = dev
-    cuda = (*gae(r, v, seq_index, mask, 0.95, 0.9),
-            reinforce_plus_plus(rewards, seq_index, mask, kl, 0.1, gamma=0.9))
+    cuda = (*gae(r, v, seq_index, mask, 0.95, 0.9), reinforce_plus_plus(rewards, seq_index, mask, kl, 0.1, gamma=0.9))
     for a, b in zip(cpu, cuda):
         torch.testing.assert_close(b.cpu(), a)

@@ -30,8 +30,13 @@ def model_copy(model_dir, tmp_path):
     return shutil.copytree(model_dir, tmp_path / "model")
 
 
-@pytest.mark.parametrize("flag, field", [("--rollout.n-samples-per-prompt", "rollout.n_samples_per_prompt"),
-                                         ("--rollout.rollout-batch-size", "rollout.rollout_batch_size")])
+@pytest.mark.parametrize(
+    "flag, field",
+    [
+        ("--rollout.n-samples-per-prompt", "rollout.n_samples_per_prompt"),
+        ("--rollout.rollout-batch-size", "rollout.rollout_batch_size"),
+    ],
+)
 def test_a_zero_batch_size_is_a_range_error_not_a_division_by_zero(flag, field, tmp_path, monkeypatch):
     monkeypatch.setenv("COLOCATE_CACHE", str(tmp_path))
     before = snapshot(tmp_path)
@@ -83,7 +88,8 @@ def test_a_reward_with_the_wrong_signature_fails_at_load_or_at_its_first_call(co
         load_reward_fn("my_contract:two_args", "eval.datasets.gsm8k.reward")
     assert str(info.value) == (
         "eval.datasets.gsm8k.reward: reward function my_contract:two_args cannot be called as "
-        "fn(prompts, responses, labels, metadata) (too many positional arguments)")
+        "fn(prompts, responses, labels, metadata) (too many positional arguments)"
+    )
     # A function that never went through load_reward_fn is checked by its first call, and a
     # contract error is not a per-sample failure (which would train on all-zero rewards).
     import my_contract
@@ -92,7 +98,8 @@ def test_a_reward_with_the_wrong_signature_fails_at_load_or_at_its_first_call(co
         compute_rewards(my_contract.two_args, SAMPLES)
     assert str(info.value) == (
         "reward function my_contract:two_args cannot be called as fn(prompts, responses, labels, metadata) "
-        "(two_args() takes 2 positional arguments but 4 were given)")
+        "(two_args() takes 2 positional arguments but 4 were given)"
+    )
     # A TypeError raised inside the function is still the samples' failure, not the contract's.
     assert compute_rewards(my_contract.buggy, SAMPLES) == ([0.0, 0.0, 0.0], 3)
 
@@ -105,7 +112,7 @@ def _first_weights_file(path):
 def test_an_unreadable_safetensors_file_is_named(model_copy, damage):
     file = _first_weights_file(model_copy)
     data = file.read_bytes()
-    file.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"version https://git-lfs\n")
+    file.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"version https://git-lfs\n")
     before = snapshot(model_copy.parent)
     with pytest.raises(ValueError) as info:
         from_pretrained(model_copy)
@@ -131,8 +138,7 @@ def test_non_finite_weights_are_caught_at_load_naming_tensor_and_file(model_copy
     before = snapshot(model_copy.parent)
     with pytest.raises(ValueError) as info:
         from_pretrained(model_copy)
-    assert str(info.value) == (f"{file}: tensor {name} holds non-finite values ({counts} of "
-                               f"{tensors[name].numel()})")
+    assert str(info.value) == (f"{file}: tensor {name} holds non-finite values ({counts} of {tensors[name].numel()})")
     assert snapshot(model_copy.parent) == before
 
 
@@ -149,8 +155,9 @@ def test_save_pretrained_replaces_only_what_colocate_wrote(model_dir, tmp_path):
     before = snapshot(tmp_path)
     with pytest.raises(ValueError) as info:
         save_pretrained(model, foreign)
-    assert str(info.value) == (f"output {foreign} is not empty and was not written by colocate: choose a new "
-                               "directory, or replace it with --overwrite")
+    assert str(info.value) == (
+        f"output {foreign} is not empty and was not written by colocate: choose a new directory, or replace it with --overwrite"
+    )
     assert snapshot(tmp_path) == before  # no partial directory left beside it either
     out = save_pretrained(model, tmp_path / "saved")
     assert (out / MARKER).is_file()
@@ -164,8 +171,10 @@ def test_toy_writers_refuse_a_directory_colocate_did_not_write(tmp_path, monkeyp
     foreign = _foreign_dir(tmp_path)
     before = snapshot(tmp_path)
     assert toy.main(["--out", str(foreign)]) == 2
-    assert capsys.readouterr().err == (f"error: output {foreign} is not empty and was not written by colocate: "
-                                       "choose a new directory, or replace it with --overwrite\n")
+    assert capsys.readouterr().err == (
+        f"error: output {foreign} is not empty and was not written by colocate: "
+        "choose a new directory, or replace it with --overwrite\n"
+    )
     monkeypatch.setenv("COLOCATE_CACHE", str(tmp_path))
     (tmp_path / "toy").mkdir()
     (tmp_path / "toy" / "data.bin").write_bytes(b"\0")
@@ -186,11 +195,16 @@ def test_entry_points_end_a_user_error_in_one_line_with_status_2(tmp_path, monke
         (export.main, [str(missing), str(tmp_path / "out")], f"checkpoint path {missing} does not exist"),
         (plot.main, [str(tmp_path)], f"no metrics file at {tmp_path / 'metrics.jsonl'}"),
         (parity.main, ["--model", str(missing), "--device", "cpu"], f"--model: model directory {missing} does not exist"),
-        (generate.main, ["--model", str(missing), "--prompts", str(missing / "p.jsonl"), "--out", str(tmp_path / "o")],
-         f"--model: model directory {missing} does not exist"),
-        (data.main, ["prepare", "gsm8k", str(tmp_path / "o.jsonl"), "--source", str(missing)],
-         f"{missing}: prompt data not found (not a file, a directory, or a Hub data set id "
-         "owner/name[:config[:split]])"),
+        (
+            generate.main,
+            ["--model", str(missing), "--prompts", str(missing / "p.jsonl"), "--out", str(tmp_path / "o")],
+            f"--model: model directory {missing} does not exist",
+        ),
+        (
+            data.main,
+            ["prepare", "gsm8k", str(tmp_path / "o.jsonl"), "--source", str(missing)],
+            f"{missing}: prompt data not found (not a file, a directory, or a Hub data set id owner/name[:config[:split]])",
+        ),
     ]
     before = snapshot(tmp_path)
     for main, argv, message in cases:
@@ -227,8 +241,7 @@ def test_user_code_loads_from_a_file_path_and_its_errors_name_the_file(contract_
     spec = "my_contract.py:one_short"
     with pytest.raises(RewardContractError) as info:
         compute_rewards(load_reward_fn(spec), SAMPLES)
-    assert str(info.value) == (f"reward function {contract_module / 'my_contract.py'}:one_short returned 2 rewards "
-                               "for 3 samples")
+    assert str(info.value) == (f"reward function {contract_module / 'my_contract.py'}:one_short returned 2 rewards for 3 samples")
     assert load_function(spec, "rollout.reward") is load_function(f"./{spec}", "rollout.reward")  # run once
     with pytest.raises(ValueError, match=r"rollout.custom_generate: 'nope.py:f': no file nope.py \(relative to "):
         load_function("nope.py:f", "rollout.custom_generate")
@@ -263,8 +276,9 @@ def _load_inputs(toy_dir, model=None, data=None, **fields):
 def test_stop_ids_outside_the_vocabulary_are_refused(toy_dir):
     with pytest.raises(ValueError) as info:
         _load_inputs(toy_dir, rollout__stop_token_ids=[3, 9, 40])
-    assert str(info.value) == (f"rollout.stop_token_ids [9, 40] lie outside the vocabulary of "
-                               f"{toy_dir / 'model'}/config.json (vocab_size 9)")
+    assert str(info.value) == (
+        f"rollout.stop_token_ids [9, 40] lie outside the vocabulary of {toy_dir / 'model'}/config.json (vocab_size 9)"
+    )
     assert _load_inputs(toy_dir, rollout__stop_token_ids=[8]).eos_token_ids == [0]  # the model's own
 
 
@@ -272,8 +286,9 @@ def test_a_lora_rank_above_the_smallest_adapted_projection_is_refused(toy_dir):
     # The toy: hidden 64, 4 query heads and 2 key/value heads of 16, MLP 256: k_proj is 64 -> 32.
     with pytest.raises(ValueError) as info:
         _load_inputs(toy_dir, model__lora_rank=33)
-    assert str(info.value) == (f"model.lora_rank 33 exceeds the smaller side of k_proj (64 -> 32 in "
-                               f"{toy_dir / 'model'}/config.json): at most 32")
+    assert str(info.value) == (
+        f"model.lora_rank 33 exceeds the smaller side of k_proj (64 -> 32 in {toy_dir / 'model'}/config.json): at most 32"
+    )
     _load_inputs(toy_dir, model__lora_rank=32)
     _load_inputs(toy_dir, model__lora_rank=64, model__lora_target_modules=["q_proj", "o_proj", "up_proj"])
 
@@ -284,8 +299,10 @@ def test_fewer_prompts_than_a_rollout_batch_are_refused(toy_dir, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError) as info:
         _load_inputs(toy_dir, data=data, rollout__rollout_batch_size=4, rollout__max_prompt_len=10)
-    assert str(info.value) == (f"rollout.prompt_data {data} holds 3 prompts, after dropping 2 longer than "
-                               "rollout.max_prompt_len=10, fewer than rollout.rollout_batch_size=4")
+    assert str(info.value) == (
+        f"rollout.prompt_data {data} holds 3 prompts, after dropping 2 longer than "
+        "rollout.max_prompt_len=10, fewer than rollout.rollout_batch_size=4"
+    )
     assert len(_load_inputs(toy_dir, data=data, rollout__rollout_batch_size=4).data.dataset) == 5
 
 
@@ -295,8 +312,9 @@ def test_a_corrupt_model_config_or_missing_tokenizer_is_named(toy_dir, tmp_path)
     before = snapshot(model)
     with pytest.raises(ValueError) as info:
         _load_inputs(toy_dir, model=model)
-    assert str(info.value) == (f"model.path: {model}/config.json is not valid JSON (Expecting property name "
-                               "enclosed in double quotes at line 2)")
+    assert str(info.value) == (
+        f"model.path: {model}/config.json is not valid JSON (Expecting property name enclosed in double quotes at line 2)"
+    )
     (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
     with pytest.raises(ValueError, match=f"^model.path: {model}/config.json has no 'num_attention_heads'$"):
         _load_inputs(toy_dir, model=model)
@@ -305,8 +323,10 @@ def test_a_corrupt_model_config_or_missing_tokenizer_is_named(toy_dir, tmp_path)
         (model / name).unlink()
     with pytest.raises(ValueError) as info:
         _load_inputs(toy_dir, model=model)
-    assert str(info.value) == (f"model.path: {model} has no tokenizer files (none of tokenizer.json, "
-                               "tokenizer.model, vocab.json, vocab.txt): copy the model's tokenizer into it")
+    assert str(info.value) == (
+        f"model.path: {model} has no tokenizer files (none of tokenizer.json, "
+        "tokenizer.model, vocab.json, vocab.txt): copy the model's tokenizer into it"
+    )
     assert (model / "model.safetensors").read_bytes() == (toy_dir / "model" / "model.safetensors").read_bytes()
     assert before.keys() - snapshot(model).keys() == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 
@@ -325,11 +345,26 @@ def test_a_diverging_run_ends_in_one_line_naming_the_settings(tmp_path, monkeypa
     from colocate.train import main
 
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
-    argv = ["--output-dir", str(tmp_path / "run"), "--train.lr", "1e20", "--train.max-skipped-steps", "2",
-            "--train.num-rollout", "6", "--rollout.rollout-batch-size", "4", "--logging.console", "False"]
+    argv = [
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--train.lr",
+        "1e20",
+        "--train.max-skipped-steps",
+        "2",
+        "--train.num-rollout",
+        "6",
+        "--rollout.rollout-batch-size",
+        "4",
+        "--logging.console",
+        "False",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert re.fullmatch(r"error: 2 optimizer steps in a row \(train.max_skipped_steps\) were skipped for a "
-                        r"non-finite loss \(\S+\) or grad norm \(\S+\): training diverged; lower train.lr "
-                        r"\(now 1e\+20\)\n", err.splitlines(keepends=True)[-1]), err
+    assert re.fullmatch(
+        r"error: 2 optimizer steps in a row \(train.max_skipped_steps\) were skipped for a "
+        r"non-finite loss \(\S+\) or grad norm \(\S+\): training diverged; lower train.lr "
+        r"\(now 1e\+20\)\n",
+        err.splitlines(keepends=True)[-1],
+    ), err

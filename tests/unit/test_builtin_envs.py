@@ -119,8 +119,11 @@ def test_reasoning_gym_rows_are_the_tasks_questions_answers_and_entries(leg_rows
     entries = list(reasoning_gym.create_dataset("leg_counting", size=3, seed=5))
     assert len(leg_rows) == 3
     for row, entry in zip(leg_rows, entries):
-        assert row == {"prompt": entry["question"], "label": entry["answer"],
-                       "metadata": {"task": "leg_counting", "entry": json.loads(json.dumps(entry))}}
+        assert row == {
+            "prompt": entry["question"],
+            "label": entry["answer"],
+            "metadata": {"task": "leg_counting", "entry": json.loads(json.dumps(entry))},
+        }
     assert task_rows("leg_counting", 3, 5) == leg_rows  # seeded: the same rows again
     with pytest.raises(ValueError, match="reasoning_gym:no_such_task: Dataset 'no_such_task' not registered"):
         task_rows("no_such_task", 3, 5)
@@ -161,8 +164,13 @@ def test_reasoning_gym_feedback_turn_gives_a_wrong_answer_a_second_try(leg_rows)
 
     (first, second), reward = _episode(env, row, "<answer>1</answer>", f"<answer>{label}</answer>")
     assert not first.done and first.reward_parts == {"first_score": 0.0, "score_errors": 0.0}
-    assert first.messages == [{"role": "user", "content": "Your answer is not correct (score 0 out of 1). Try again, "
-                                                          "and give your final answer within <answer></answer> tags."}]
+    assert first.messages == [
+        {
+            "role": "user",
+            "content": "Your answer is not correct (score 0 out of 1). Try again, "
+            "and give your final answer within <answer></answer> tags.",
+        }
+    ]
     assert second.done and reward == 1.0
 
     (first, second), reward = _episode(env, row, f"<answer>{label}0</answer>", "<answer>1</answer>")

@@ -16,21 +16,76 @@ QUESTION = "What is 2+3?"
 
 # The rendered prompt as pieces: special (and added) tokens alone, plain text between them.
 EXPECTED = {
-    ("qwen2.5", None, None): ["<|im_start|>", f"system\n{QWEN_DEFAULT_SYSTEM}", "<|im_end|>", "\n", "<|im_start|>",
-                              f"user\n{QUESTION}", "<|im_end|>", "\n", "<|im_start|>", "assistant\n"],
-    ("qwen2.5", "Be brief.", None): ["<|im_start|>", "system\nBe brief.", "<|im_end|>", "\n", "<|im_start|>",
-                                     f"user\n{QUESTION}", "<|im_end|>", "\n", "<|im_start|>", "assistant\n"],
+    ("qwen2.5", None, None): [
+        "<|im_start|>",
+        f"system\n{QWEN_DEFAULT_SYSTEM}",
+        "<|im_end|>",
+        "\n",
+        "<|im_start|>",
+        f"user\n{QUESTION}",
+        "<|im_end|>",
+        "\n",
+        "<|im_start|>",
+        "assistant\n",
+    ],
+    ("qwen2.5", "Be brief.", None): [
+        "<|im_start|>",
+        "system\nBe brief.",
+        "<|im_end|>",
+        "\n",
+        "<|im_start|>",
+        f"user\n{QUESTION}",
+        "<|im_end|>",
+        "\n",
+        "<|im_start|>",
+        "assistant\n",
+    ],
     ("qwen3", None, None): ["<|im_start|>", f"user\n{QUESTION}", "<|im_end|>", "\n", "<|im_start|>", "assistant\n"],
-    ("qwen3", "Be brief.", False): ["<|im_start|>", "system\nBe brief.", "<|im_end|>", "\n", "<|im_start|>",
-                                    f"user\n{QUESTION}", "<|im_end|>", "\n", "<|im_start|>", "assistant\n",
-                                    "<think>", "\n\n", "</think>", "\n\n"],
-    ("llama3", None, None): ["<|begin_of_text|>", "<|start_header_id|>", "user", "<|end_header_id|>",
-                             f"\n\n{QUESTION}", "<|eot_id|>", "<|start_header_id|>", "assistant",
-                             "<|end_header_id|>", "\n\n"],
-    ("llama3", "Be brief.", None): ["<|begin_of_text|>", "<|start_header_id|>", "system", "<|end_header_id|>",
-                                    "\n\nBe brief.", "<|eot_id|>", "<|start_header_id|>", "user",
-                                    "<|end_header_id|>", f"\n\n{QUESTION}", "<|eot_id|>", "<|start_header_id|>",
-                                    "assistant", "<|end_header_id|>", "\n\n"],
+    ("qwen3", "Be brief.", False): [
+        "<|im_start|>",
+        "system\nBe brief.",
+        "<|im_end|>",
+        "\n",
+        "<|im_start|>",
+        f"user\n{QUESTION}",
+        "<|im_end|>",
+        "\n",
+        "<|im_start|>",
+        "assistant\n",
+        "<think>",
+        "\n\n",
+        "</think>",
+        "\n\n",
+    ],
+    ("llama3", None, None): [
+        "<|begin_of_text|>",
+        "<|start_header_id|>",
+        "user",
+        "<|end_header_id|>",
+        f"\n\n{QUESTION}",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "assistant",
+        "<|end_header_id|>",
+        "\n\n",
+    ],
+    ("llama3", "Be brief.", None): [
+        "<|begin_of_text|>",
+        "<|start_header_id|>",
+        "system",
+        "<|end_header_id|>",
+        "\n\nBe brief.",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "user",
+        "<|end_header_id|>",
+        f"\n\n{QUESTION}",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "assistant",
+        "<|end_header_id|>",
+        "\n\n",
+    ],
 }
 
 
@@ -83,28 +138,41 @@ def test_a_prompt_with_its_own_system_message_keeps_it(tmp_path):
 
 def test_config_fields_from_yaml_and_command_line(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("rollout:\n  apply_chat_template: true\n  system_prompt: Be brief.\n"
-                    "  chat_template_kwargs: {enable_thinking: false}\n")
+    path.write_text(
+        "rollout:\n  apply_chat_template: true\n  system_prompt: Be brief.\n  chat_template_kwargs: {enable_thinking: false}\n"
+    )
     cfg = load_config(["--config", str(path)])
     assert cfg.rollout.system_prompt == "Be brief." and cfg.rollout.chat_template_kwargs == {"enable_thinking": False}
-    cfg = load_config(["--config", str(path), "--rollout.chat-template-kwargs.enable-thinking", "True",
-                       "--rollout.system-prompt", "Think."])
+    cfg = load_config(
+        ["--config", str(path), "--rollout.chat-template-kwargs.enable-thinking", "True", "--rollout.system-prompt", "Think."]
+    )
     assert cfg.rollout.system_prompt == "Think." and cfg.rollout.chat_template_kwargs == {"enable_thinking": True}
-    cfg = load_config(["--rollout.apply-chat-template", "True", "--rollout.chat-template-kwargs", "enable_thinking",
-                       "False"])
+    cfg = load_config(["--rollout.apply-chat-template", "True", "--rollout.chat-template-kwargs", "enable_thinking", "False"])
     assert cfg.rollout.chat_template_kwargs == {"enable_thinking": False}
 
 
-@pytest.mark.parametrize("yaml_text, message", [
-    ("rollout:\n  system_prompt: Be brief.\n",
-     "{path}: rollout.system_prompt needs rollout.apply_chat_template (or rollout.env), got 'Be brief.'"),
-    ("rollout:\n  chat_template_kwargs: {enable_thinking: false}\n",
-     "{path}: rollout.chat_template_kwargs needs rollout.apply_chat_template (or rollout.env), got {{'enable_thinking': False}}"),
-    ("rollout:\n  apply_chat_template: true\n  chat_template_kwargs: [enable_thinking]\n",
-     "{path}: rollout.chat_template_kwargs must be a mapping with string keys, got ['enable_thinking']"),
-    ("rollout:\n  apply_chat_template: true\n  chat_template_kwargs: {tools: [a]}\n",
-     "{path}: rollout.chat_template_kwargs.tools must be a bool, number or string, got ['a']"),
-])
+@pytest.mark.parametrize(
+    "yaml_text, message",
+    [
+        (
+            "rollout:\n  system_prompt: Be brief.\n",
+            "{path}: rollout.system_prompt needs rollout.apply_chat_template (or rollout.env), got 'Be brief.'",
+        ),
+        (
+            "rollout:\n  chat_template_kwargs: {enable_thinking: false}\n",
+            "{path}: rollout.chat_template_kwargs needs rollout.apply_chat_template (or rollout.env), "
+            "got {{'enable_thinking': False}}",
+        ),
+        (
+            "rollout:\n  apply_chat_template: true\n  chat_template_kwargs: [enable_thinking]\n",
+            "{path}: rollout.chat_template_kwargs must be a mapping with string keys, got ['enable_thinking']",
+        ),
+        (
+            "rollout:\n  apply_chat_template: true\n  chat_template_kwargs: {tools: [a]}\n",
+            "{path}: rollout.chat_template_kwargs.tools must be a bool, number or string, got ['a']",
+        ),
+    ],
+)
 def test_config_fields_are_checked(tmp_path, yaml_text, message):
     path = tmp_path / "c.yaml"
     path.write_text(yaml_text)

@@ -60,13 +60,21 @@ class _Ops(TorchDispatchMode):
         return sum(f in funcs and (shape is None or s == shape) for f, s in self.ops)
 
 
-CFG = ArchConfig(model_type="qwen2", vocab_size=64, hidden_size=256, intermediate_size=320, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=128, attention_bias=True)
+CFG = ArchConfig(
+    model_type="qwen2",
+    vocab_size=64,
+    hidden_size=256,
+    intermediate_size=320,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=128,
+    attention_bias=True,
+)
 LENGTHS = [5, 11]
 
 
-def _block_grads(mode: str | None, dtype: torch.dtype, device: str, table: Ops | None = None
-                 ) -> tuple[list[torch.Tensor], _Ops]:
+def _block_grads(mode: str | None, dtype: torch.dtype, device: str, table: Ops | None = None) -> tuple[list[torch.Tensor], _Ops]:
     """Gradients of one decoder block on two packed sequences (computing with `table`, default the
     standard one), and the ops its backward ran (recomputation included)."""
     cfg, lengths = CFG, LENGTHS
@@ -129,8 +137,9 @@ def test_modes_keep_the_true_on_policy_mode_s_products_and_attention():
 
     table = Ops.true_on_policy(torch.device("cpu"))
     try:
-        seen = {mode: _matmul_counts(_block_grads(mode, torch.float32, "cpu", table)[1], CFG, sum(LENGTHS))
-                for mode in (None, *MODES)}
+        seen = {
+            mode: _matmul_counts(_block_grads(mode, torch.float32, "cpu", table)[1], CFG, sum(LENGTHS)) for mode in (None, *MODES)
+        }
         _, ops = _block_grads("attention", torch.float32, "cpu", table)
         attention_recomputed = ops.count(_attention_ops())
     finally:
@@ -182,8 +191,9 @@ def test_attention_mode_recomputes_everything_but_attention(deterministic):
     assert plain_calls == 0 and calls == {"full": 1, "attention": 0, "ops": 0, "mlp": 0}, calls
 
 
-def _lora_block_grads(mode: str | None, compiled: bool = False, device: str = "cpu",
-                      dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], int, list, list]:
+def _lora_block_grads(
+    mode: str | None, compiled: bool = False, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], int, list, list]:
     """Gradients of one decoder block with rank-4 adapters on every projection (B not zero), how
     many weight merges its backward ran (recomputation included), and the shapes of the tensors
     of at least one element per token that its forward saved for backward outside any
@@ -227,8 +237,15 @@ def _lora_block_grads(mode: str | None, compiled: bool = False, device: str = "c
     return [x.grad, *(p.grad for p in block.parameters() if p.requires_grad)], merges, kept, saved
 
 
-MERGES = {(None, False): 0, (None, True): 0, **{(mode, False): 7 for mode in MODES},
-          ("full", True): 6, ("attention", True): 6, ("ops", True): 0, ("mlp", True): 2}
+MERGES = {
+    (None, False): 0,
+    (None, True): 0,
+    **{(mode, False): 7 for mode in MODES},
+    ("full", True): 6,
+    ("attention", True): 6,
+    ("ops", True): 0,
+    ("mlp", True): 2,
+}
 """Per mode, eager and compiled, the weight merges a LoRA block's backward runs: none of its own;
 an eager recomputation runs all 7 (one per adapted projection), a compiled one only those whose
 products it recomputes and needs (the down projection's output is not needed; "ops" keeps every

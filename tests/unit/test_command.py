@@ -32,8 +32,9 @@ def test_help_lists_every_command_on_a_line_of_its_own():
 def test_an_unknown_command_is_one_line_naming_them_all(capsys):
     assert command.main(["trian", "--config", "x.yaml"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == ("error: unknown command 'trian'; choose one of train, generate, export, parity, "
-                                 "plot, data, toy (colocate --help)\n")
+    assert out == "" and err == (
+        "error: unknown command 'trian'; choose one of train, generate, export, parity, plot, data, toy (colocate --help)\n"
+    )
     assert command.main([]) == 2
     assert capsys.readouterr().err.startswith("usage: colocate COMMAND")
 

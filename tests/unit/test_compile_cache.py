@@ -38,12 +38,17 @@ def test_the_compile_caches_are_on():
 @pytest.mark.slow
 def test_a_restart_with_another_kv_cache_size_compiles_nothing(tmp_path):
     path, _ = write_hf_model(tmp_path, "qwen3")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-           "TRITON_CACHE_DIR": str(tmp_path / "triton"), "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
 
     def run(kv_tokens: int) -> dict:
-        done = subprocess.run([sys.executable, "-c", CHILD, str(path), str(kv_tokens)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, str(path), str(kv_tokens)], env=env, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

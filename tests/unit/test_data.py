@@ -53,8 +53,7 @@ def test_parquet_matches_jsonl(tmp_path, tokenizer):
 
 
 def test_chat_template(tmp_path, tokenizer):
-    rows = [{"prompt": [{"role": "user", "content": "a after b"}], "label": "c d e f"},
-            {"prompt": "a after c", "label": "d e f"}]
+    rows = [{"prompt": [{"role": "user", "content": "a after b"}], "label": "c d e f"}, {"prompt": "a after c", "label": "d e f"}]
     ds = PromptDataset(write_jsonl(tmp_path / "c.jsonl", rows), tokenizer, apply_chat_template=True)
     assert [s.prompt_text for s in ds.samples] == ["a after b ", "a after c "]
     assert ds[0].prompt_ids == tokenizer("a after b")["input_ids"]
@@ -62,15 +61,18 @@ def test_chat_template(tmp_path, tokenizer):
         PromptDataset(tmp_path / "c.jsonl", tokenizer, apply_chat_template=False)
 
 
-@pytest.mark.parametrize("bad_line, message", [
-    ("{not json", "invalid JSON"),
-    (json.dumps({"prompt": "a"}), "missing key 'label'"),
-    (json.dumps({"label": "a"}), "missing key 'prompt'"),
-    (json.dumps({"prompt": 3, "label": "a"}), "'prompt' must be a string or a message list"),
-    (json.dumps({"prompt": [{"role": "user"}], "label": "a"}), "non-empty list"),
-    (json.dumps({"prompt": "a", "label": "a", "metadata": [1]}), "'metadata' must be a mapping"),
-    (json.dumps(["a", "b"]), "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ("{not json", "invalid JSON"),
+        (json.dumps({"prompt": "a"}), "missing key 'label'"),
+        (json.dumps({"label": "a"}), "missing key 'prompt'"),
+        (json.dumps({"prompt": 3, "label": "a"}), "'prompt' must be a string or a message list"),
+        (json.dumps({"prompt": [{"role": "user"}], "label": "a"}), "non-empty list"),
+        (json.dumps({"prompt": "a", "label": "a", "metadata": [1]}), "'metadata' must be a mapping"),
+        (json.dumps(["a", "b"]), "expected a JSON object"),
+    ],
+)
 def test_malformed_line_names_file_and_line(tmp_path, tokenizer, bad_line, message):
     good = json.dumps({"prompt": "a after b", "label": "c"})
     path = tmp_path / "bad.jsonl"
@@ -154,8 +156,7 @@ def test_state_round_trip_resumes_the_same_batches(tmp_path, tokenizer):
     assert state == {"epoch": 1, "offset": 2, "seed": 5, "dataset_size": 10}
     resumed = PromptSampler(ds, seed=0)
     resumed.load_state_dict(state)
-    assert [labels(resumed.next_batch(4)) for _ in range(4)] == [
-        labels(sampler.next_batch(4)) for _ in range(4)]
+    assert [labels(resumed.next_batch(4)) for _ in range(4)] == [labels(sampler.next_batch(4)) for _ in range(4)]
     smaller = make_dataset(tmp_path, tokenizer, 9, name="q.jsonl")
     with pytest.raises(ValueError, match="saw 10 prompts, the data now has 9"):
         PromptSampler(smaller).load_state_dict(state)

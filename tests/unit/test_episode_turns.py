@@ -49,8 +49,10 @@ def test_a_turn_cut_off_on_a_piece_of_the_end_token_is_closed_by_the_token_itsel
     observation = TurnRenderer(tok).observation([{"role": "user", "content": "go on"}], cut)
     im_end, im_start = tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
     assert observation[0] == im_end
-    assert observation == tok("<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n",
-                              add_special_tokens=False)["input_ids"]
+    assert (
+        observation
+        == tok("<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    )
     assert observation.count(im_start) == 2
 
 
@@ -129,8 +131,12 @@ CALLS = [
 def test_tool_calls_and_their_failures_reach_the_policy_as_observations():
     dist.init()
     tok = chat_tokenizer("qwen3")
-    runner = EpisodeRunner(ToolEnv(), tok, EpisodeLimits(max_turns=6, max_episode_tokens=4096,
-                                                         turn_max_new_tokens=256, tool_timeout_s=1.0), workers=2)
+    runner = EpisodeRunner(
+        ToolEnv(),
+        tok,
+        EpisodeLimits(max_turns=6, max_episode_tokens=4096, turn_max_new_tokens=256, tool_timeout_s=1.0),
+        workers=2,
+    )
     engine = Scripted(tok, CALLS)
     prompt = PromptSample(0, [], "", None, {}, "Compute 6*7 with python.")
     [sample] = runner.run(engine, [prompt], [SamplingParams(n=1, max_new_tokens=256)])
@@ -145,21 +151,30 @@ def test_tool_calls_and_their_failures_reach_the_policy_as_observations():
     assert sample.reward == 1.0 and sample.metadata["env"]["turns"] == 4
     assert sample.metadata["env"]["tools"]["calls"] == 5 and sample.metadata["env"]["tools"]["errors"] == 4
     # Each turn went back to the engine as the whole context so far, token ids in, token ids out.
-    assert engine.contexts[-1] == sample.prompt_ids + sample.response_ids[:len(engine.contexts[-1]) - len(sample.prompt_ids)]
+    assert engine.contexts[-1] == sample.prompt_ids + sample.response_ids[: len(engine.contexts[-1]) - len(sample.prompt_ids)]
     metrics = runner.metrics(runner.take())
     assert metrics["env/tool_calls"] == 5 and metrics["env/tool_errors"] == 4 and metrics["env/end/done"] == 1.0
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(env="nope"), r"rollout.env must be a built-in environment \(toy_turns, math_python, reasoning_gym, verifiers\)"),
-    (dict(env="toy_turns", partial_rollout=True, over_sampling_batch_size=32),
-     "rollout.env cannot be combined with rollout.partial_rollout"),
-    (dict(env="toy_turns", custom_generate="tests.multiturn_hook:two_turns"),
-     "rollout.env cannot be combined with rollout.custom_generate"),
-    (dict(env="toy_turns", max_episode_tokens=16, turn_max_new_tokens=32),
-     "rollout.turn_max_new_tokens must be <= the episode's budget \\(16 tokens"),
-    (dict(max_turns=3), "rollout.max_turns is set but takes effect only with rollout.env"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(env="nope"), r"rollout.env must be a built-in environment \(toy_turns, math_python, reasoning_gym, verifiers\)"),
+        (
+            dict(env="toy_turns", partial_rollout=True, over_sampling_batch_size=32),
+            "rollout.env cannot be combined with rollout.partial_rollout",
+        ),
+        (
+            dict(env="toy_turns", custom_generate="tests.multiturn_hook:two_turns"),
+            "rollout.env cannot be combined with rollout.custom_generate",
+        ),
+        (
+            dict(env="toy_turns", max_episode_tokens=16, turn_max_new_tokens=32),
+            "rollout.turn_max_new_tokens must be <= the episode's budget \\(16 tokens",
+        ),
+        (dict(max_turns=3), "rollout.max_turns is set but takes effect only with rollout.env"),
+    ],
+)
 def test_environment_settings_are_checked_before_any_model_work(overrides, message):
     cfg = Config()
     for key, value in overrides.items():

@@ -73,9 +73,12 @@ PUSH = [("engine.begin", False), ("engine.update", ("weight", "bias")), ("engine
 
 def _colocation(offload_train: bool, offload_rollout: bool, lora: bool = False):
     events = Events()
-    colocation = Colocation(FakeTrainer(events, lora), OffloadConfig(offload_rollout=offload_rollout,
-                                                                     offload_train=offload_train),
-                            dtype=torch.float32, bucket_bytes=1 << 20)
+    colocation = Colocation(
+        FakeTrainer(events, lora),
+        OffloadConfig(offload_rollout=offload_rollout, offload_train=offload_train),
+        dtype=torch.float32,
+        bucket_bytes=1 << 20,
+    )
     return colocation, FakeEngine(events), events
 
 
@@ -89,8 +92,7 @@ def test_both_offloads_follow_the_memory_contract():
     events.clear()
 
     moved = colocation.to_train()
-    assert events == [("engine.flush",), ("engine.release", None),
-                      ("trainer.onload", (ACTOR_PARAMS,) + STATE, True)]
+    assert events == [("engine.flush",), ("engine.release", None), ("trainer.onload", (ACTOR_PARAMS,) + STATE, True)]
     assert [t.name for t in moved.transfers] == ["engine_release", "trainer_onload"]
     metrics = moved.metrics()
     assert metrics["handoff/trainer_onload_gib"] == 1.0 and metrics["handoff/trainer_onload_s"] == 0.5
@@ -99,12 +101,21 @@ def test_both_offloads_follow_the_memory_contract():
 
     events.clear()
     moved = colocation.to_rollout(version=2)
-    assert events == [("trainer.offload", STATE), ("trainer.onload", (ACTOR_PARAMS,), False),
-                      ("engine.resume", ("weights",)), *PUSH, ("trainer.offload", (ACTOR_PARAMS,)),
-                      ("engine.resume", ("cuda_graph", "kv_cache"))]
+    assert events == [
+        ("trainer.offload", STATE),
+        ("trainer.onload", (ACTOR_PARAMS,), False),
+        ("engine.resume", ("weights",)),
+        *PUSH,
+        ("trainer.offload", (ACTOR_PARAMS,)),
+        ("engine.resume", ("cuda_graph", "kv_cache")),
+    ]
     assert [t.name for t in moved.transfers] == [
-        "trainer_state_offload", "trainer_params_onload", "engine_resume_weights", "trainer_params_offload",
-        "engine_resume_cache"]
+        "trainer_state_offload",
+        "trainer_params_onload",
+        "engine_resume_weights",
+        "trainer_params_offload",
+        "engine_resume_cache",
+    ]
     assert moved.sync.version == 2 and moved.sync.num_tensors == 2 and engine.weight_version == 2
     assert moved.metrics()["perf/sync_gib"] == pytest.approx(8 * 4 / (1 << 30))
 
@@ -140,7 +151,7 @@ def test_each_offload_switch_moves_only_its_half(offload_train, offload_rollout)
     engine_moves = [e for e in events if e[0] in ("engine.flush", "engine.release", "engine.resume")]
     assert bool(trainer_moves) == offload_train and bool(engine_moves) == offload_rollout
     push = events.index(("engine.begin", False))
-    assert events[push:push + 3] == PUSH  # the weight push happens in every mode
+    assert events[push : push + 3] == PUSH  # the weight push happens in every mode
 
 
 def _lora_trainer(events: Events) -> FakeTrainer:
@@ -164,8 +175,9 @@ def test_lora_pushes_only_merged_weights_while_the_engine_keeps_its_own(offload_
     """The first push sends every weight (adapted ones merged, adapters never); later ones only
     the merged weights, in a partial session: the engine keeps its weights under LoRA, offload or not."""
     events = Events()
-    colocation = Colocation(_lora_trainer(events), OffloadConfig(offload_rollout=offload_rollout),
-                            dtype=torch.float32, bucket_bytes=1 << 20)
+    colocation = Colocation(
+        _lora_trainer(events), OffloadConfig(offload_rollout=offload_rollout), dtype=torch.float32, bucket_bytes=1 << 20
+    )
     engine = FakeEngine(events)
     full = [("engine.begin", False), ("engine.update", ("proj.weight", "proj.bias", "head.weight"))]
     for version in (1, 2, 3):
@@ -173,7 +185,10 @@ def test_lora_pushes_only_merged_weights_while_the_engine_keeps_its_own(offload_
         moved = colocation.start(engine, version) if version == 1 else colocation.to_rollout(version)
         if version > 1:
             assert [e for e in events if e[0] in ("engine.begin", "engine.update", "engine.end")] == [
-                ("engine.begin", True), ("engine.update", ("proj.weight",)), ("engine.end", version)]
+                ("engine.begin", True),
+                ("engine.update", ("proj.weight",)),
+                ("engine.end", version),
+            ]
             assert moved.sync.partial and moved.sync.num_tensors == 1
         else:
             assert [e for e in events if e[0] in ("engine.begin", "engine.update")] == full

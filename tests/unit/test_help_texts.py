@@ -12,9 +12,16 @@ import colocate.config as config_module
 from colocate.config import Config
 from colocate.config_checks import _combination_checks, _unused_checks
 
-SECTIONS = {"model": "ModelConfig", "rollout": "RolloutConfig", "algorithm": "AlgorithmConfig",
-            "train": "TrainConfig", "offload": "OffloadConfig", "eval": "EvalConfig",
-            "checkpoint": "CheckpointConfig", "logging": "LoggingConfig"}
+SECTIONS = {
+    "model": "ModelConfig",
+    "rollout": "RolloutConfig",
+    "algorithm": "AlgorithmConfig",
+    "train": "TrainConfig",
+    "offload": "OffloadConfig",
+    "eval": "EvalConfig",
+    "checkpoint": "CheckpointConfig",
+    "logging": "LoggingConfig",
+}
 DOTTED = re.compile(r"\b(" + "|".join(SECTIONS) + r")\.([a-z_]+)")
 
 
@@ -47,8 +54,12 @@ def _mentions(text: str, dotted: str) -> bool:
 
 def test_every_refused_combination_is_in_the_help_of_the_field_it_refuses():
     helps = help_texts()
-    missing = [f"{name}: help does not name {other}" for name, others in _rules()
-               for other in sorted(others) if not _mentions(helps[name], other)]
+    missing = [
+        f"{name}: help does not name {other}"
+        for name, others in _rules()
+        for other in sorted(others)
+        if not _mentions(helps[name], other)
+    ]
     assert not missing, "\n".join(missing)
 
 

@@ -23,17 +23,30 @@ def _inputs(seed: int = 0):
     n = sum(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    return dict(x=r(n, 24), y=r(n, 24), w=r(40, 24), b=r(40), norm_w=r(24) + 1, q=r(n, 6, 8), k=r(n, 2, 8),
-                v=r(n, 2, 8), cu=cu, max_len=max(lens))
+    return dict(
+        x=r(n, 24),
+        y=r(n, 24),
+        w=r(40, 24),
+        b=r(40),
+        norm_w=r(24) + 1,
+        q=r(n, 6, 8),
+        k=r(n, 2, 8),
+        v=r(n, 2, 8),
+        cu=cu,
+        max_len=max(lens),
+    )
 
 
 def _calls(t):
     """(op, args) of every op on `t`'s tensors."""
-    return [(invariant_ops.linear, (t["x"], t["w"], t["b"])), (invariant_ops.linear, (t["x"], t["w"], None)),
-            (invariant_ops.rms_norm, (t["x"], t["norm_w"], 1e-6)),
-            (invariant_ops.add_rms_norm, (t["x"], t["y"], t["norm_w"], 1e-6)),
-            (invariant_ops.silu_mul, (t["x"], t["y"])),
-            (invariant_ops.attention, (t["q"], t["k"], t["v"], t["cu"], t["max_len"], 8 ** -0.5))]
+    return [
+        (invariant_ops.linear, (t["x"], t["w"], t["b"])),
+        (invariant_ops.linear, (t["x"], t["w"], None)),
+        (invariant_ops.rms_norm, (t["x"], t["norm_w"], 1e-6)),
+        (invariant_ops.add_rms_norm, (t["x"], t["y"], t["norm_w"], 1e-6)),
+        (invariant_ops.silu_mul, (t["x"], t["y"])),
+        (invariant_ops.attention, (t["q"], t["k"], t["v"], t["cu"], t["max_len"], 8**-0.5)),
+    ]
 
 
 def test_ops_pass_torch_library_checks(invariant):
@@ -57,18 +70,28 @@ def _plain(op, args):
         return args[0] * torch.sigmoid(args[0]) * args[1]
     q, k, v, cu, _, scale = args
     bounds = cu.tolist()
-    return torch.cat([F.scaled_dot_product_attention(
-        q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scale,
-        enable_gqa=True).transpose(0, 1) for a, b in zip(bounds[:-1], bounds[1:])])
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1),
+                k[a:b].transpose(0, 1),
+                v[a:b].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+    )
 
 
 def test_gradients_equal_autograd_of_the_plain_formulas(invariant):
     t = _inputs()
     for op, args in _calls(t):
-        leaves = [a.detach().double().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                  else a for a in args]
-        ours = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                for a in args]
+        leaves = [
+            a.detach().double().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+        ]
+        ours = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
         outs, plain = _tuple(op(*ours)), _tuple(_plain(op, leaves))
         grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(1 + i)) for i, o in enumerate(outs)]
         torch.autograd.backward(outs, grads)
@@ -91,7 +114,7 @@ def test_compiled_callers_get_the_eager_bits(invariant):
 
     def block(x, y, w, b, norm_w, q, k, v):
         h = invariant_ops.rms_norm(x, norm_w, 1e-6)
-        a = invariant_ops.attention(q, k, v, t["cu"], t["max_len"], 8 ** -0.5).reshape(x.shape[0], -1)
+        a = invariant_ops.attention(q, k, v, t["cu"], t["max_len"], 8**-0.5).reshape(x.shape[0], -1)
         stream, h = invariant_ops.add_rms_norm(h, y * 0.5, norm_w, 1e-6)
         gate = invariant_ops.linear(h, w, b)
         return stream[:, :1] * 0.5 + invariant_ops.silu_mul(gate, invariant_ops.linear(h, w)) + a[:, :1]

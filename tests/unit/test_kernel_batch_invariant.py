@@ -38,8 +38,8 @@ def test_linear_rows_do_not_depend_on_the_batch(invariant):
     torch.testing.assert_close(full.float(), ref, rtol=1e-2, atol=1e-2)
     for m in (1, 3, 16, 17, 64):
         for start in sorted({0, 5, 64 - m}):
-            assert torch.equal(F.linear(x[start:start + m], weight, bias), full[start:start + m]), (m, start)
-            assert torch.equal(F.linear(x[start:start + m], weight), F.linear(x, weight)[start:start + m])
+            assert torch.equal(F.linear(x[start : start + m], weight, bias), full[start : start + m]), (m, start)
+            assert torch.equal(F.linear(x[start : start + m], weight), F.linear(x, weight)[start : start + m])
     # A column does not depend on the other columns either (packed gate/up vs separate projections).
     assert torch.equal(F.linear(x, weight[:4480]), F.linear(x, weight)[:, :4480])
     logits = batch_invariant.logits(x, weight)
@@ -57,22 +57,26 @@ def test_split_k_chunks_give_the_bits_of_one_program_walking_them():
     tall = batch_invariant_cuda.matmul(x, weight.T, bias)
     torch.testing.assert_close(tall.float(), x.float() @ weight.float().T + bias.float(), rtol=1e-2, atol=1e-2)
     for m in (1, 7, 256):
-        rows = x[100:100 + m]
-        assert torch.equal(batch_invariant_cuda.matmul(rows, weight.T, bias), tall[100:100 + m]), m
-        assert torch.equal(batch_invariant_cuda.matmul(rows, weight.T, bias, split=True),
-                           batch_invariant_cuda.matmul(rows, weight.T, bias, split=False)), m
+        rows = x[100 : 100 + m]
+        assert torch.equal(batch_invariant_cuda.matmul(rows, weight.T, bias), tall[100 : 100 + m]), m
+        assert torch.equal(
+            batch_invariant_cuda.matmul(rows, weight.T, bias, split=True),
+            batch_invariant_cuda.matmul(rows, weight.T, bias, split=False),
+        ), m
     assert torch.equal(batch_invariant_cuda.matmul(x, weight.T, bias, split=True), tall)
 
 
-@pytest.mark.parametrize("n, k, out_dtype", [(2048, 1536, None), (17920, 1536, None), (1536, 8960, None),
-                                             (1152, 896, None), (151936, 896, torch.float32)],
-                         ids=["qkv_1.5b", "gate_up_1.5b", "down_1.5b", "qkv_0.5b", "lm_head_0.5b"])
+@pytest.mark.parametrize(
+    "n, k, out_dtype",
+    [(2048, 1536, None), (17920, 1536, None), (1536, 8960, None), (1152, 896, None), (151936, 896, torch.float32)],
+    ids=["qkv_1.5b", "gate_up_1.5b", "down_1.5b", "qkv_0.5b", "lm_head_0.5b"],
+)
 def test_every_tile_config_gives_a_row_the_same_bits(n, k, out_dtype):
     """The product's shape picks its tile (TILES: 128 x 256 on two warpgroups down to 64 x 64 on
     one), and a token's row must not change with it: each config, the pick at every M from a decode
     step to a training micro-batch, and the split launch give one set of bits."""
     torch.manual_seed(0)
-    x, weight = _bf16(4096, k), _bf16(n, k, scale=k ** -0.5)
+    x, weight = _bf16(4096, k), _bf16(n, k, scale=k**-0.5)
     want = batch_invariant_cuda.matmul(x, weight.T, out_dtype=out_dtype)
     torch.testing.assert_close(want.float(), x.float() @ weight.float().T, rtol=2e-2, atol=2e-2)
     chunks = -(-k // batch_invariant_cuda.K_CHUNK)
@@ -94,15 +98,14 @@ def test_row_reductions_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     x, w = _bf16(300, 12, 128, scale=3), _bf16(128) + 1
     full = batch_invariant_cuda.rms_norm(x, w, 1e-6)
-    torch.testing.assert_close(full.float(), invariant_ops.reference_rms_norm(x, w, 1e-6).float(),
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(full.float(), invariant_ops.reference_rms_norm(x, w, 1e-6).float(), rtol=2e-2, atol=2e-2)
     for m in (1, 3, 16, 17, 64):
-        assert torch.equal(batch_invariant_cuda.rms_norm(x[100:100 + m], w, 1e-6), full[100:100 + m])
+        assert torch.equal(batch_invariant_cuda.rms_norm(x[100 : 100 + m], w, 1e-6), full[100 : 100 + m])
     z = torch.randn(256, 151936, device="cuda") * 4
     lse = invariant_logsumexp(z)
     torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-5, atol=1e-5)
     for m in (1, 3, 17, 64):
-        assert torch.equal(invariant_logsumexp(z[9:9 + m]), lse[9:9 + m])
+        assert torch.equal(invariant_logsumexp(z[9 : 9 + m]), lse[9 : 9 + m])
     same_lse, entropy = invariant_logsumexp_and_entropy(z)  # the trainer's: the entropy beside
     assert torch.equal(same_lse, lse)
     logp = torch.log_softmax(z, -1)
@@ -156,14 +159,13 @@ def test_fused_residual_norm_and_gate_product_do_not_depend_on_the_batch():
 def test_packed_prefill_and_decode_attention_agree_bitwise():
     torch.manual_seed(0)
     lens, heads, kv_heads, dim, block_size = [7, 300, 1, 129, 64], 12, 2, 128, 16
-    n, scale = sum(lens), dim ** -0.5
+    n, scale = sum(lens), dim**-0.5
     q, k, v = _bf16(n, heads, dim), _bf16(n, kv_heads, dim), _bf16(n, kv_heads, dim)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     packed = invariant_attention.packed_attention(q, k, v, cu, scale)
     for s in range(len(lens)):
         a, b = cu[s].item(), cu[s + 1].item()
-        ref = invariant_attention.reference_attention(q[a:b], k[a:b], v[a:b], torch.arange(b - a, device="cuda"),
-                                                      scale)
+        ref = invariant_attention.reference_attention(q[a:b], k[a:b], v[a:b], torch.arange(b - a, device="cuda"), scale)
         torch.testing.assert_close(packed[a:b].float(), ref, rtol=2e-2, atol=2e-2)
     # The cache: every sequence in shuffled blocks, unwritten slots NaN.
     k_cache = torch.full((64, block_size, kv_heads, dim), float("nan"), device="cuda").bfloat16()
@@ -183,7 +185,8 @@ def test_packed_prefill_and_decode_attention_agree_bitwise():
         q_lens = [chunks[s][step] for s in live]
         rows = [torch.arange(cu[s].item() + a, cu[s].item() + a + m) for s, a, m in zip(live, starts, q_lens)]
         out = invariant_attention.paged_prefill_attention(
-            q[torch.cat(rows)], k_cache, v_cache, tables[live], q_lens, [a + m for a, m in zip(starts, q_lens)], scale)
+            q[torch.cat(rows)], k_cache, v_cache, tables[live], q_lens, [a + m for a, m in zip(starts, q_lens)], scale
+        )
         prefilled[torch.cat(rows)] = out
     assert torch.equal(prefilled, packed)
     decoded = torch.zeros_like(q)
@@ -194,8 +197,7 @@ def test_packed_prefill_and_decode_attention_agree_bitwise():
     invariant_attention.paged_decode_attention(q_static, k_cache, v_cache, tables_static, lens_static, scale)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_static = invariant_attention.paged_decode_attention(q_static, k_cache, v_cache, tables_static,
-                                                                lens_static, scale)
+        out_static = invariant_attention.paged_decode_attention(q_static, k_cache, v_cache, tables_static, lens_static, scale)
     for j in range(max(lens)):
         live = [s for s in range(len(lens)) if j < lens[s]]
         rows = torch.tensor([cu[s].item() + j for s in live])
@@ -205,7 +207,7 @@ def test_packed_prefill_and_decode_attention_agree_bitwise():
         lens_static[torch.tensor(live)] = j + 1
         graph.replay()
         decoded[rows] = out_static[torch.tensor(live)]
-        assert not out_static[len(lens):].any()
+        assert not out_static[len(lens) :].any()
     assert torch.equal(decoded, packed)
 
 
@@ -227,15 +229,18 @@ def test_gradients_in_the_mode_leave_its_kernels_and_match_plain_torch(invariant
         assert _relative_error(got, want) < 1e-2
 
     lens, heads, kv_heads, dim = [37, 300, 5, 129], 12, 2, 128
-    n, scale = sum(lens), dim ** -0.5
+    n, scale = sum(lens), dim**-0.5
     q, k, v = (_bf16(n, h, dim).requires_grad_() for h in (heads, kv_heads, kv_heads))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     g = _bf16(n, heads, dim)
     invariant_ops.attention(q, k, v, cu, max(lens), scale).backward(g)
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = torch.cat([invariant_attention.reference_attention(
-        qf[a:b], kf[a:b], vf[a:b], torch.arange(b - a, device="cuda"), scale)
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    ref = torch.cat(
+        [
+            invariant_attention.reference_attention(qf[a:b], kf[a:b], vf[a:b], torch.arange(b - a, device="cuda"), scale)
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+        ]
+    )
     ref.backward(g.float())
     for got, want in ((q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
         assert _relative_error(got, want) < 2e-2

@@ -17,8 +17,7 @@ def _inputs(num_tokens, vocab_size, hidden_size, dtype=torch.float32, device="cp
     grad_lp = torch.randn(num_tokens, generator=gen)
     grad_ent = torch.randn(num_tokens, generator=gen)
     to = dict(device=device)
-    return (hidden.to(dtype=dtype, **to), weight.to(dtype=dtype, **to), targets.to(**to),
-            grad_lp.to(**to), grad_ent.to(**to))
+    return (hidden.to(dtype=dtype, **to), weight.to(dtype=dtype, **to), targets.to(**to), grad_lp.to(**to), grad_ent.to(**to))
 
 
 def _values_and_grads(fn, hidden, weight, targets, grad_lp, grad_ent, temperature, with_entropy, **kw):
@@ -54,8 +53,7 @@ def _assert_matches_reference(inputs, temperature, with_entropy, atol, **kw):
         (5, 97, 12, 0.3, True, 1),  # one vocabulary entry per chunk
     ],
 )
-def test_values_and_grads_match_reference(num_tokens, vocab_size, hidden_size, temperature,
-                                          with_entropy, chunk_size):
+def test_values_and_grads_match_reference(num_tokens, vocab_size, hidden_size, temperature, with_entropy, chunk_size):
     inputs = _inputs(num_tokens, vocab_size, hidden_size)
     _assert_matches_reference(inputs, temperature, with_entropy, atol=1e-5, chunk_size=chunk_size)
 
@@ -204,12 +202,12 @@ def test_no_tokens():
     ],
 )
 def test_bad_input_raises(change, match):
-    args = dict(hidden=torch.randn(4, 8), weight=torch.randn(30, 8), targets=torch.tensor([0, 1, 2, 3]),
-                temperature=1.0, chunk_size=16)
+    args = dict(
+        hidden=torch.randn(4, 8), weight=torch.randn(30, 8), targets=torch.tensor([0, 1, 2, 3]), temperature=1.0, chunk_size=16
+    )
     args.update(change)
     with pytest.raises(ValueError, match=match):
-        token_logprobs(args["hidden"], args["weight"], args["targets"], args["temperature"],
-                       chunk_size=args["chunk_size"])
+        token_logprobs(args["hidden"], args["weight"], args["targets"], args["temperature"], chunk_size=args["chunk_size"])
 
 
 @pytest.mark.gpu
@@ -223,8 +221,7 @@ def test_triton_fp32_matches_reference(with_entropy):
 def test_triton_bf16_matches_fp32_reference():
     """bf16 inputs: values within 1e-2 of the fp32 reference, gradients within 1e-2 relative norm."""
     hidden, weight, targets, grad_lp, grad_ent = _inputs(500, 20000, 256, dtype=torch.bfloat16, device="cuda")
-    got = _values_and_grads(token_logprobs, hidden, weight, targets, grad_lp, grad_ent, 0.9, True,
-                            chunk_size=3000)
+    got = _values_and_grads(token_logprobs, hidden, weight, targets, grad_lp, grad_ent, 0.9, True, chunk_size=3000)
     want = _values_and_grads(reference_token_logprobs, hidden, weight, targets, grad_lp, grad_ent, 0.9, True)
     for name, g, w in zip(("logprobs", "entropy"), got[:2], want[:2]):
         assert g.dtype == torch.float32
@@ -237,8 +234,7 @@ def test_triton_bf16_matches_fp32_reference():
 @pytest.mark.gpu
 def test_peak_memory_stays_far_below_full_logits():
     num_tokens, vocab_size, hidden_size = 8192, 151936, 896
-    hidden, weight, targets, grad_lp, grad_ent = _inputs(num_tokens, vocab_size, hidden_size,
-                                                         dtype=torch.bfloat16, device="cuda")
+    hidden, weight, targets, grad_lp, grad_ent = _inputs(num_tokens, vocab_size, hidden_size, dtype=torch.bfloat16, device="cuda")
     hidden.requires_grad_()
     weight.requires_grad_()
     torch.cuda.synchronize()

@@ -11,8 +11,18 @@ from colocate.kernels.paged_attention import (
 )
 
 
-def _paged_inputs(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
-                  device="cpu", num_blocks=None, max_blocks=None, seed=0):
+def _paged_inputs(
+    context_lens,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype=torch.float32,
+    device="cpu",
+    num_blocks=None,
+    max_blocks=None,
+    seed=0,
+):
     """Random cache whose sequences own shuffled blocks; table rows padded with -1."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(context_lens)
@@ -31,8 +41,13 @@ def _paged_inputs(context_lens, num_q_heads, num_kv_heads, head_dim, block_size,
         taken += n
     q = torch.randn(batch, num_q_heads, head_dim, generator=gen)
     to = dict(device=device)
-    return (q.to(dtype=dtype, **to), k_cache.to(dtype=dtype, **to), v_cache.to(dtype=dtype, **to),
-            tables.to(**to), torch.tensor(context_lens, dtype=torch.int32, **to))
+    return (
+        q.to(dtype=dtype, **to),
+        k_cache.to(dtype=dtype, **to),
+        v_cache.to(dtype=dtype, **to),
+        tables.to(**to),
+        torch.tensor(context_lens, dtype=torch.int32, **to),
+    )
 
 
 def _dense_attention(q, k_cache, v_cache, tables, context_lens, scale):
@@ -76,8 +91,9 @@ def test_context_of_one_returns_its_value_and_zero_context_returns_zero():
 
 def test_empty_batch():
     _, k_cache, v_cache, _, _ = _paged_inputs([5], 4, 2, 64, 16)
-    out = paged_decode_attention(torch.zeros(0, 4, 64), k_cache, v_cache, torch.zeros(0, 3, dtype=torch.int32),
-                                 torch.zeros(0, dtype=torch.int32), 1.0)
+    out = paged_decode_attention(
+        torch.zeros(0, 4, 64), k_cache, v_cache, torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 1.0
+    )
     assert out.shape == (0, 4, 64)
 
 
@@ -128,8 +144,13 @@ def test_store_then_attend_matches_dense():
     ],
 )
 def test_attention_bad_input_raises(field, value, match):
-    args = dict(q=torch.randn(2, 4, 64), k_cache=torch.zeros(5, 16, 2, 64), v_cache=torch.zeros(5, 16, 2, 64),
-                tables=torch.zeros(2, 3, dtype=torch.int32), lens=torch.ones(2, dtype=torch.int32))
+    args = dict(
+        q=torch.randn(2, 4, 64),
+        k_cache=torch.zeros(5, 16, 2, 64),
+        v_cache=torch.zeros(5, 16, 2, 64),
+        tables=torch.zeros(2, 3, dtype=torch.int32),
+        lens=torch.ones(2, dtype=torch.int32),
+    )
     args[field] = value
     with pytest.raises(ValueError, match=match):
         paged_decode_attention(args["q"], args["k_cache"], args["v_cache"], args["tables"], args["lens"], 1.0)
@@ -152,10 +173,8 @@ _GPU_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_n, num_splits, num_warps", [(16, 1, 4), (32, 2, 2), (64, 8, 4), (128, 1, 8)])
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size",
-                         [(14, 2, 64, 16), (8, 8, 128, 32), (16, 8, 128, 128)])
-def test_triton_matches_reference(dtype, block_n, num_splits, num_warps, num_q_heads, num_kv_heads, head_dim,
-                                  block_size):
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", [(14, 2, 64, 16), (8, 8, 128, 32), (16, 8, 128, 128)])
+def test_triton_matches_reference(dtype, block_n, num_splits, num_warps, num_q_heads, num_kv_heads, head_dim, block_size):
     """Tiles inside one cache block and tiles over several, with and without context splits."""
     context_lens = [1, block_size, 700, 129, 0, 64 * 5]
     inputs = _paged_inputs(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, "cuda")
@@ -206,8 +225,9 @@ def test_cuda_graph_capture_and_replay(num_splits):
     """Capture once with static buffers, then replay with new lengths, tables, queries and K/V."""
     batch, num_q_heads, num_kv_heads, head_dim, block_size = 4, 14, 2, 64, 16
     sizes = dict(num_blocks=20, max_blocks=12)
-    first = _paged_inputs([40, 1, 100, 16], num_q_heads, num_kv_heads, head_dim, block_size,
-                          torch.bfloat16, "cuda", seed=1, **sizes)
+    first = _paged_inputs(
+        [40, 1, 100, 16], num_q_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, "cuda", seed=1, **sizes
+    )
     q, k_cache, v_cache, tables, lens = (t.clone() for t in first)
     new_k = torch.zeros(batch, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     slots = torch.full((batch,), -1, device="cuda", dtype=torch.int64)
@@ -226,8 +246,9 @@ def test_cuda_graph_capture_and_replay(num_splits):
     with torch.cuda.graph(graph):
         out = step()
 
-    second = _paged_inputs([7, 150, 33, 0], num_q_heads, num_kv_heads, head_dim, block_size,
-                           torch.bfloat16, "cuda", seed=2, **sizes)
+    second = _paged_inputs(
+        [7, 150, 33, 0], num_q_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, "cuda", seed=2, **sizes
+    )
     for static, fresh in zip((q, k_cache, v_cache, tables, lens), second):
         static.copy_(fresh)
     new_k.copy_(torch.randn_like(new_k))

@@ -35,11 +35,11 @@ def _check_against_reference(q, k, cos, sin, atol: float):
 
 def _check_op(device: str):
     q, k, cos, sin = _inputs(64, 4, 1, 16, torch.float32, device)
-    torch.library.opcheck(torch.ops.colocate.rotary.default,
-                          (q.detach().clone().requires_grad_(), k.detach().clone(), cos, sin))
+    torch.library.opcheck(torch.ops.colocate.rotary.default, (q.detach().clone().requires_grad_(), k.detach().clone(), cos, sin))
     backend = "inductor" if device == "cuda" else "aot_eager"
-    compiled = torch.compile(lambda a, b: [t.sum(-1) for t in rotate(a, b, cos, sin)], dynamic=True,
-                             fullgraph=True, backend=backend)
+    compiled = torch.compile(
+        lambda a, b: [t.sum(-1) for t in rotate(a, b, cos, sin)], dynamic=True, fullgraph=True, backend=backend
+    )
     for got, x in zip(compiled(q, k), (q, k)):
         torch.testing.assert_close(got, reference_rotate(x, cos, sin).sum(-1), rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="no gradient to cos/sin"):
@@ -72,8 +72,7 @@ def test_cpu_op_registration_and_compiled_use():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, heads, kv_heads, head_dim", [(1, 1, 1, 2), (1000, 14, 2, 64), (333, 7, 1, 12),
-                                                          (4099, 12, 2, 128)])
+@pytest.mark.parametrize("n, heads, kv_heads, head_dim", [(1, 1, 1, 2), (1000, 14, 2, 64), (333, 7, 1, 12), (4099, 12, 2, 128)])
 def test_kernel_matches_reference_values_and_gradients(n, heads, kv_heads, head_dim, dtype):
     q, k, cos, sin = _inputs(n, heads, kv_heads, head_dim, dtype, "cuda")
     _check_against_reference(q, k, cos, sin, atol=1e-5 if dtype == torch.float32 else 2e-2)

@@ -73,14 +73,18 @@ def test_bad_inputs_name_the_argument():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [sampling.SampleConfig(1), sampling.SampleConfig(3, 1024, 4),
-                                    sampling.SampleConfig(4), sampling.SampleConfig(64, 512, 4)])
+@pytest.mark.parametrize(
+    "config",
+    [sampling.SampleConfig(1), sampling.SampleConfig(3, 1024, 4), sampling.SampleConfig(4), sampling.SampleConfig(64, 512, 4)],
+)
 @pytest.mark.parametrize("vocab", [5000, 151936])
 def test_triton_matches_reference(config, vocab):
     logits, temperature, seed, counter = _inputs(vocab=vocab, device="cuda")
     ref_free, _ = reference_gumbel_sample(logits, temperature, seed, counter)
-    for suppress_ids, left in ((None, None), (torch.stack([ref_free, (ref_free + 1) % vocab], 1),
-                                              torch.tensor([1, 0, 2, 1, 0, 5], device="cuda"))):
+    for suppress_ids, left in (
+        (None, None),
+        (torch.stack([ref_free, (ref_free + 1) % vocab], 1), torch.tensor([1, 0, 2, 1, 0, 5], device="cuda")),
+    ):
         want = reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, left)
         got = sampling._gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, left, config)
         assert torch.equal(got[0], want[0])

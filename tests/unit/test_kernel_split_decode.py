@@ -27,8 +27,7 @@ def test_split_equals_unsplit_in_fp32(num_splits, block_n):
     """Contexts shorter than one tile per split, on tile edges and up to 8k; a padded row (0)."""
     inputs = _inputs([1, 15, 16, 700, 0, 2049, 4096, 8191], seed=0)
     unsplit = paged_attention._paged_decode_triton(*inputs, SCALE, DecodeConfig(block_n=block_n))
-    split = paged_attention._paged_decode_triton(*inputs, SCALE, DecodeConfig(block_n=block_n,
-                                                                             num_splits=num_splits))
+    split = paged_attention._paged_decode_triton(*inputs, SCALE, DecodeConfig(block_n=block_n, num_splits=num_splits))
     torch.testing.assert_close(split, unsplit, **TOL)
     assert split[4].abs().max() == 0
 

@@ -15,8 +15,20 @@ import torch
 pytestmark = pytest.mark.slow  # every kernel compiled twice: a minute or more on 2 cores
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-KERNELS = {"matmul_kernel", "chunk_sum_kernel", "rms_kernel", "silu_mul_kernel", "attend", "rotary",
-           "decode", "merge", "partial", "stats", "grad", "lora_merge_kernel"}
+KERNELS = {
+    "matmul_kernel",
+    "chunk_sum_kernel",
+    "rms_kernel",
+    "silu_mul_kernel",
+    "attend",
+    "rotary",
+    "decode",
+    "merge",
+    "partial",
+    "stats",
+    "grad",
+    "lora_merge_kernel",
+}
 """Every kernel of colocate/kernels (the KV-cache store aside, reached only from CUDA tensors)."""
 TENSOR_CORES = {90: "wgmma", 100: "tcgen05.mma"}
 SHARED_PER_SM = 228 * 1024
@@ -36,8 +48,14 @@ def compiled_without_interpreter(tmp_path_factory):
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # kernels launched without enable_fp_fusion may fuse (Triton 3.9's default)
 
     def run(*args: str) -> str:
-        done = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_for_gpu.py"), *args],
-                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "compile_for_gpu.py"), *args],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 
@@ -80,7 +98,10 @@ def test_every_attention_path_uses_the_same_tensor_core_instruction(compiled):
     arch, rows = compiled
     paths = [row for row in rows if row["kernel"] == "attend"]
     assert {(row["constexprs"]["PAGED"], row["constexprs"]["HEADS_AS_ROWS"]) for row in paths} == {
-        (False, False), (True, False), (True, True)}
+        (False, False),
+        (True, False),
+        (True, True),
+    }
     assert all(row["mma"] == TENSOR_CORES[arch] for row in paths), paths
 
 
@@ -99,5 +120,8 @@ def test_a_compiled_graph_launches_the_lora_merge_kernel_itself(compiled_without
     Triton kernel in the graph, not an op whose dispatch costs host time at every call, and only the
     output is written: W, A and B are not copied first."""
     graph = json.loads(compiled_without_interpreter("--lora-merge-graph"))
-    assert graph == {"calls": ["aten.empty.memory_format", "triton_kernel_wrapper_functional"],
-                     "kernel": "lora_merge_kernel", "tensors_to_clone": ["out_ptr"]}
+    assert graph == {
+        "calls": ["aten.empty.memory_format", "triton_kernel_wrapper_functional"],
+        "kernel": "lora_merge_kernel",
+        "tensors_to_clone": ["out_ptr"],
+    }

@@ -38,10 +38,10 @@ def test_invariant_matmul_matches_torch_whatever_the_rows_beside():
     weight_t = _randn(90, 50, seed=3).T  # linear's transposed weight view, strides (1, K)
     plain = batch_invariant_cuda.matmul(a, weight_t)
     for start, m in ((0, 1), (5, 3), (33, 17), (0, 70)):
-        torch.testing.assert_close(batch_invariant_cuda.matmul(a[start:start + m], weight_t),
-                                   plain[start:start + m], **SAME)
-        torch.testing.assert_close(batch_invariant_cuda.matmul(a[start:start + m], b, bias, alpha=0.5, beta=2.0),
-                                   full[start:start + m], **SAME)
+        torch.testing.assert_close(batch_invariant_cuda.matmul(a[start : start + m], weight_t), plain[start : start + m], **SAME)
+        torch.testing.assert_close(
+            batch_invariant_cuda.matmul(a[start : start + m], b, bias, alpha=0.5, beta=2.0), full[start : start + m], **SAME
+        )
     assert batch_invariant_cuda.matmul(a[:0], b).shape == (0, 90)
     # K a multiple of BLOCK_K (the unmasked loads) and ten row tiles: two launch groups, the last partial.
     tall, square = _randn(300, 64, seed=4), _randn(64, 90, seed=5)
@@ -56,10 +56,8 @@ def test_invariant_matmul_sums_k_chunks_alike_in_one_program_or_one_per_chunk(k,
     a, b, bias = _randn(70, k), _randn(k, 90, seed=1), _randn(90, seed=2)
     walked = batch_invariant_cuda.matmul(a, b, bias, alpha=0.5, beta=2.0, split=False)
     torch.testing.assert_close(walked, 0.5 * (a @ b) + 2.0 * bias, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(batch_invariant_cuda.matmul(a, b, bias, alpha=0.5, beta=2.0, split=True), walked,
-                               **SAME)
-    torch.testing.assert_close(batch_invariant_cuda.matmul(a[3:5], b, bias, alpha=0.5, beta=2.0, split=True),
-                               walked[3:5], **SAME)
+    torch.testing.assert_close(batch_invariant_cuda.matmul(a, b, bias, alpha=0.5, beta=2.0, split=True), walked, **SAME)
+    torch.testing.assert_close(batch_invariant_cuda.matmul(a[3:5], b, bias, alpha=0.5, beta=2.0, split=True), walked[3:5], **SAME)
     with pytest.raises(ValueError, match="does not divide K_CHUNK"):
         batch_invariant_cuda.matmul(a, b, config=(32, 64, 48, 4, 2))
 
@@ -70,11 +68,11 @@ def test_invariant_matmul_in_half_precision_in_every_tile_config(k, monkeypatch)
     chunks of 64 here: several chunks walked and split in the configs that take them, one chunk in
     the largest; each within half-precision rounding of torch, bias and alpha/beta included."""
     monkeypatch.setattr(batch_invariant_cuda, "K_CHUNK", 64)
-    a, b, bias = _randn(300, k).half(), (_randn(k, 270, seed=1) * k ** -0.5).half(), _randn(270, seed=2).half()
+    a, b, bias = _randn(300, k).half(), (_randn(k, 270, seed=1) * k**-0.5).half(), _randn(270, seed=2).half()
     block_k = batch_invariant_cuda.BLOCK_K[torch.float16]
     for block_m, block_n, warps, stages, wide_only in batch_invariant_cuda.TILES[torch.float16]:
         config = (block_m, block_n, block_k, warps, stages)
-        x, w = (a[:, :k % 64 or 64], b[:k % 64 or 64]) if wide_only else (a, b)
+        x, w = (a[:, : k % 64 or 64], b[: k % 64 or 64]) if wide_only else (a, b)
         want = 0.5 * (x.float() @ w.float()) + 2.0 * bias.float()
         for split in (False,) if wide_only else (False, True):
             got = batch_invariant_cuda.matmul(x, w, bias, alpha=0.5, beta=2.0, config=config, split=split)
@@ -126,8 +124,7 @@ def test_invariant_row_reductions_match_torch():
     torch.testing.assert_close(normed, reference_rms_norm(x[:, 0] + delta, w, 1e-6), rtol=1e-5, atol=1e-5)
     packed = _randn(7, 2 * 1500, seed=4, scale=3)  # the gate/up product's halves: row stride 3000
     gate, up = packed.chunk(2, dim=-1)
-    torch.testing.assert_close(batch_invariant_cuda.silu_mul(gate, up), torch.nn.functional.silu(gate) * up,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batch_invariant_cuda.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
     z = _randn(9, 3000, seed=2, scale=4)  # three column blocks of the log-sum-exp, the last one partial
     lse = sampling.invariant_logsumexp(z)
     torch.testing.assert_close(lse, torch.logsumexp(z, -1), rtol=1e-6, atol=1e-5)
@@ -139,8 +136,7 @@ def test_invariant_row_reductions_match_torch():
     torch.testing.assert_close(entropy, -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), pytest.param(132, 2, marks=pytest.mark.slow)],
-                         ids=["group_2", "group_66"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), pytest.param(132, 2, marks=pytest.mark.slow)], ids=["group_2", "group_66"])
 def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, monkeypatch):
     """The trainer's packed sequences, the engine's chunked prefill from the paged cache and its decode
     steps (a kv head's query heads as a tile's rows: a group of 66 takes two tiles), padded rows
@@ -149,7 +145,7 @@ def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, mo
     NaN here, so a row it does not store shows."""
     monkeypatch.setattr(invariant_attention.torch, "empty_like", lambda t: torch.full_like(t, float("nan")))
     lens, dim, block_size = [5, 140, 1, 17], 16, 32
-    n, scale = sum(lens), dim ** -0.5
+    n, scale = sum(lens), dim**-0.5
     q, k, v = _randn(n, heads, dim), _randn(n, kv_heads, dim, seed=1), _randn(n, kv_heads, dim, seed=2)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     packed = invariant_attention.packed_attention(q, k, v, cu, scale)
@@ -171,11 +167,11 @@ def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, mo
     for step in range(2):
         live = [s for s in range(len(lens)) if step < len(chunks[s])]
         q_lens = [chunks[s][step] for s in live]
-        rows = torch.cat([torch.arange(cu[s].item() + starts[s], cu[s].item() + starts[s] + m)
-                          for s, m in zip(live, q_lens)])
+        rows = torch.cat([torch.arange(cu[s].item() + starts[s], cu[s].item() + starts[s] + m) for s, m in zip(live, q_lens)])
         k_lens = [starts[s] + m for s, m in zip(live, q_lens)]
-        prefilled[rows] = invariant_attention.paged_prefill_attention(q[rows], k_cache, v_cache, tables[live],
-                                                                      q_lens, k_lens, scale)
+        prefilled[rows] = invariant_attention.paged_prefill_attention(
+            q[rows], k_cache, v_cache, tables[live], q_lens, k_lens, scale
+        )
         for s, m in zip(live, q_lens):
             starts[s] += m
     torch.testing.assert_close(prefilled, packed, **SAME)
@@ -183,8 +179,9 @@ def test_invariant_attention_packed_prefill_and_decode_agree(heads, kv_heads, mo
         live = [s for s in range(len(lens)) if j < lens[s]]
         batch_q = torch.cat([q[[cu[s].item() + j for s in live]], torch.zeros(1, heads, dim)])
         context = torch.tensor([j + 1] * len(live) + [0], dtype=torch.int32)
-        out = invariant_attention.paged_decode_attention(batch_q, k_cache, v_cache,
-                                                         torch.cat([tables[live], tables[:1]]), context, scale)
+        out = invariant_attention.paged_decode_attention(
+            batch_q, k_cache, v_cache, torch.cat([tables[live], tables[:1]]), context, scale
+        )
         torch.testing.assert_close(out[:-1], packed[[cu[s].item() + j for s in live]], **SAME)
         assert not out[-1].any()
 
@@ -193,7 +190,7 @@ def test_invariant_attention_in_half_precision_matches_dense_attention():
     """fp16 inputs (the interpreter has no bf16): the probabilities are rounded to v's dtype for both
     the numerator's and the denominator's MMA, and the result stays within half-precision rounding."""
     lens, heads, kv_heads, dim = [5, 140, 17], 6, 2, 16
-    n, scale = sum(lens), dim ** -0.5
+    n, scale = sum(lens), dim**-0.5
     q, k, v = (_randn(n, h, dim, seed=seed).half() for seed, h in enumerate((heads, kv_heads, kv_heads)))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     out = invariant_attention.packed_attention(q, k, v, cu, scale)
@@ -207,7 +204,7 @@ def test_invariant_attention_tiles_of_any_size_give_the_same_values(monkeypatch)
     """The denominator is summed by the MMA, so packed tiles of 16 and 128 queries and decode tiles
     of 16 query heads compute what the 64-row tiles do (bit for bit on the GPU, as the sweep checks)."""
     lens, heads, kv_heads, dim = [3, 150, 70], 6, 2, 16
-    n, scale = sum(lens), dim ** -0.5
+    n, scale = sum(lens), dim**-0.5
     q, k, v = _randn(n, heads, dim), _randn(n, kv_heads, dim, seed=1), _randn(n, kv_heads, dim, seed=2)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     packed = invariant_attention.packed_attention(q, k, v, cu, scale)
@@ -219,11 +216,12 @@ def test_invariant_attention_tiles_of_any_size_give_the_same_values(monkeypatch)
     tables = torch.arange(len(lens) * width, dtype=torch.int32).view(len(lens), width)  # blocks in order
     for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         for cache, x in ((k_cache, k), (v_cache, v)):
-            cache[s * width:(s + 1) * width].view(-1, kv_heads, dim)[: b - a] = x[a:b]
+            cache[s * width : (s + 1) * width].view(-1, kv_heads, dim)[: b - a] = x[a:b]
     last = (cu[1:] - 1).long()
     monkeypatch.setattr(invariant_attention, "DECODE_BLOCK_M", 16)
-    decoded = invariant_attention.paged_decode_attention(q[last], k_cache, v_cache, tables,
-                                                         torch.tensor(lens, dtype=torch.int32), scale)
+    decoded = invariant_attention.paged_decode_attention(
+        q[last], k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), scale
+    )
     torch.testing.assert_close(decoded, packed[last], **SAME)
 
 
@@ -240,8 +238,7 @@ def test_rotary_kernel_matches_the_reference_and_inverts():
         torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", [DecodeConfig(block_n=16), DecodeConfig(block_n=16, num_splits=4)],
-                         ids=["unsplit", "split"])
+@pytest.mark.parametrize("config", [DecodeConfig(block_n=16), DecodeConfig(block_n=16, num_splits=4)], ids=["unsplit", "split"])
 def test_paged_decode_kernel_matches_the_reference(config):
     """Contexts of one token, on block and tile edges, spread over several splits; a padded row."""
     inputs = _paged_inputs([1, 15, 16, 70, 0, 33], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
@@ -259,8 +256,7 @@ def test_sampling_kernel_matches_the_reference(config):
     temperature = torch.tensor([1.0, 0.0, 0.7, 1.3, 0.0, 1.0])
     seed, counter = torch.arange(6) * 7919 + 3, torch.arange(6) + 11
     free, _ = reference_gumbel_sample(logits, temperature, seed, counter)
-    for suppress_ids, left in ((None, None), (torch.stack([free, (free + 1) % vocab], 1),
-                                              torch.tensor([1, 0, 2, 1, 0, 5]))):
+    for suppress_ids, left in ((None, None), (torch.stack([free, (free + 1) % vocab], 1), torch.tensor([1, 0, 2, 1, 0, 5]))):
         want = reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, left)
         got = sampling._gumbel_sample_triton(logits, temperature, seed, counter, suppress_ids, left, config)
         assert torch.equal(got[0], want[0])
@@ -281,8 +277,7 @@ def test_the_modes_sampler_subtracts_the_trainers_log_sum_exp_bit_for_bit(monkey
     scaled = sampling.scale_logits(logits, temperature)
     stop, left = torch.tensor([[3, 7]] * 6), torch.tensor([1, 0, 2, 1, 0, 5])
     for suppress_ids, suppress_left in ((None, None), (stop, left)):
-        ids, logprobs = sampling.invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids,
-                                                         suppress_left)
+        ids, logprobs = sampling.invariant_gumbel_sample(scaled, temperature, seed, counter, suppress_ids, suppress_left)
         want = reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left)
         assert torch.equal(ids, want[0])
         torch.testing.assert_close(logprobs, want[1], atol=1e-5, rtol=0)
@@ -291,12 +286,15 @@ def test_the_modes_sampler_subtracts_the_trainers_log_sum_exp_bit_for_bit(monkey
         same_lse, entropy = sampling.invariant_logsumexp_and_entropy(scaled)
         assert torch.equal(same_lse, lse)
         logp = torch.log_softmax(scaled, -1)
-        torch.testing.assert_close(entropy, -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(entropy, -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1), rtol=1e-5, atol=1e-5)
         for rows in (slice(2, 5), slice(4, 5)):
-            part = sampling.invariant_gumbel_sample(scaled[rows], temperature[rows], seed[rows], counter[rows],
-                                                    *(t[rows] if t is not None else None for t in (suppress_ids,
-                                                                                                  suppress_left)))
+            part = sampling.invariant_gumbel_sample(
+                scaled[rows],
+                temperature[rows],
+                seed[rows],
+                counter[rows],
+                *(t[rows] if t is not None else None for t in (suppress_ids, suppress_left)),
+            )
             assert torch.equal(part[0], ids[rows]) and torch.equal(part[1], logprobs[rows])
             assert torch.equal(sampling.invariant_logsumexp(scaled[rows]), lse[rows])
 
@@ -318,8 +316,9 @@ def test_logprob_chunk_kernels_match_their_torch_versions(with_entropy):
     lse, grad_lp = torch.logsumexp(logits * 0.8, 1), _randn(rows, seed=5)
     entropy, grad_ent = (_randn(rows, seed=6).abs(), _randn(rows, seed=7)) if with_entropy else (None, None)
     args = (targets, v0, 0.8, lse, grad_lp, entropy, grad_ent, torch.float32)
-    torch.testing.assert_close(logprob._chunk_grad_triton(logits.clone(), *args),
-                               logprob._chunk_grad_torch(logits.clone(), *args), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        logprob._chunk_grad_triton(logits.clone(), *args), logprob._chunk_grad_torch(logits.clone(), *args), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("rank", [8, 64, 96], ids=["padded", "one-chunk", "two-chunks"])
@@ -335,6 +334,6 @@ def test_lora_merge_kernel_matches_the_torch_merge(rank):
     torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6)
     rounded = lora_merge._launch(weight, a, b, 0.5, torch.bfloat16)
     assert rounded.dtype == torch.bfloat16  # within one bf16 step: the interpreter truncates, the GPU rounds
-    assert ((rounded.float() - exact).abs() <= exact.abs() * 2 ** -7).all()
+    assert ((rounded.float() - exact).abs() <= exact.abs() * 2**-7).all()
     with pytest.raises(AssertionError):
         lora_merge._launch(weight, a[:, :-1], b, 0.5, torch.bfloat16)

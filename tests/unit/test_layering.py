@@ -19,8 +19,7 @@ FORBIDDEN = {  # modules under the key: what they must not import
     "colocate.trainer": ("colocate.colocation", "colocate.train"),
     "colocate.rollout": ("colocate.colocation", "colocate.train", "colocate.envs"),
     "colocate.envs": ("colocate.trainer", "colocate.colocation", "colocate.train", "colocate.models"),
-    "colocate.lora": ("colocate.trainer", "colocate.rollout", "colocate.colocation", "colocate.checkpoint",
-                      "colocate.export"),
+    "colocate.lora": ("colocate.trainer", "colocate.rollout", "colocate.colocation", "colocate.checkpoint", "colocate.export"),
     "colocate.checkpoint": ("colocate.trainer",),
     "colocate.export": ("colocate.trainer",),
 }
@@ -120,7 +119,12 @@ def test_no_import_cycles():
 
 def test_dependencies_point_down():
     graph = import_graph()
-    upward = [(module, target) for layer, banned in FORBIDDEN.items()
-              for module in sorted(graph) if _under(module, layer)
-              for target in sorted(graph[module]) if any(_under(target, b) for b in banned)]
+    upward = [
+        (module, target)
+        for layer, banned in FORBIDDEN.items()
+        for module in sorted(graph)
+        if _under(module, layer)
+        for target in sorted(graph[module])
+        if any(_under(target, b) for b in banned)
+    ]
     assert upward == []

@@ -37,8 +37,11 @@ def _merged_reference(path, model):
     leaves = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters() if is_adapter(n)}
     params = dict(plain.named_parameters())
     scales = {f"{n}.weight": m.scale for n, m in adapted_modules(model)}
-    weights = {name: params[name] + scale * leaves[name.replace(".weight", ".lora_B.weight")]
-               @ leaves[name.replace(".weight", ".lora_A.weight")] for name, scale in scales.items()}
+    weights = {
+        name: params[name]
+        + scale * leaves[name.replace(".weight", ".lora_B.weight")] @ leaves[name.replace(".weight", ".lora_A.weight")]
+        for name, scale in scales.items()
+    }
     return (lambda *args, **kwargs: torch.func.functional_call(plain, weights, args, kwargs)), leaves
 
 
@@ -61,11 +64,13 @@ def test_adapters_start_as_the_base_and_freeze_it(models):
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(trained) == 2 * 7 * 2 and all(is_adapter(n) for n in trained)
     a = model.model.layers[0].self_attn.q_proj.lora_A.weight
-    assert a.dtype == torch.float32 and a.abs().max() <= 56 ** -0.5  # peft: U(-1/sqrt(in), 1/sqrt(in))
-    assert a.std() > 0.5 * 56 ** -0.5 / 3 ** 0.5
+    assert a.dtype == torch.float32 and a.abs().max() <= 56**-0.5  # peft: U(-1/sqrt(in), 1/sqrt(in))
+    assert a.std() > 0.5 * 56**-0.5 / 3**0.5
     with torch.no_grad():  # the same seed draws the same adapters
-        assert torch.equal(_lora_model(models["qwen2"], random_b=False).model.layers[1].mlp.down_proj.lora_A.weight,
-                           model.model.layers[1].mlp.down_proj.lora_A.weight)
+        assert torch.equal(
+            _lora_model(models["qwen2"], random_b=False).model.layers[1].mlp.down_proj.lora_A.weight,
+            model.model.layers[1].mlp.down_proj.lora_A.weight,
+        )
 
 
 @pytest.mark.parametrize("family, targets, dropout", [("qwen2", ALL, 0.0), ("qwen3", SOME, 0.0), ("qwen3", SOME, 1e-9)])
@@ -176,20 +181,28 @@ def test_gpu_compiled_merge_equals_the_direct_launch(dtype):
         assert not torch.equal(direct, merged_weight(w, a, b, 0.5, dtype))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--model.lora-target-modules", "q_proj", "qkv"], "model.lora_target_modules has unknown names ['qkv']"),
-    (["--model.lora-rank", "8", "--model.lora-target-modules"],
-     "model.lora_target_modules must name each adapted projection once"),
-    (["--model.lora-rank", "8", "--model.lora-target-modules", "q_proj", "q_proj"],
-     "model.lora_target_modules must name each adapted projection once"),
-    (["--model.lora-rank", "8", "--model.ref-path", "other"],
-     "model.ref_path must be unset with model.lora_rank > 0"),
-    (["--model.lora-alpha", "0"], "model.lora_alpha must be > 0"),
-    (["--model.lora-dropout", "1"], "model.lora_dropout must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model.lora-target-modules", "q_proj", "qkv"], "model.lora_target_modules has unknown names ['qkv']"),
+        (
+            ["--model.lora-rank", "8", "--model.lora-target-modules"],
+            "model.lora_target_modules must name each adapted projection once",
+        ),
+        (
+            ["--model.lora-rank", "8", "--model.lora-target-modules", "q_proj", "q_proj"],
+            "model.lora_target_modules must name each adapted projection once",
+        ),
+        (["--model.lora-rank", "8", "--model.ref-path", "other"], "model.ref_path must be unset with model.lora_rank > 0"),
+        (["--model.lora-alpha", "0"], "model.lora_alpha must be > 0"),
+        (["--model.lora-dropout", "1"], "model.lora_dropout must be in [0, 1)"),
+    ],
+)
 def test_config_checks_name_the_field(flags, message):
-    with pytest.raises(ValueError, match=f"^command line: {message}".replace("[", r"\[").replace("(", r"\(")
-                       .replace(")", r"\)").replace("]", r"\]")):
+    with pytest.raises(
+        ValueError,
+        match=f"^command line: {message}".replace("[", r"\[").replace("(", r"\(").replace(")", r"\)").replace("]", r"\]"),
+    ):
         load_config(flags)
 
 

@@ -97,8 +97,9 @@ def test_policy_loss_masks_tokens_and_applies_tis():
     lp = _t([0.0, math.log(1.1), 50.0]).requires_grad_()
     old = _t([0.0, 0.0, -50.0])  # the unmasked token has an absurd ratio: must not leak
     mask = _t([1.0, 1.0, 0.0])
-    loss, metrics = policy_loss(lp, old, _t([1.0, 2.0, 1.0]), mask, torch.zeros(3, dtype=torch.long),
-                                tis_weights=_t([0.5, 2.0, 1.0]))
+    loss, metrics = policy_loss(
+        lp, old, _t([1.0, 2.0, 1.0]), mask, torch.zeros(3, dtype=torch.long), tis_weights=_t([0.5, 2.0, 1.0])
+    )
     torch.testing.assert_close(loss.detach(), _t([-0.5, -4.4, 0.0]))
     loss.sum().backward()
     torch.testing.assert_close(lp.grad, _t([-0.5, -4.4, 0.0]))
@@ -120,19 +121,18 @@ def test_gspo_matches_sequence_level_objective():
     # Centre the noise per sequence over the masked tokens, so mean(lp - old) is exactly `shift`.
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     for start, n in zip(starts, lengths):
-        noise[start + 1:start + n] -= noise[start + 1:start + n].mean()
+        noise[start + 1 : start + n] -= noise[start + 1 : start + n].mean()
     lp = (old + raw + noise).requires_grad_()
     adv = _t(seq_adv)[seq_index] * mask
 
     loss_tok, metrics = policy_loss(lp, old, adv, mask, seq_index, kind="gspo", eps_clip=0.2)
-    total = aggregate(loss_tok, mask, seq_index, "seq_mean_token_mean", global_num_tokens=9,
-                      global_num_seqs=3)
+    total = aggregate(loss_tok, mask, seq_index, "seq_mean_token_mean", global_num_tokens=9, global_num_seqs=3)
     (grad,) = torch.autograd.grad(total, lp)
 
     lp_ref = lp.detach().clone().requires_grad_()
     ref = 0.0
     for start, n, a in zip(starts, lengths, seq_adv):
-        s = torch.exp((lp_ref[start + 1:start + n] - old[start + 1:start + n]).mean())
+        s = torch.exp((lp_ref[start + 1 : start + n] - old[start + 1 : start + n]).mean())
         ref = ref - torch.minimum(s * a, s.clamp(0.8, 1.2) * a) / 3
     (ref_grad,) = torch.autograd.grad(ref, lp_ref)
     torch.testing.assert_close(total, ref)
@@ -149,8 +149,9 @@ def test_cispo_keeps_gradient_of_clipped_tokens():
     old = torch.full((3,), -1.0, dtype=F64)
     lp = (old + torch.log(_t([1.5, 1.1, 0.5]))).requires_grad_()
     adv = _t([2.0, -1.0, 1.0])
-    loss, metrics = policy_loss(lp, old, adv, torch.ones(3, dtype=F64), torch.zeros(3).long(),
-                                kind="cispo", eps_clip=0.2, eps_clip_high=0.28)
+    loss, metrics = policy_loss(
+        lp, old, adv, torch.ones(3, dtype=F64), torch.zeros(3).long(), kind="cispo", eps_clip=0.2, eps_clip_high=0.28
+    )
     # Weights sg(clip(r)) = 1.28, 1.1, 0.8; loss = -w A lp; gradient -w A even where clipped
     # (no gradient through the weight itself).
     w = _t([1.28, 1.1, 0.8])
@@ -279,23 +280,18 @@ def test_aggregation_is_exact_across_micro_batch_splits(mode):
             # Tokens of the chosen sequences, renumbered 0..k-1 inside the micro-batch.
             tok = torch.cat([torch.nonzero(seq_of_token == s).squeeze(-1) for s in micro])
             local = torch.cat([torch.full((len(layouts[s]),), j) for j, s in enumerate(micro)])
-            loss_tok, metrics = policy_loss(lp[tok], old[tok], adv[tok], mask[tok], local,
-                                            eps_clip=0.2, eps_clip_high=0.28)
-            kwargs = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs,
-                          norm_len=norm_len)
+            loss_tok, metrics = policy_loss(lp[tok], old[tok], adv[tok], mask[tok], local, eps_clip=0.2, eps_clip_high=0.28)
+            kwargs = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_len=norm_len)
             total = total + aggregate(loss_tok, mask[tok], local, mode, **kwargs)
-            metric_total += aggregate_metrics(metrics, mask[tok], local, mode,
-                                              **kwargs)["train/pg_clipfrac"]
+            metric_total += aggregate_metrics(metrics, mask[tok], local, mode, **kwargs)["train/pg_clipfrac"]
         (grad,) = torch.autograd.grad(total, lp)
         totals.append(total.detach())
         grads.append(grad)
         metric_totals.append(metric_total)
 
-    full_loss, full_metrics = policy_loss(lp.detach(), old, adv, mask, seq_of_token,
-                                          eps_clip=0.2, eps_clip_high=0.28)
+    full_loss, full_metrics = policy_loss(lp.detach(), old, adv, mask, seq_of_token, eps_clip=0.2, eps_clip_high=0.28)
     expected = _reference_total(layouts, full_loss.tolist(), mode, norm_len)
-    expected_clipfrac = _reference_total(layouts, full_metrics["pg_clipfrac"].tolist(), mode,
-                                         norm_len)
+    expected_clipfrac = _reference_total(layouts, full_metrics["pg_clipfrac"].tolist(), mode, norm_len)
     assert 0 < expected_clipfrac < 1 or mode == "seq_mean_token_sum"
     for total, grad, clipfrac in zip(totals, grads, metric_totals):
         torch.testing.assert_close(total, torch.tensor(expected, dtype=F64))
@@ -312,11 +308,9 @@ def test_aggregate_bad_input():
         aggregate(x, x, idx, "sum", global_num_tokens=3, global_num_seqs=1)
     with pytest.raises(ValueError, match="norm_len"):
         aggregate(x, x, idx, "token_mean", global_num_tokens=3, global_num_seqs=1, norm_len=4)
-    out = aggregate(x, x, idx, "seq_mean_token_sum", global_num_tokens=3, global_num_seqs=2,
-                    norm_len=4)
+    out = aggregate(x, x, idx, "seq_mean_token_sum", global_num_tokens=3, global_num_seqs=2, norm_len=4)
     assert out.item() == pytest.approx(3 / 8)
-    metrics = aggregate_metrics({"ppo_kl": x}, x, idx, "token_mean", global_num_tokens=6,
-                                global_num_seqs=1)
+    metrics = aggregate_metrics({"ppo_kl": x}, x, idx, "token_mean", global_num_tokens=6, global_num_seqs=1)
     assert list(metrics) == ["train/ppo_kl"] and metrics["train/ppo_kl"].item() == 0.5
 
 
@@ -329,8 +323,7 @@ def test_policy_loss_and_aggregate_on_cuda_match_cpu(kind):
         x = lp.detach().to(device).requires_grad_()
         args = [t.to(device) for t in (old, adv, mask, seq_of_token)]
         loss_tok, _ = policy_loss(x, *args, kind=kind)
-        total = aggregate(loss_tok, args[2], args[3], "seq_mean_token_mean",
-                          global_num_tokens=int(mask.sum()), global_num_seqs=5)
+        total = aggregate(loss_tok, args[2], args[3], "seq_mean_token_mean", global_num_tokens=int(mask.sum()), global_num_seqs=5)
         (grad,) = torch.autograd.grad(total, x)
         results.append((total.detach().cpu(), grad.cpu()))
     torch.testing.assert_close(results[1], results[0])

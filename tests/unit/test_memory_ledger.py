@@ -40,8 +40,7 @@ def test_steady_memory_and_small_noise_pass(monkeypatch):
     assert ledger.reports == []
     m = ledger.step_metrics(3)
     assert m["memory/train/device_used_gib"] == pytest.approx(8 + 50 / 1024)
-    assert set(m) == {f"memory/{p}/{k}_gib" for p in ("generate", "train")
-                      for k in ("allocated", "reserved", "device_used")}
+    assert set(m) == {f"memory/{p}/{k}_gib" for p in ("generate", "train") for k in ("allocated", "reserved", "device_used")}
 
 
 def test_strict_mode_raises(monkeypatch):
@@ -96,8 +95,9 @@ def _oom(phase, step=3, **fields):
 
 def test_out_of_memory_in_training_names_the_settings_that_give_it_room():
     # The loop reports the budget the start-up chose (colocate/sizing.py), which replaced `auto`.
-    msg = _oom("train", **{"model.gradient_checkpointing": False, "offload.offload_rollout": False,
-                           "train.max_tokens_per_gpu": 16384})
+    msg = _oom(
+        "train", **{"model.gradient_checkpointing": False, "offload.offload_rollout": False, "train.max_tokens_per_gpu": 16384}
+    )
     assert msg.startswith("step 3: the train phase ran out of GPU memory. For more room: ")
     assert "train.max_tokens_per_gpu (now 16384" in msg and "model.gradient_checkpointing" in msg
     assert "offload.offload_rollout" in msg and "rollout.gpu_memory_fraction" not in msg
@@ -143,9 +143,23 @@ def test_the_run_ends_with_one_error_line_naming_the_phase_and_settings(tmp_path
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
 
     monkeypatch.setattr(Trainer, "train", out_of_memory)
-    assert main(["--config", "configs/default.yaml", "--output-dir", str(tmp_path), "--train.max-tokens-per-gpu",
-                 "512", "--logging.console", "False"]) == 2
+    assert (
+        main(
+            [
+                "--config",
+                "configs/default.yaml",
+                "--output-dir",
+                str(tmp_path),
+                "--train.max-tokens-per-gpu",
+                "512",
+                "--logging.console",
+                "False",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: step 0: the train phase ran out of GPU memory. For more room: a lower "
-                              "train.max_tokens_per_gpu (now 512")
+    assert err[-1].startswith(
+        "error: step 0: the train phase ran out of GPU memory. For more room: a lower train.max_tokens_per_gpu (now 512"
+    )
     assert err[-1].endswith("(CUDA out of memory. Tried to allocate 2.00 GiB.)")

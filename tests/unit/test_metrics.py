@@ -77,8 +77,14 @@ def test_bad_metric_values_name_the_key(tmp_path):
 
 def test_non_main_logger_writes_and_prints_nothing(tmp_path):
     buf = io.StringIO()
-    logger = MetricsLogger(tmp_path / "run", enabled=False, use_wandb=True, wandb_project="test",
-                           config={"lr": 1.0}, console=Console(file=buf, force_terminal=True))
+    logger = MetricsLogger(
+        tmp_path / "run",
+        enabled=False,
+        use_wandb=True,
+        wandb_project="test",
+        config={"lr": 1.0},
+        console=Console(file=buf, force_terminal=True),
+    )
     logger.log(0, {"rollout/raw_reward": 1.0})
     logger.info("hello")
     logger.warning("careful")
@@ -92,14 +98,32 @@ def test_non_main_logger_writes_and_prints_nothing(tmp_path):
 def test_console_prints_header_once_and_one_row_per_step(tmp_path):
     buf = io.StringIO()
     logger = _logger(tmp_path, console=Console(file=buf, width=100))
-    logger.log(7, {
-        "rollout/raw_reward": 0.625, "perf/generate_time": 2.0, "perf/train_time": 1.5,
-        "perf/actor_train_time": 1.2, "perf/to_train_time": 0.25, "perf/to_rollout_time": 0.5,
-        "perf/step_time": 4.5, "memory/generate/allocated_gib": 30.0,
-        "memory/generate/device_used_gib": 10.0, "memory/train/device_used_gib": 20.5,
-    })
-    logger.log(8, {"rollout/raw_reward": 0.75, "train/grad_norm": 12345.678, "eval/toy/avg@4": 0.25,
-                   "eval/other/avg@4": 0.5, "perf/step_time": 9.0, "perf/train_time": 4.0})
+    logger.log(
+        7,
+        {
+            "rollout/raw_reward": 0.625,
+            "perf/generate_time": 2.0,
+            "perf/train_time": 1.5,
+            "perf/actor_train_time": 1.2,
+            "perf/to_train_time": 0.25,
+            "perf/to_rollout_time": 0.5,
+            "perf/step_time": 4.5,
+            "memory/generate/allocated_gib": 30.0,
+            "memory/generate/device_used_gib": 10.0,
+            "memory/train/device_used_gib": 20.5,
+        },
+    )
+    logger.log(
+        8,
+        {
+            "rollout/raw_reward": 0.75,
+            "train/grad_norm": 12345.678,
+            "eval/toy/avg@4": 0.25,
+            "eval/other/avg@4": 0.5,
+            "perf/step_time": 9.0,
+            "perf/train_time": 4.0,
+        },
+    )
     lines = buf.getvalue().splitlines()
     assert sum(line.split()[:2] == ["step", "reward"] for line in lines) == 1
     rows = {line.split()[0]: line.split() for line in lines if line.split()[0].isdigit()}
@@ -192,8 +216,7 @@ def test_wandb_gets_values_and_run_id_is_reused_on_resume(monkeypatch, tmp_path)
     calls = _fake_wandb(monkeypatch)
     logger = _logger(tmp_path / "run", use_wandb=True, run_name="r1", config={"lr": 1e-6})
     run = logger._wandb_run
-    logger.log(3, {"train/ppo_kl": torch.tensor(0.5), "train/grad_norm": float("nan"),
-                   "eval/raw_reward": None})
+    logger.log(3, {"train/ppo_kl": torch.tensor(0.5), "train/grad_norm": float("nan"), "eval/raw_reward": None})
     logger.close()
     assert run.finished and len(run.logged) == 1
     step, values = run.logged[0]
@@ -252,26 +275,35 @@ def test_read_metrics_skips_a_torn_last_line_only(tmp_path):
 
 
 def test_merge_by_step_later_records_win():
-    records = [{"step": 1, "a": 1.0}, {"step": 0, "a": 0.0}, {"step": 1, "b": 2.0},
-               {"step": 1, "a": 5.0}]
+    records = [{"step": 1, "a": 1.0}, {"step": 0, "a": 0.0}, {"step": 1, "b": 2.0}, {"step": 1, "a": 5.0}]
     assert merge_by_step(records) == {0: {"step": 0, "a": 0.0}, 1: {"step": 1, "a": 5.0, "b": 2.0}}
 
 
 def test_plot_writes_one_png_per_group(tmp_path, capsys):
     logger = _logger(tmp_path)
     for step in range(4):
-        logger.log(step, {
-            "rollout/raw_reward": 0.1 * step, "train/ppo_kl": 0.01 * step, "train/entropy_loss": float("nan"),
-            "perf/generate_time": 1.0 + step, "perf/train_time": 2.0, "memory/after_train/allocated_gib": 3.0,
-            "memory/after_generate/allocated_gib": 4.0, "rollout/epoch": 0,
-            **({"eval/raw_reward": 0.5 + step} if step % 2 == 0 else {}),
-        })
+        logger.log(
+            step,
+            {
+                "rollout/raw_reward": 0.1 * step,
+                "train/ppo_kl": 0.01 * step,
+                "train/entropy_loss": float("nan"),
+                "perf/generate_time": 1.0 + step,
+                "perf/train_time": 2.0,
+                "memory/after_train/allocated_gib": 3.0,
+                "memory/after_generate/allocated_gib": 4.0,
+                "rollout/epoch": 0,
+                **({"eval/raw_reward": 0.5 + step} if step % 2 == 0 else {}),
+            },
+        )
     assert plot_main([str(tmp_path)]) == 0
     names = {"rollout", "train", "eval", "perf"}  # memory and rollout/epoch never change: left out
     series = collect_series(merge_by_step(read_metrics(tmp_path)))
     assert set(series["rollout"]) == {"rollout/raw_reward"} and set(series["perf"]) == {"perf/generate_time"}
     assert set(collect_series(merge_by_step(read_metrics(tmp_path)), ["rollout/*"])["rollout"]) == {
-        "rollout/raw_reward", "rollout/epoch"}  # asked for by name: drawn even when flat
+        "rollout/raw_reward",
+        "rollout/epoch",
+    }  # asked for by name: drawn even when flat
     expected = [str(tmp_path / "plots" / f"{n}.png") for n in sorted(names)]
     assert capsys.readouterr().out.split() == expected
     for name in names:
@@ -280,8 +312,13 @@ def test_plot_writes_one_png_per_group(tmp_path, capsys):
     assert paths == [tmp_path / "only" / "eval.png"]
 
 
-STARTUP = {"perf/startup/process_s": 3.25, "perf/startup/inputs_s": 9.0, "perf/startup/engine_s": 4.0,
-           "perf/startup/engine_cuda_graphs_s": 2.5, "perf/startup/first_sync_s": 0.25}
+STARTUP = {
+    "perf/startup/process_s": 3.25,
+    "perf/startup/inputs_s": 9.0,
+    "perf/startup/engine_s": 4.0,
+    "perf/startup/engine_cuda_graphs_s": 2.5,
+    "perf/startup/first_sync_s": 0.25,
+}
 
 
 def test_plot_draws_the_start_up_as_one_bar_chart_in_perf(tmp_path, capsys):
@@ -290,8 +327,10 @@ def test_plot_draws_the_start_up_as_one_bar_chart_in_perf(tmp_path, capsys):
         logger.log(step, {"perf/train_time": 2.0 + step, **(STARTUP if step == 0 else {})})
     steps = merge_by_step(read_metrics(tmp_path))
     assert set(collect_series(steps)["perf"]) == {"perf/train_time"}  # no single-dot panel per part
-    assert latest_startup(steps) == (0, {"process": 3.25, "inputs": 9.0, "engine": 4.0,
-                                         "engine_cuda_graphs": 2.5, "first_sync": 0.25})
+    assert latest_startup(steps) == (
+        0,
+        {"process": 3.25, "inputs": 9.0, "engine": 4.0, "engine_cuda_graphs": 2.5, "first_sync": 0.25},
+    )
     assert latest_startup(steps, ["perf/startup/e*"]) == (0, {"engine": 4.0, "engine_cuda_graphs": 2.5})
     assert latest_startup(steps, ["perf/train_time"]) is None
     assert plot(tmp_path, tmp_path / "only", keys=["perf/startup/*"]) == [tmp_path / "only" / "perf.png"]
@@ -305,8 +344,7 @@ def test_plot_draws_the_start_up_as_one_bar_chart_in_perf(tmp_path, capsys):
 
     fig, ax = plt.subplots()
     _draw_startup(ax, *latest_startup(steps))
-    assert [t.get_text() for t in ax.get_yticklabels()] == [
-        "process", "inputs", "engine", "cuda graphs", "first sync"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["process", "inputs", "engine", "cuda graphs", "first sync"]
     assert [bar.get_width() for bar in ax.patches] == [3.25, 9.0, 4.0, 2.5, 0.25]
     assert ax.get_title() == "start-up 16.5 s (step 0)"  # the top-level parts; cuda graphs is inside engine
     plt.close(fig)
@@ -342,7 +380,8 @@ def test_run_summary_reads_the_runs_metrics(tmp_path):
         "10 steps in 12.3 s",
         "reward 0.050 (first fifth of the steps) -> 0.850 (last fifth)",
         "eval/toy/avg@1 0.000 -> 0.450",
-        f"outputs in {tmp_path} (metrics.jsonl; `./launch.sh plot {tmp_path}` draws them)"]
+        f"outputs in {tmp_path} (metrics.jsonl; `./launch.sh plot {tmp_path}` draws them)",
+    ]
 
 
 def test_a_resumed_runs_summary_counts_only_the_steps_it_ran(tmp_path):

@@ -22,8 +22,7 @@ def test_mismatch_metrics_follow_their_formulas():
     train = torch.tensor([-1.0, -2.0, -0.5, -3.0, -0.25])
     rollout = torch.tensor([-1.0, -2.5, -0.75, -2.0, -9.0])
     mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])  # the last token is not a response token
-    agg = functools.partial(aggregate, seq_index=torch.zeros(5, dtype=torch.long), global_num_tokens=4.0,
-                            global_num_seqs=1.0)
+    agg = functools.partial(aggregate, seq_index=torch.zeros(5, dtype=torch.long), global_num_tokens=4.0, global_num_seqs=1.0)
     m = {k: float(v) for k, v in _mismatch(train, rollout, mask, agg).items()}
     d = [0.0, 0.5, 0.25, -1.0]  # train - rollout on the masked tokens
     assert m["train/train_rollout_logprob_abs_diff"] == pytest.approx(1.75 / 4)
@@ -35,8 +34,9 @@ def test_mismatch_metrics_follow_their_formulas():
 
 def test_gradient_step_keeps_the_largest_max_share_and_sums_the_rest(monkeypatch):
     model = nn.Linear(2, 1)
-    opt = OptimizerStep(model, lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=None,
-                        schedule=LRSchedule(), max_skipped_steps=10)
+    opt = OptimizerStep(
+        model, lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=None, schedule=LRSchedule(), max_skipped_steps=10
+    )
     arrival = TrainerMemory("pinned", torch.device("cpu")).add_optimizer("g", opt, model)
     maxima = iter([3.0, 7.0, 5.0])
     monkeypatch.setattr(passes, "build_micro_batch", lambda batch, part, device: SimpleNamespace(num_tokens=2))

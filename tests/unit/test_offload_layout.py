@@ -35,8 +35,20 @@ def test_an_optimizer_group_pins_close_to_its_bytes():
     pinned 32 GiB; the pieces pin within 3% of the bytes. A storage above a piece's size (here a
     1.5 GiB embedding) raises every piece to the power of two that holds it."""
     hidden, inter, vocab, kv = 1536, 8960, 151936, 256
-    layer = [hidden * hidden, hidden, kv * hidden, kv, kv * hidden, kv, hidden * hidden,
-             inter * hidden, inter * hidden, hidden * inter, hidden, hidden]
+    layer = [
+        hidden * hidden,
+        hidden,
+        kv * hidden,
+        kv,
+        kv * hidden,
+        kv,
+        hidden * hidden,
+        inter * hidden,
+        inter * hidden,
+        hidden * inter,
+        hidden,
+        hidden,
+    ]
     params = [vocab * hidden] + layer * 28 + [hidden]
     sizes = [4 * n for n in params for _ in range(3)]
     slots, pieces = pinned_layout(sizes)

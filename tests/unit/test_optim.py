@@ -43,8 +43,9 @@ def _loss(model):
 def test_optimizer_step_follows_the_schedule_and_frees_grads():
     model = _model()
     sched = LRSchedule("linear", warmup_steps=2, total_steps=6, min_lr_ratio=0.0)
-    opt = OptimizerStep(model, lr=0.5, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_clip=None, schedule=sched,
-                        max_skipped_steps=10)
+    opt = OptimizerStep(
+        model, lr=0.5, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, grad_clip=None, schedule=sched, max_skipped_steps=10
+    )
     lrs = []
     for _ in range(6):
         loss = _loss(model)
@@ -69,13 +70,25 @@ def test_steps_match_torch_adamw_under_every_setting():
     second step on."""
     lr, betas, eps, weight_decay, clip, r = 0.05, (0.6, 0.9), 0.05, 0.3, 0.2, 0.4
     model, ref = _model(), _model()
-    opt = OptimizerStep(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=clip,
-                        schedule=LRSchedule("cosine", 1, 4, r), max_skipped_steps=10)
+    opt = OptimizerStep(
+        model,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        grad_clip=clip,
+        schedule=LRSchedule("cosine", 1, 4, r),
+        max_skipped_steps=10,
+    )
     matrices = [p for p in ref.parameters() if p.ndim >= 2]
     vectors = [p for p in ref.parameters() if p.ndim < 2]
-    ref_opt = torch.optim.AdamW([{"params": matrices, "weight_decay": weight_decay},
-                                 {"params": vectors, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
-                                foreach=False)
+    ref_opt = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        foreach=False,
+    )
     for s in range(4):
         loss = _loss(model)
         loss.backward()
@@ -111,8 +124,9 @@ def test_clip_grad_norm_returns_the_global_norm_and_clips():
 def test_non_finite_loss_or_grad_skips_the_step():
     model = _model()
     sched = LRSchedule()
-    opt = OptimizerStep(model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0, schedule=sched,
-                        max_skipped_steps=10)
+    opt = OptimizerStep(
+        model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0, schedule=sched, max_skipped_steps=10
+    )
     before = [p.detach().clone() for p in model.parameters()]
     loss = _loss(model)
     loss.backward()
@@ -130,8 +144,9 @@ def test_non_finite_loss_or_grad_skips_the_step():
 
 def test_consecutive_skipped_steps_stop_training_at_the_limit():
     model = _model()
-    opt = OptimizerStep(model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0,
-                        schedule=LRSchedule(), max_skipped_steps=3)
+    opt = OptimizerStep(
+        model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0, schedule=LRSchedule(), max_skipped_steps=3
+    )
 
     def step(loss_scale: float) -> dict:
         loss = _loss(model) * loss_scale
@@ -140,15 +155,30 @@ def test_consecutive_skipped_steps_stop_training_at_the_limit():
 
     # Two skips, a good step (the count starts over), two more skips: still under the limit.
     assert [step(s)["skipped"] for s in (float("nan"), float("nan"), 1.0, float("inf"), float("nan"))] == [
-        1.0, 1.0, 0.0, 1.0, 1.0]
+        1.0,
+        1.0,
+        0.0,
+        1.0,
+        1.0,
+    ]
     with pytest.raises(DivergedError) as info:  # a ValueError: the run ends in this one line
         step(float("nan"))
-    assert str(info.value) == ("3 optimizer steps in a row (train.max_skipped_steps) were skipped for a non-finite "
-                               "loss (nan) or grad norm (nan): training diverged; lower train.lr (now 0.1)")
+    assert str(info.value) == (
+        "3 optimizer steps in a row (train.max_skipped_steps) were skipped for a non-finite "
+        "loss (nan) or grad norm (nan): training diverged; lower train.lr (now 0.1)"
+    )
     assert opt.num_skipped == 5
     with pytest.raises(ValueError, match="max_skipped_steps=0 must be >= 1"):
-        OptimizerStep(model, lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=1.0,
-                      schedule=LRSchedule(), max_skipped_steps=0)
+        OptimizerStep(
+            model,
+            lr=0.1,
+            betas=(0.9, 0.99),
+            eps=1e-8,
+            weight_decay=0.0,
+            grad_clip=1.0,
+            schedule=LRSchedule(),
+            max_skipped_steps=0,
+        )
 
 
 def test_eager_state_init_moves_nothing_and_matches_a_fresh_first_step():
@@ -165,8 +195,16 @@ def test_eager_state_init_moves_nothing_and_matches_a_fresh_first_step():
 
 def test_scheduler_state_round_trip_keeps_the_step_and_the_configured_schedule():
     def make(kind):
-        return OptimizerStep(_model(), lr=1.0, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=None,
-                             schedule=LRSchedule(kind, 1, 10, 0.2), max_skipped_steps=10)
+        return OptimizerStep(
+            _model(),
+            lr=1.0,
+            betas=(0.9, 0.99),
+            eps=1e-8,
+            weight_decay=0.0,
+            grad_clip=None,
+            schedule=LRSchedule(kind, 1, 10, 0.2),
+            max_skipped_steps=10,
+        )
 
     opt = make("cosine")
     for _ in range(3):

@@ -78,8 +78,11 @@ def test_micro_batch_packs_samples_in_the_given_order():
     from colocate.rollout.sample import Sample
     from colocate.trainer.batch import RolloutBatch, build_micro_batch
 
-    samples = [Sample([5, 6], [7, 8, 9], [0.0] * 3, [1] * 3, 0, 0), Sample([1], [], [], [], 0, 1),
-               Sample([2, 3], [4], [0.0], [1], 0, 2)]
+    samples = [
+        Sample([5, 6], [7, 8, 9], [0.0] * 3, [1] * 3, 0, 0),
+        Sample([1], [], [], [], 0, 1),
+        Sample([2, 3], [4], [0.0], [1], 0, 2),
+    ]
     mb = build_micro_batch(RolloutBatch.from_samples(samples, torch.device("cpu")), [2, 0, 1], torch.device("cpu"))
     assert mb.input_ids.tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 1]
     assert mb.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0]
@@ -117,13 +120,14 @@ def test_steps_leave_out_samples_with_no_token_in_the_loss():
     from colocate.trainer.batch import RolloutBatch
     from colocate.trainer.passes import plan_steps
 
-    samples = [Sample([5, 6], [7, 8, 9], [0.0] * 3, mask, 0, j)
-               for j, mask in enumerate(([1, 1, 1], [0, 0, 0], [1, 0, 1], [0, 0, 1]))]
-    (plan,) = plan_steps(RolloutBatch.from_samples(samples, torch.device("cpu")), max_tokens=10,
-                         samples_per_step=None)
+    samples = [
+        Sample([5, 6], [7, 8, 9], [0.0] * 3, mask, 0, j) for j, mask in enumerate(([1, 1, 1], [0, 0, 0], [1, 0, 1], [0, 0, 1]))
+    ]
+    (plan,) = plan_steps(RolloutBatch.from_samples(samples, torch.device("cpu")), max_tokens=10, samples_per_step=None)
     assert sorted(i for p in plan.parts for i in p) == [0, 2, 3]
     assert (plan.num_tokens, plan.num_seqs, plan.num_skipped) == (6.0, 4.0, 1.0)
-    first, second = plan_steps(RolloutBatch.from_samples(samples[1:2] * 2 + samples[:1], torch.device("cpu")),
-                               max_tokens=10, samples_per_step=2)
+    first, second = plan_steps(
+        RolloutBatch.from_samples(samples[1:2] * 2 + samples[:1], torch.device("cpu")), max_tokens=10, samples_per_step=2
+    )
     assert first.parts == [[]] and (first.num_seqs, first.num_skipped) == (2.0, 2.0)  # a dummy micro-batch
     assert second.parts == [[2]] and (second.num_seqs, second.num_skipped) == (1.0, 0.0)

@@ -45,8 +45,9 @@ def test_each_block_waits_for_its_own_and_the_next_blocks_parameters(tmp_path):
     assert tag == ACTOR_PARAMS and len(parts) == 1 + len(blocks) == 3
     assert [id(p) for p in parts[1]] == [id(p) for p in blocks[0].parameters()]
     named = {id(p): n for n, p in model.named_parameters()}
-    assert {named[id(p)] for p in parts[0]} == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} \
-        - ({"lm_head.weight"} if model.lm_head.weight is model.model.embed_tokens.weight else set())
+    assert {named[id(p)] for p in parts[0]} == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} - (
+        {"lm_head.weight"} if model.lm_head.weight is model.model.embed_tokens.weight else set()
+    )
     assert sum(map(len, parts)) == len(list(model.parameters()))
     ids = torch.tensor([[1, 2, 3]])
     model(ids)

@@ -32,11 +32,23 @@ PROMPT = PromptSample(index=7, prompt_ids=[3, 4, 5], prompt_text="c d e", label=
 
 def finished(j: int, versions: list[int], reason: str = "stop") -> Sample:
     n = len(versions)
-    return Sample(prompt_ids=[3, 4, 5], response_ids=list(range(10, 10 + n)), rollout_logprobs=[-0.5 - j] * n,
-                  loss_mask=[1] * n, group_index=7, sample_index=j, finish_reason=reason,
-                  weight_version=versions[-1] if versions else 0, token_versions=versions,
-                  reward=0.25 * j, raw_reward=0.25 * j, response_text=f"r{j}", prompt_text="c d e", label="f",
-                  metadata={"k": 1})
+    return Sample(
+        prompt_ids=[3, 4, 5],
+        response_ids=list(range(10, 10 + n)),
+        rollout_logprobs=[-0.5 - j] * n,
+        loss_mask=[1] * n,
+        group_index=7,
+        sample_index=j,
+        finish_reason=reason,
+        weight_version=versions[-1] if versions else 0,
+        token_versions=versions,
+        reward=0.25 * j,
+        raw_reward=0.25 * j,
+        response_text=f"r{j}",
+        prompt_text="c d e",
+        label="f",
+        metadata={"k": 1},
+    )
 
 
 def test_sample_token_versions_match_the_response_or_are_empty():
@@ -49,8 +61,9 @@ def test_sample_token_versions_match_the_response_or_are_empty():
 
 
 def test_staleness_restarts_only_samples_past_the_bound():
-    group = InFlightGroup(PROMPT, seed=11, samples=[finished(0, [1, 2]), finished(1, [2, 2], "abort"),
-                                                    finished(2, [], "abort"), finished(3, [3])])
+    group = InFlightGroup(
+        PROMPT, seed=11, samples=[finished(0, [1, 2]), finished(1, [2, 2], "abort"), finished(2, [], "abort"), finished(3, [3])]
+    )
     assert [staleness(s, 3) for s in group.samples] == [2, 1, 0, 0]
     assert restart_stale([group], version=3, max_staleness=1) == 1
     restarted = group.samples[0]
@@ -64,8 +77,8 @@ def test_staleness_restarts_only_samples_past_the_bound():
 def test_groups_train_stalest_first_and_carried_ones_must_fit_the_bound():
     def group(index: int, versions: list[int], done: bool = True) -> InFlightGroup:
         prompt = PromptSample(index=index, prompt_ids=[3], prompt_text="c", label="f")
-        return InFlightGroup(prompt, seed=0, samples=[finished(0, versions, "stop" if done else "abort"),
-                                                      finished(1, [])])
+        return InFlightGroup(prompt, seed=0, samples=[finished(0, versions, "stop" if done else "abort"), finished(1, [])])
+
     fresh, old, older, oldest = group(0, []), group(1, [4, 5]), group(2, [3]), group(3, [2, 5], done=False)
     assert [g.prompt.index for g in by_urgency([fresh, old, older, oldest], 5)] == [3, 2, 1, 0]
     assert [g.prompt.index for g in by_urgency([old, fresh, group(4, [4])], 5)] == [1, 4, 0]  # ties: as drawn
@@ -88,8 +101,7 @@ def test_staleness_histogram_and_stale_tokens():
 def test_new_group_is_unstarted():
     group = InFlightGroup.new(PROMPT, seed=3, n=2)
     assert group.unstarted and not group.complete
-    assert [(s.sample_index, s.group_index, s.finish_reason) for s in group.samples] == [
-        (0, 7, "abort"), (1, 7, "abort")]
+    assert [(s.sample_index, s.group_index, s.finish_reason) for s in group.samples] == [(0, 7, "abort"), (1, 7, "abort")]
 
 
 def test_group_state_round_trips_through_json():
@@ -122,17 +134,21 @@ def _partial_config(**rollout) -> Config:
     return cfg
 
 
-@pytest.mark.parametrize("rollout, message", [
-    (dict(over_sampling_batch_size=None),
-     "rollout.over_sampling_batch_size must be set (>= rollout.rollout_batch_size"),
-    (dict(over_sampling_batch_size=8), "rollout.over_sampling_batch_size must be >= rollout.rollout_batch_size (16)"),
-    (dict(max_staleness=0), "rollout.max_staleness must be >= 1, got 0"),
-    (dict(over_sampling_batch_size=48),
-     "rollout.over_sampling_batch_size must be <= (rollout.max_staleness + 1) x rollout.rollout_batch_size = 32"),
-    (dict(engine="sglang"), "rollout.partial_rollout is not supported by rollout.engine=sglang"),
-    (dict(custom_generate="m:f"), "rollout.partial_rollout cannot be combined with rollout.custom_generate"),
-    (dict(dynamic_sampling=True), "rollout.partial_rollout cannot be combined with rollout.dynamic_sampling"),
-])
+@pytest.mark.parametrize(
+    "rollout, message",
+    [
+        (dict(over_sampling_batch_size=None), "rollout.over_sampling_batch_size must be set (>= rollout.rollout_batch_size"),
+        (dict(over_sampling_batch_size=8), "rollout.over_sampling_batch_size must be >= rollout.rollout_batch_size (16)"),
+        (dict(max_staleness=0), "rollout.max_staleness must be >= 1, got 0"),
+        (
+            dict(over_sampling_batch_size=48),
+            "rollout.over_sampling_batch_size must be <= (rollout.max_staleness + 1) x rollout.rollout_batch_size = 32",
+        ),
+        (dict(engine="sglang"), "rollout.partial_rollout is not supported by rollout.engine=sglang"),
+        (dict(custom_generate="m:f"), "rollout.partial_rollout cannot be combined with rollout.custom_generate"),
+        (dict(dynamic_sampling=True), "rollout.partial_rollout cannot be combined with rollout.dynamic_sampling"),
+    ],
+)
 def test_partial_rollout_config_is_validated(rollout, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         validate(_partial_config(**rollout))

@@ -20,8 +20,11 @@ class _Library:
 
 def _saver(hook_mode: str):
     library = _Library()
-    impl = SimpleNamespace(_hook_mode=hook_mode, _binary_wrapper=SimpleNamespace(cdll=library),
-                           _mem_pools={("weights", True, False, "", 0): object()})
+    impl = SimpleNamespace(
+        _hook_mode=hook_mode,
+        _binary_wrapper=SimpleNamespace(cdll=library),
+        _mem_pools={("weights", True, False, "", 0): object()},
+    )
     return SimpleNamespace(_impl=impl), library
 
 

@@ -55,8 +55,7 @@ def test_f1_token_overlap():
     # Counts are clipped: pred {a1 x3}, ref {a1 x1}: common 1, P 1/3, R 1, F1 = 0.5.
     assert token_f1("x x x", "x") == pytest.approx(0.5)
     assert token_f1("", "") == 1.0 and token_f1("", "x") == 0.0
-    rewards = score("f1", [("the answer is cat sat", "cat sat down"), ("dog", "cat"),
-                           ("blue sky", ["sky", "blue sky"])])
+    rewards = score("f1", [("the answer is cat sat", "cat sat down"), ("dog", "cat"), ("blue sky", ["sky", "blue sky"])])
     assert rewards == pytest.approx([0.8, 0.0, 1.0])
 
 
@@ -68,10 +67,10 @@ def test_extract_final_answer():
 
 def test_toy_reward_on_hand_examples():
     pairs = [
-        ("d e f", "d e f"),      # 3/3
-        ("d e", "d e f"),        # 2/3
-        ("d e f f", "d e f"),    # 3/4
-        ("e f", "d e f"),        # 0/3: shifted by one
+        ("d e f", "d e f"),  # 3/3
+        ("d e", "d e f"),  # 2/3
+        ("d e f f", "d e f"),  # 3/4
+        ("e f", "d e f"),  # 0/3: shifted by one
         ("d x f a b", "d e f"),  # 2/5
         ("", "d e f"),
     ]
@@ -113,8 +112,9 @@ def test_custom_function_is_batched(custom_module):
 
 def test_custom_function_errors_name_the_function(custom_module):
     with pytest.raises(ValueError, match="returned 1 rewards for 2 samples"):
-        compute_rewards(load_reward_fn(f"{custom_module}:short_reward"),
-                        [RewardInput("p", "a", None), RewardInput("p", "b", None)])
+        compute_rewards(
+            load_reward_fn(f"{custom_module}:short_reward"), [RewardInput("p", "a", None), RewardInput("p", "b", None)]
+        )
     with pytest.raises(ValueError, match="rollout.reward: cannot import 'no_such_module_xyz:f': ModuleNotFoundError"):
         load_reward_fn("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="rollout.reward: 'my_rewards:NOT_CALLABLE' is not callable"):
@@ -125,8 +125,7 @@ def test_custom_function_errors_name_the_function(custom_module):
 
 def test_raising_function_is_counted_and_logged_once(custom_module, caplog):
     fn = load_reward_fn(f"{custom_module}:picky_reward")
-    samples = [RewardInput("p", r, label) for r, label in
-               [("ok", "0.5"), ("boom", "1"), ("fine", "0.25"), ("boom", "1")]]
+    samples = [RewardInput("p", r, label) for r, label in [("ok", "0.5"), ("boom", "1"), ("fine", "0.25"), ("boom", "1")]]
     with caplog.at_level(logging.WARNING, logger="colocate.rollout.rewards"):
         assert compute_rewards(fn, samples) == ([0.5, 0.0, 0.25, 0.0], 2)
         assert compute_rewards(fn, samples[1:2]) == ([0.0], 1)
@@ -139,8 +138,9 @@ def test_strict_mode_ends_in_one_line_naming_function_sample_and_error(custom_mo
     samples = [RewardInput("p", "ok", "1"), RewardInput("p", "boom", "1")]
     with pytest.raises(RewardError) as info:  # a ValueError: `error: ...`, no traceback
         compute_rewards(fn, samples, strict=True)
-    assert str(info.value) == (f"reward function {custom_module}:picky_reward failed on sample 1 "
-                               "(train.strict is on): RuntimeError: cannot score boom")
+    assert str(info.value) == (
+        f"reward function {custom_module}:picky_reward failed on sample 1 (train.strict is on): RuntimeError: cannot score boom"
+    )
     assert isinstance(info.value, ValueError) and "cannot score boom" in str(info.value.__cause__)
 
 

@@ -75,8 +75,10 @@ def test_overwrite_with_checkpoints_is_refused_and_deletes_nothing(tmp_path, own
     for resume in (True, False):
         with pytest.raises(ValueError) as info:
             RunDir.claim(_cfg(out, overwrite=True, **fields, **{"checkpoint.resume": resume}), INFO)
-        assert str(info.value) == (f"--overwrite starts a fresh run, but {ckpt_dir} holds checkpoints: drop "
-                                   "--overwrite to resume from them, or choose another output_dir or checkpoint.dir")
+        assert str(info.value) == (
+            f"--overwrite starts a fresh run, but {ckpt_dir} holds checkpoints: drop "
+            "--overwrite to resume from them, or choose another output_dir or checkpoint.dir"
+        )
     assert {k: v for k, v in _tree(tmp_path).items() if not k.endswith(".lock")} == before
     RunDir.claim(_cfg(out, **fields), INFO).release()  # without --overwrite: resumes, keeps the metrics
     assert (out / "metrics.jsonl").read_text() == '{"step": 3}\n'

@@ -30,7 +30,7 @@ def test_prints_come_back():
 
 
 def test_unicode_round_trips():
-    assert run_python("print('é 漢字 \\U0001F600')").stdout == "é 漢字 \U0001F600\n"
+    assert run_python("print('é 漢字 \\U0001F600')").stdout == "é 漢字 \U0001f600\n"
 
 
 def test_exception_is_an_error_with_a_short_traceback():
@@ -50,11 +50,14 @@ def test_syntax_error():
     assert result.stderr.rstrip().endswith("SyntaxError: '(' was never closed")
 
 
-@pytest.mark.parametrize("code, reason, exit_code", [
-    ("import sys; sys.exit(0)", "ok", 0),
-    ("import sys; sys.exit(3)", "error", 3),
-    ("import os; os._exit(5)", "error", 5),
-])
+@pytest.mark.parametrize(
+    "code, reason, exit_code",
+    [
+        ("import sys; sys.exit(0)", "ok", 0),
+        ("import sys; sys.exit(3)", "error", 3),
+        ("import os; os._exit(5)", "error", 5),
+    ],
+)
 def test_exit_status(code, reason, exit_code):
     result = run_python(code)
     assert (result.exit_reason, result.exit_code) == (reason, exit_code)
@@ -132,7 +135,8 @@ def test_connect_is_refused():
         result = run_python(f"import socket\ns = socket.socket()\ns.connect(('127.0.0.1', {port}))\nprint('connected')")
         assert (result.exit_reason, result.stdout) == ("error", "")
         assert result.stderr.rstrip().endswith(
-            "PermissionError: [Errno 13] sandbox: network access (socket.connect) is not allowed")
+            "PermissionError: [Errno 13] sandbox: network access (socket.connect) is not allowed"
+        )
         with pytest.raises(BlockingIOError):
             server.accept()  # nothing got through
 
@@ -141,7 +145,8 @@ def test_name_lookup_is_refused():
     result = run_python("import socket\nprint(socket.getaddrinfo('example.com', 80))")
     assert (result.exit_reason, result.stdout) == ("error", "")
     assert result.stderr.rstrip().endswith(
-        "PermissionError: [Errno 13] sandbox: network access (socket.getaddrinfo) is not allowed")
+        "PermissionError: [Errno 13] sandbox: network access (socket.getaddrinfo) is not allowed"
+    )
 
 
 def test_network_namespace_without_the_guard():
@@ -167,18 +172,22 @@ def test_writing_outside_fails(tmp_path):
     result = run_python(f"open({str(target)!r}, 'w').write('x')")
     assert result.exit_reason == "error"
     assert result.stderr.rstrip().endswith(
-        f"PermissionError: [Errno 13] sandbox: writing outside the working directory is not allowed: '{target}'")
+        f"PermissionError: [Errno 13] sandbox: writing outside the working directory is not allowed: '{target}'"
+    )
     assert not target.exists()
 
 
-@pytest.mark.parametrize("op", [
-    "os.remove(T)",
-    "os.rename(T, 'moved')",
-    "shutil.rmtree(D)",
-    "os.chmod(T, 0)",
-    "os.symlink(D, 'link'); open('link/new.txt', 'w')",
-    "os.link(T, 'hard'); open('hard', 'a').write('x')",
-])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "os.remove(T)",
+        "os.rename(T, 'moved')",
+        "shutil.rmtree(D)",
+        "os.chmod(T, 0)",
+        "os.symlink(D, 'link'); open('link/new.txt', 'w')",
+        "os.link(T, 'hard'); open('hard', 'a').write('x')",
+    ],
+)
 def test_changing_files_outside_fails(tmp_path, op):
     victim = tmp_path / "keep.txt"
     victim.write_text("original")
@@ -232,10 +241,13 @@ def test_private_directory_is_fresh_and_removed():
     assert not os.path.exists(cwd)
 
 
-@pytest.mark.parametrize("code, limits", [
-    ("import os\nos.makedirs('a/b')\nos.chmod('a/b', 0)\nos.chmod('a', 0)\nos.chmod('.', 0)\nprint(os.getcwd())", {}),
-    ("import os, time\nopen('f', 'w').write('x')\nprint(os.getcwd(), flush=True)\ntime.sleep(100)", {"timeout_s": 1}),
-])
+@pytest.mark.parametrize(
+    "code, limits",
+    [
+        ("import os\nos.makedirs('a/b')\nos.chmod('a/b', 0)\nos.chmod('a', 0)\nos.chmod('.', 0)\nprint(os.getcwd())", {}),
+        ("import os, time\nopen('f', 'w').write('x')\nprint(os.getcwd(), flush=True)\ntime.sleep(100)", {"timeout_s": 1}),
+    ],
+)
 def test_private_directory_is_removed_whatever_the_code_did(code, limits):
     result = run_python(code, **limits)
     cwd = result.stdout.split()[0]
@@ -255,28 +267,34 @@ def test_environment_is_stripped(monkeypatch):
 # ---------------------------------------------------------------------------------- processes and bypasses
 
 
-@pytest.mark.parametrize("code, event", [
-    ("import subprocess\nsubprocess.run(['echo', 'hi'])", "subprocess.Popen"),
-    ("import os\nos.system('echo hi')", "os.system"),
-    ("import os\nos.fork()", "os.fork"),
-    ("import os\nos.execv('/bin/echo', ['echo', 'hi'])", "os.exec"),
-    ("import os\nos.posix_spawn('/bin/echo', ['echo', 'hi'], {})", "os.posix_spawn"),
-])
+@pytest.mark.parametrize(
+    "code, event",
+    [
+        ("import subprocess\nsubprocess.run(['echo', 'hi'])", "subprocess.Popen"),
+        ("import os\nos.system('echo hi')", "os.system"),
+        ("import os\nos.fork()", "os.fork"),
+        ("import os\nos.execv('/bin/echo', ['echo', 'hi'])", "os.exec"),
+        ("import os\nos.posix_spawn('/bin/echo', ['echo', 'hi'], {})", "os.posix_spawn"),
+    ],
+)
 def test_spawning_a_process_is_refused(code, event):
     result = run_python(code)
     assert (result.exit_reason, result.stdout) == ("error", "")
     assert result.stderr.rstrip().endswith(f"PermissionError: [Errno 13] sandbox: starting a process ({event}) is not allowed")
 
 
-@pytest.mark.parametrize("code, message", [
-    ("import ctypes\nctypes.CDLL(None).system(b'echo hi')", "sandbox: ctypes.dlopen is not allowed"),
-    ("import ctypes\nctypes.string_at(id(1), 8)", "sandbox: ctypes.string_at is not allowed"),
-    ("import ctypes\nctypes.memset(ctypes.addressof(ctypes.c_int()), 0, 4)", "sandbox: ctypes.memset is not allowed"),
-    ("import ctypes\nctypes.c_int.from_address(id(1))", "sandbox: ctypes.cdata is not allowed"),
-    ("import os\nos.kill(os.getppid(), 0)", "sandbox: signalling another process (os.kill) is not allowed"),
-    ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (100, 100))", "sandbox: resource.setrlimit is not allowed"),
-    ("import os\nopen(f'/proc/{os.getppid()}/environ').read()", "sandbox: reading this file is not allowed"),
-])
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        ("import ctypes\nctypes.CDLL(None).system(b'echo hi')", "sandbox: ctypes.dlopen is not allowed"),
+        ("import ctypes\nctypes.string_at(id(1), 8)", "sandbox: ctypes.string_at is not allowed"),
+        ("import ctypes\nctypes.memset(ctypes.addressof(ctypes.c_int()), 0, 4)", "sandbox: ctypes.memset is not allowed"),
+        ("import ctypes\nctypes.c_int.from_address(id(1))", "sandbox: ctypes.cdata is not allowed"),
+        ("import os\nos.kill(os.getppid(), 0)", "sandbox: signalling another process (os.kill) is not allowed"),
+        ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (100, 100))", "sandbox: resource.setrlimit is not allowed"),
+        ("import os\nopen(f'/proc/{os.getppid()}/environ').read()", "sandbox: reading this file is not allowed"),
+    ],
+)
 def test_bypasses_are_refused(code, message):
     result = run_python(code)
     assert result.exit_reason == "error"
@@ -363,13 +381,21 @@ def test_a_sandboxed_program_dies_with_the_process_that_started_it():
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    starter = subprocess.Popen([sys.executable, "-c", (
-        "import sys, threading, time\n"
-        f"sys.path.insert(0, {str(root)!r})\n"
-        "from colocate.envs.sandbox import run_python\n"
-        "threading.Thread(target=run_python, args=('import time\\ntime.sleep(60)',),"
-        " kwargs={'timeout_s': 60}, daemon=True).start()\n"
-        "time.sleep(60)\n")], stdout=subprocess.DEVNULL)
+    starter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, threading, time\n"
+                f"sys.path.insert(0, {str(root)!r})\n"
+                "from colocate.envs.sandbox import run_python\n"
+                "threading.Thread(target=run_python, args=('import time\\ntime.sleep(60)',),"
+                " kwargs={'timeout_s': 60}, daemon=True).start()\n"
+                "time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     children: list[int] = []
     while not children and time.monotonic() < deadline:

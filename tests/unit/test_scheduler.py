@@ -5,9 +5,19 @@ from colocate.rollout.protocol import SamplingParams
 
 def make_group(prompt, n=1, prompt_index=0, first_id=0, **params):
     sp = SamplingParams(n=n, **params)
-    return [Sequence(seq_id=first_id + j, prompt_index=prompt_index, sample_index=j, token_ids=list(prompt),
-                     num_prompt_tokens=len(prompt), params=sp, seed=j, stop_ids=frozenset({1}))
-            for j in range(n)]
+    return [
+        Sequence(
+            seq_id=first_id + j,
+            prompt_index=prompt_index,
+            sample_index=j,
+            token_ids=list(prompt),
+            num_prompt_tokens=len(prompt),
+            params=sp,
+            seed=j,
+            stop_ids=frozenset({1}),
+        )
+        for j in range(n)
+    ]
 
 
 def fake_token(seq, position):
@@ -63,10 +73,8 @@ def test_group_prefills_once_and_shares_prompt_blocks():
 def test_decode_rows_go_longest_context_first():
     """Three prompts of 3, 9 and 5 tokens (admitted in that order) decode as 9, 5, 3, and stay in
     that order as they grow; a later, longer prompt takes the first row."""
-    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=8, max_num_batched_tokens=64,
-                      max_decode_steps=2)
-    groups = [make_group(range(2, 2 + n), prompt_index=i, first_id=i, max_new_tokens=8)
-              for i, n in enumerate((3, 9, 5))]
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=8, max_num_batched_tokens=64, max_decode_steps=2)
+    groups = [make_group(range(2, 2 + n), prompt_index=i, first_id=i, max_new_tokens=8) for i, n in enumerate((3, 9, 5))]
     for group in groups:
         sched.add(group)
     prefill = sched.schedule()
@@ -225,7 +233,7 @@ def test_a_held_sequence_keeps_its_history_and_prefills_only_the_observation():
     batch = sched.schedule()
     # Only the last sampled token and the observation are computed; the history's blocks stay.
     assert [(c.start, c.end, c.samplers) for c in batch.chunks] == [(8, 12, [first])]
-    assert first.block_table[:len(held)] == held and batch.copies == []
+    assert first.block_table[: len(held)] == held and batch.copies == []
     finished = sched.postprocess(batch, [[40]], [[-1.0]])
     batch = sched.schedule()
     finished += sched.postprocess(batch, [[41] * batch.num_steps], [[-2.0] * batch.num_steps])

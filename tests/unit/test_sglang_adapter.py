@@ -42,12 +42,13 @@ PARAMS = {  # name: (shape, dtype) of the fake checkpoint
 
 def write_model(root: Path, tied: bool = False, weights: bool = True, eos: int = 0) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": tied,
-              "eos_token_id": eos}
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": tied, "eos_token_id": eos}
     (root / "config.json").write_text(json.dumps(config))
     if weights:
-        save_file({n: torch.zeros(s, dtype=d) for n, (s, d) in PARAMS.items() if not (tied and n == "lm_head.weight")},
-                  str(root / "model.safetensors"))
+        save_file(
+            {n: torch.zeros(s, dtype=d) for n, (s, d) in PARAMS.items() if not (tied and n == "lm_head.weight")},
+            str(root / "model.safetensors"),
+        )
     return root
 
 
@@ -68,8 +69,11 @@ def free_base_port() -> int:
 
 
 def new_weights(norm_value: float, skip=()):
-    return [(n, torch.full(s, norm_value if n == "model.norm.weight" else 0.25, dtype=d))
-            for n, (s, d) in PARAMS.items() if n not in skip]
+    return [
+        (n, torch.full(s, norm_value if n == "model.norm.weight" else 0.25, dtype=d))
+        for n, (s, d) in PARAMS.items()
+        if n not in skip
+    ]
 
 
 class AtexitRecord(list):
@@ -101,16 +105,31 @@ def fake(monkeypatch):
 
 def process_state():
     """What the engine may change in our process, in comparable form."""
-    return (dict(os.environ), list(logging.getLogger().handlers), logging.getLogger().level,
-            {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGQUIT, signal.SIGINT)},
-            multiprocessing.get_start_method(allow_none=True))
+    return (
+        dict(os.environ),
+        list(logging.getLogger().handlers),
+        logging.getLogger().level,
+        {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGQUIT, signal.SIGINT)},
+        multiprocessing.get_start_method(allow_none=True),
+    )
 
 
 def make_engine(model_dir, **overrides) -> SGLangEngine:
-    args = dict(model_path=str(model_dir), dtype=torch.bfloat16, seed=7, rank=0, local_rank=0,
-                mem_fraction_static=0.5, max_running_requests=8, cuda_graph_max_bs=4,
-                release_cuda_graph=True, eos_token_ids=[500], load_dummy=False, log_level="warning",
-                base_port=free_base_port())
+    args = dict(
+        model_path=str(model_dir),
+        dtype=torch.bfloat16,
+        seed=7,
+        rank=0,
+        local_rank=0,
+        mem_fraction_static=0.5,
+        max_running_requests=8,
+        cuda_graph_max_bs=4,
+        release_cuda_graph=True,
+        eos_token_ids=[500],
+        load_dummy=False,
+        log_level="warning",
+        base_port=free_base_port(),
+    )
     args.update(overrides)
     return SGLangEngine(**args)
 
@@ -119,9 +138,21 @@ def test_engine_kwargs_per_rank():
     ports = []
     for rank in range(8):
         port, nccl_port = engine_ports(rank)
-        kw = engine_kwargs(model_path="m", dtype="bfloat16", seed=11, rank=rank, device_index=rank, port=port,
-                           nccl_port=nccl_port, mem_fraction_static=0.4, max_running_requests=16,
-                           cuda_graph_max_bs=32, load_dummy=rank % 2 == 0, log_level="info", deterministic=False)
+        kw = engine_kwargs(
+            model_path="m",
+            dtype="bfloat16",
+            seed=11,
+            rank=rank,
+            device_index=rank,
+            port=port,
+            nccl_port=nccl_port,
+            mem_fraction_static=0.4,
+            max_running_requests=16,
+            cuda_graph_max_bs=32,
+            load_dummy=rank % 2 == 0,
+            log_level="info",
+            deterministic=False,
+        )
         assert tuple(kw) == SERVER_ARG_NAMES and "cuda_graph_max_bs" not in kw
         assert (kw["random_seed"], kw["base_gpu_id"], kw["cuda_graph_max_bs_decode"]) == (11 + rank, rank, 32)
         assert kw["load_format"] == ("dummy" if rank % 2 == 0 else "auto")
@@ -130,9 +161,21 @@ def test_engine_kwargs_per_rank():
         ports += [kw["port"], kw["nccl_port"]]
     assert len(set(ports)) == 16 and all(1024 <= p < 32768 for p in ports)
     with pytest.raises(ValueError, match="mem_fraction_static"):
-        engine_kwargs(model_path="m", dtype="bfloat16", seed=0, rank=0, device_index=0, port=1, nccl_port=2,
-                      mem_fraction_static=1.0, max_running_requests=1, cuda_graph_max_bs=1, load_dummy=False,
-                      log_level="info", deterministic=False)
+        engine_kwargs(
+            model_path="m",
+            dtype="bfloat16",
+            seed=0,
+            rank=0,
+            device_index=0,
+            port=1,
+            nccl_port=2,
+            mem_fraction_static=1.0,
+            max_running_requests=1,
+            cuda_graph_max_bs=1,
+            load_dummy=False,
+            log_level="info",
+            deterministic=False,
+        )
 
 
 def test_visible_device_index_and_ports():
@@ -243,8 +286,7 @@ def test_generate_expands_n_prompt_major(fake, tmp_path, caplog):
 
 def test_deterministic_seeds(fake, tmp_path):
     engine = make_engine(write_model(tmp_path), deterministic=True)
-    out = engine.generate([[10], [40]], [SamplingParams(n=3, seed=100, max_new_tokens=1),
-                                         SamplingParams(n=2, max_new_tokens=1)])
+    out = engine.generate([[10], [40]], [SamplingParams(n=3, seed=100, max_new_tokens=1), SamplingParams(n=2, max_new_tokens=1)])
     seeds = [params["sampling_seed"] for _, params in fake.engines[0].requests]
     assert seeds[:3] == [100, 101, 102] and len(set(seeds[3:])) == 2
     firsts = [10] * 3 + [40] * 2
@@ -258,8 +300,13 @@ def test_finish_reasons(fake, tmp_path):
     engine = make_engine(write_model(tmp_path), eos_token_ids=[12])
     stop, length, ignore, abort = engine.generate(
         [[10], [10], [10], [fake_sglang.ABORT_TOKEN]],
-        [SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=2),
-         SamplingParams(max_new_tokens=5, ignore_eos=True), SamplingParams()])
+        [
+            SamplingParams(max_new_tokens=8),
+            SamplingParams(max_new_tokens=2),
+            SamplingParams(max_new_tokens=5, ignore_eos=True),
+            SamplingParams(),
+        ],
+    )
     assert (stop.output_ids, stop.finish_reason) == ([10, 11, 12], "stop")
     assert (length.output_ids, length.finish_reason) == ([10, 11], "length")
     assert (ignore.output_ids, ignore.finish_reason) == ([10, 11, 12, 13, 14], "length")
@@ -339,7 +386,10 @@ def test_weight_update_round_trip(fake, tmp_path):
     engine.update_weights(sent[:2])  # one dtype: one bucket
     engine.update_weights(sent[2:])  # fp32 norm + bf16 head: one bucket per dtype
     assert [c["names"] for c in sglang.update_calls] == [
-        ["model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"], ["model.norm.weight"], ["lm_head.weight"]]
+        ["model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"],
+        ["model.norm.weight"],
+        ["lm_head.weight"],
+    ]
     assert all(c["keys"] == BUCKET_KEYS and c["flush_cache"] is False for c in sglang.update_calls)
     for name, tensor in sent:
         assert sglang.weights[name].dtype == tensor.dtype and torch.equal(sglang.weights[name], tensor)
@@ -443,8 +493,9 @@ def test_shutdown_kills_only_the_engine_processes(fake, tmp_path):
 
 
 def test_failed_start_leaves_nothing_behind(fake, tmp_path, monkeypatch):
-    monkeypatch.setattr(fake_sglang.Engine, "scheduler_flush",
-                        lambda self: fake_sglang.FlushCacheReqOutput(success=False, message="busy"))
+    monkeypatch.setattr(
+        fake_sglang.Engine, "scheduler_flush", lambda self: fake_sglang.FlushCacheReqOutput(success=False, message="busy")
+    )
     before = process_state()
     with pytest.raises(RuntimeError, match="refused to flush"):
         make_engine(write_model(tmp_path))

@@ -46,14 +46,15 @@ class Source:
         if wheel:
             self.zip = zipfile.ZipFile(wheel)
             metadata = next(n for n in self.zip.namelist() if n.endswith(".dist-info/METADATA"))
-            version_line = next(line for line in self.zip.read(metadata).decode().splitlines()
-                                if line.startswith("Version:"))
+            version_line = next(line for line in self.zip.read(metadata).decode().splitlines() if line.startswith("Version:"))
             self.version = version_line.split(":", 1)[1].strip()
             return
         spec = importlib.util.find_spec("sglang")
         if spec is None or not spec.submodule_search_locations:
-            pytest.skip(f"no sglang source: sglang is not installed and {WHEEL_ENV} is not set "
-                        f"(pip download sglang=={SGLANG_VERSION} --no-deps -d DIR)")
+            pytest.skip(
+                f"no sglang source: sglang is not installed and {WHEEL_ENV} is not set "
+                f"(pip download sglang=={SGLANG_VERSION} --no-deps -d DIR)"
+            )
         self.zip = None
         self.root = Path(next(iter(spec.submodule_search_locations))).parent
         self.version = importlib.metadata.version("sglang")
@@ -63,7 +64,7 @@ class Source:
 
     def listdir(self, rel: str) -> list[str]:
         if self.zip:
-            return sorted(n for n in self.zip.namelist() if n.startswith(rel + "/") and "/" not in n[len(rel) + 1:])
+            return sorted(n for n in self.zip.namelist() if n.startswith(rel + "/") and "/" not in n[len(rel) + 1 :])
         return sorted(f"{rel}/{p.name}" for p in (self.root / rel).iterdir())
 
     def tree(self, rel: str) -> ast.Module:
@@ -96,7 +97,7 @@ def parameters(func: ast.FunctionDef) -> tuple[list[str], list[str]]:
     """(all parameter names, those without a default), `self` left out."""
     args = func.args
     positional = [a.arg for a in args.posonlyargs + args.args if a.arg != "self"]
-    required = positional[:len(positional) - len(args.defaults)]
+    required = positional[: len(positional) - len(args.defaults)]
     required += [a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None]
     return positional + [a.arg for a in args.kwonlyargs], required
 
@@ -123,14 +124,25 @@ def test_engine_methods_take_our_keywords(src):
 def test_engine_and_tokenizer_manager_attributes(src):
     engine_tree = src.module_tree(SGLANG_IMPORTS["Engine"])
     init = methods(top_level(engine_tree)["Engine"])["__init__"]
-    assigned = {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assigned = {
+        t.attr
+        for n in ast.walk(init)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
     assert set(ENGINE_ATTRIBUTES) <= assigned
     manager = top_level(src.tree("sglang/srt/managers/tokenizer_manager.py"))["TokenizerManager"]
-    manager_attrs = {t.attr for n in ast.walk(manager) if isinstance(n, ast.Assign)
-                     for t in n.targets if isinstance(t, ast.Attribute)}
-    engine_sets = {t.attr for n in ast.walk(engine_tree) if isinstance(n, ast.Assign) for t in n.targets
-                   if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "tokenizer_manager"}
+    manager_attrs = {
+        t.attr for n in ast.walk(manager) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Attribute)
+    }
+    engine_sets = {
+        t.attr
+        for n in ast.walk(engine_tree)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "tokenizer_manager"
+    }
     assert set(TOKENIZER_MANAGER_ATTRIBUTES) <= manager_attrs & engine_sets
     watchdog = top_level(src.tree("sglang/srt/utils/watchdog.py"))["SubprocessWatchdog"]
     assert "stop" in methods(watchdog)
@@ -152,10 +164,11 @@ def server_arg_fields(src) -> dict[str, ast.AnnAssign]:
             continue
         for cls in ast.parse(src.read(rel)).body:
             if isinstance(cls, ast.ClassDef) and any(
-                    isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "_NS_PATH" for t in n.targets)
-                    for n in cls.body):
-                found.update({n.target.id: n for n in cls.body
-                              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)})
+                isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "_NS_PATH" for t in n.targets) for n in cls.body
+            ):
+                found.update(
+                    {n.target.id: n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+                )
     return found
 
 
@@ -164,11 +177,17 @@ def test_server_args_define_our_keywords(src):
     assert len(found) > 100  # the parse found the namespaces at all
     assert set(SERVER_ARG_NAMES) <= set(found), set(SERVER_ARG_NAMES) - set(found)
     assert not set(REMOVED_SERVER_ARGS) & set(found)
-    choices = next(ast.literal_eval(k.value) for k in ast.walk(found["dtype"].annotation)
-                   if isinstance(k, ast.keyword) and k.arg == "choices")
+    choices = next(
+        ast.literal_eval(k.value)
+        for k in ast.walk(found["dtype"].annotation)
+        if isinstance(k, ast.keyword) and k.arg == "choices"
+    )
     assert set(DTYPES) <= set(choices)
-    load_formats = next(ast.literal_eval(n.value) for n in src.tree("sglang/srt/arg_groups/choices.py").body
-                        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "LOAD_FORMAT_CHOICES")
+    load_formats = next(
+        ast.literal_eval(n.value)
+        for n in src.tree("sglang/srt/arg_groups/choices.py").body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "LOAD_FORMAT_CHOICES"
+    )
     assert set(LOAD_FORMATS) <= set(load_formats)
 
 
@@ -178,8 +197,11 @@ def test_sampling_params_accept_our_keys(src):
 
 
 def test_memory_tags_match_protocol(src):
-    values = {n.targets[0].id: n.value.value for n in src.tree("sglang/srt/constants.py").body
-              if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Constant)}
+    values = {
+        n.targets[0].id: n.value.value
+        for n in src.tree("sglang/srt/constants.py").body
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Constant)
+    }
     assert {k: values[k] for k in MEMORY_TAG_CONSTANTS} == MEMORY_TAG_CONSTANTS
     assert set(MEMORY_TAG_CONSTANTS.values()) == set(MEMORY_TAGS)
 
@@ -194,8 +216,7 @@ def test_flattened_bucket_payload(src):
     assert parameters(serializer["serialize"])[1] == ["obj"]
     assert FLATTENED_BUCKET_FORMAT in string_constants(src.module_tree(SGLANG_IMPORTS["Engine"]))
     reader = src.tree("sglang/srt/model_executor/model_runner_components/weight_updater.py")
-    keys = {n.slice.value for n in ast.walk(reader)
-            if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)}
+    keys = {n.slice.value for n in ast.walk(reader) if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)}
     assert set(BUCKET_KEYS) <= keys and FLATTENED_BUCKET_FORMAT in string_constants(reader)
 
 
@@ -213,6 +234,7 @@ def test_output_shapes(src):
         if isinstance(cls, ast.ClassDef) and cls.name.startswith("FINISH"):
             for d in ast.walk(methods(cls)["to_json"]):
                 if isinstance(d, ast.Dict):
-                    finish_types |= {v.value for k, v in zip(d.keys, d.values)
-                                     if isinstance(k, ast.Constant) and k.value == "type"}
+                    finish_types |= {
+                        v.value for k, v in zip(d.keys, d.values) if isinstance(k, ast.Constant) and k.value == "type"
+                    }
     assert finish_types == set(FINISH_REASONS)

@@ -22,9 +22,18 @@ from colocate.sizing import (
 )
 
 # Qwen2.5-0.5B's shape, and the GRPO batch of bench/e2e.py: 16 prompts x 8 samples x (128 + 256) tokens.
-QWEN_05B = ArchConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
-                       tie_word_embeddings=True, attention_bias=True)
+QWEN_05B = ArchConfig(
+    model_type="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+    attention_bias=True,
+)
 KV_PER_TOKEN = 2 * 24 * 2 * 64 * 2  # K and V, layers, KV heads, head_dim, bf16
 
 
@@ -38,14 +47,25 @@ def _cfg(offload: bool = False, **rollout) -> Config:
     return cfg
 
 
-@pytest.mark.parametrize("family", [
-    dict(model_type="qwen2", tie_word_embeddings=True, attention_bias=True),
-    dict(model_type="qwen3", tie_word_embeddings=False, qk_norm=True),
-    dict(model_type="llama", tie_word_embeddings=False),
-])
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(model_type="qwen2", tie_word_embeddings=True, attention_bias=True),
+        dict(model_type="qwen3", tie_word_embeddings=False, qk_norm=True),
+        dict(model_type="llama", tie_word_embeddings=False),
+    ],
+)
 def test_shape_counts_the_models_parameters(family):
-    mcfg = ArchConfig(vocab_size=97, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, **family)
+    mcfg = ArchConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        **family,
+    )
     with torch.device("meta"):
         model = CausalLM(mcfg)
     assert Shape.of(mcfg).num_params == sum(p.numel() for n, p in model.named_parameters())
@@ -75,9 +95,12 @@ def test_tighter_memory_recomputes_more_before_splitting_the_step():
 
 def test_no_room_for_a_kv_cache_is_one_line_naming_the_settings():
     needs = needs_of(_cfg(offload=False), 1, 2, True, None)
-    with pytest.raises(ValueError, match=r"^rollout.gpu_memory_fraction auto: 12.0 GiB free leave no room for a "
-                                         r"KV cache .* turn on offload.offload_train, use more GPUs, or set "
-                                         r"rollout.gpu_memory_fraction$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^rollout.gpu_memory_fraction auto: 12.0 GiB free leave no room for a "
+        r"KV cache .* turn on offload.offload_train, use more GPUs, or set "
+        r"rollout.gpu_memory_fraction$",
+    ):
         plan_memory(Shape.of(QWEN_05B), needs, 12 * GIB, 80 * GIB, KV_PER_TOKEN)
 
 
@@ -88,8 +111,9 @@ def test_sglang_gets_the_fraction_that_leaves_the_planned_kv_cache():
     plan = plan_memory(shape, needs, free, total, KV_PER_TOKEN)
     trainer_state = shape.num_params * (16 + 2)
     after_weights = free - trainer_state - shape.num_params * 2
-    assert after_weights - (1 - plan.static_fraction) * total == pytest.approx(plan.kv_cache_tokens * KV_PER_TOKEN,
-                                                                                abs=KV_PER_TOKEN)
+    assert after_weights - (1 - plan.static_fraction) * total == pytest.approx(
+        plan.kv_cache_tokens * KV_PER_TOKEN, abs=KV_PER_TOKEN
+    )
 
 
 def test_the_forecast_adds_up():
@@ -145,17 +169,19 @@ def test_auto_and_numbers_load_from_yaml_and_flags(tmp_path):
     path.write_text(yaml.safe_dump({"train": {"max_tokens_per_gpu": "auto"}, "rollout": {"gpu_memory_fraction": 0.4}}))
     cfg = load_config(["--config", str(path)])
     assert cfg.train.max_tokens_per_gpu == "auto" and cfg.rollout.gpu_memory_fraction == 0.4
-    cfg = load_config(["--config", str(path), "--train.max_tokens_per_gpu", "2048", "--rollout.gpu_memory_fraction",
-                       "auto"])
+    cfg = load_config(["--config", str(path), "--train.max_tokens_per_gpu", "2048", "--rollout.gpu_memory_fraction", "auto"])
     assert cfg.train.max_tokens_per_gpu == 2048 and cfg.rollout.gpu_memory_fraction == "auto"
     assert Config().train.max_tokens_per_gpu == "auto" and Config().model.recompute_rest == "auto"
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"train": {"max_tokens_per_gpu": "lots"}}, "train.max_tokens_per_gpu must be int"),
-    ({"train": {"max_tokens_per_gpu": 0}}, "train.max_tokens_per_gpu"),
-    ({"rollout": {"gpu_memory_fraction": 1.5}}, "rollout.gpu_memory_fraction"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"train": {"max_tokens_per_gpu": "lots"}}, "train.max_tokens_per_gpu must be int"),
+        ({"train": {"max_tokens_per_gpu": 0}}, "train.max_tokens_per_gpu"),
+        ({"rollout": {"gpu_memory_fraction": 1.5}}, "rollout.gpu_memory_fraction"),
+    ],
+)
 def test_bad_sizes_are_refused(tmp_path, data, message):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))

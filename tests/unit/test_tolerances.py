@@ -24,8 +24,11 @@ def three_ways():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4096, 64, generator=g), torch.randn(512, 64, generator=g) * 0.3
     targets = torch.randint(0, 512, (4096,), generator=g)
-    return (_logprobs(x, w, targets, torch.float32), _logprobs(x, w, targets, torch.bfloat16),
-            _logprobs(x, w, targets, torch.bfloat16, accumulate_fp32=True))
+    return (
+        _logprobs(x, w, targets, torch.float32),
+        _logprobs(x, w, targets, torch.bfloat16),
+        _logprobs(x, w, targets, torch.bfloat16, accumulate_fp32=True),
+    )
 
 
 def test_error_stats_summarise_absolute_differences():
@@ -92,8 +95,11 @@ def _grads(dtype, fp32_compute=False, scale=None):
     arithmetic and rounding is all there is of it."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(256, 32, generator=g)
-    params = {"w1": torch.randn(64, 32, generator=g) * 0.2, "w2": torch.randn(8, 64, generator=g) * 0.2,
-              "bias": torch.randn(64, generator=g) * 0.1}
+    params = {
+        "w1": torch.randn(64, 32, generator=g) * 0.2,
+        "w2": torch.randn(8, 64, generator=g) * 0.2,
+        "bias": torch.randn(64, generator=g) * 0.1,
+    }
     leaves = {n: p.to(dtype).requires_grad_() for n, p in params.items()}
     w1, w2, b = (leaves[n].float() if fp32_compute else leaves[n] for n in ("w1", "w2", "bias"))
     h = torch.relu(x.to(w1.dtype) @ w1.T) + b  # (256, 64)
@@ -132,13 +138,15 @@ def test_hf_logprobs_align_with_our_model(tmp_path):
     assert all(torch.equal(p, p.bfloat16().float()) for p in hf.parameters())
     ours = from_pretrained(path, dtype="float32")
     g = torch.Generator().manual_seed(5)
-    seqs = [(torch.randint(2, 101, (n,), generator=g).tolist(), torch.randint(2, 101, (m,), generator=g).tolist())
-            for n, m in ((5, 9), (1, 4), (12, 20))]
+    seqs = [
+        (torch.randint(2, 101, (n,), generator=g).tolist(), torch.randint(2, 101, (m,), generator=g).tolist())
+        for n, m in ((5, 9), (1, 4), (12, 20))
+    ]
     got = hf_logprobs(hf, seqs, temperature=0.7)
     want = []
     with torch.no_grad():
         for prompt, response in seqs:
-            logits = ours(torch.tensor(prompt + response))[len(prompt) - 1:-1] / 0.7  # (T, V)
+            logits = ours(torch.tensor(prompt + response))[len(prompt) - 1 : -1] / 0.7  # (T, V)
             want.append(logits.log_softmax(-1).gather(1, torch.tensor(response)[:, None]).squeeze(1))
     assert got.shape == (33,)
     torch.testing.assert_close(got, torch.cat(want), rtol=0, atol=1e-5)
@@ -155,14 +163,17 @@ def test_our_bf16_forward_is_within_transformers_bf16_error(tmp_path):
     assert {p.dtype for p in hf16.parameters()} == {torch.bfloat16}
     ours = from_pretrained(path, dtype="bfloat16")
     g = torch.Generator().manual_seed(0)
-    seqs = [(torch.randint(2, 101, (10,), generator=g).tolist(), torch.randint(2, 101, (50,), generator=g).tolist())
-            for _ in range(42)]
+    seqs = [
+        (torch.randint(2, 101, (10,), generator=g).tolist(), torch.randint(2, 101, (50,), generator=g).tolist())
+        for _ in range(42)
+    ]
     mine = []
     with torch.no_grad():
         for prompt, response in seqs:
-            hidden = ours.hidden_states(torch.tensor(prompt + response))[len(prompt) - 1:-1]  # (T, H)
+            hidden = ours.hidden_states(torch.tensor(prompt + response))[len(prompt) - 1 : -1]  # (T, H)
             logp = (hidden.float() @ ours.lm_head.weight.float().T / 0.7).log_softmax(-1)  # (T, V)
             mine.append(logp.gather(1, torch.tensor(response)[:, None]).squeeze(1))
     reference = hf_logprobs(hf, seqs, 0.7)
-    tol.assert_within_noise(tol.error_stats(torch.cat(mine), reference),
-                            tol.error_stats(hf_logprobs(hf16, seqs, 0.7), reference), "ours bf16 on CPU")
+    tol.assert_within_noise(
+        tol.error_stats(torch.cat(mine), reference), tol.error_stats(hf_logprobs(hf16, seqs, 0.7), reference), "ours bf16 on CPU"
+    )

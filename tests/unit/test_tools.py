@@ -131,12 +131,15 @@ def undescribed_arg(x: int, y: int):
     """
 
 
-@pytest.mark.parametrize("fn, words", [
-    (untyped, ["'untyped'", "type hint", "'x'"]),
-    (undocumented, ["'undocumented'", "no docstring"]),
-    (no_args_section, ["'no_args_section'", "Args:"]),
-    (undescribed_arg, ["'undescribed_arg'", "y"]),
-])
+@pytest.mark.parametrize(
+    "fn, words",
+    [
+        (untyped, ["'untyped'", "type hint", "'x'"]),
+        (undocumented, ["'undocumented'", "no docstring"]),
+        (no_args_section, ["'no_args_section'", "Args:"]),
+        (undescribed_arg, ["'undescribed_arg'", "y"]),
+    ],
+)
 def test_schema_refuses_untyped_or_undocumented_functions(fn, words):
     with pytest.raises(ValueError) as info:
         tool_schemas([echo, fn])
@@ -183,25 +186,31 @@ def test_hermes_one_call_with_text_around_it():
 
 
 def test_hermes_two_calls_and_loose_whitespace():
-    text = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
-            '<tool_call>  {"name" : "echo",\n "arguments": {"text": "hi"}}   </tool_call>')
+    text = (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>  {"name" : "echo",\n "arguments": {"text": "hi"}}   </tool_call>'
+    )
     calls = parse_tool_calls(text, "hermes")
     assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2}), ("echo", {"text": "hi"})]
 
 
 def test_hermes_arguments_as_a_json_string_or_absent():
-    text = ('<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2.5}"}\n</tool_call>'
-            '<tool_call>\n{"name": "now"}\n</tool_call>')
+    text = (
+        '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2.5}"}\n</tool_call>'
+        '<tool_call>\n{"name": "now"}\n</tool_call>'
+    )
     calls = parse_tool_calls(text, "hermes")
     assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2.5}), ("now", {})]
 
 
 def test_hermes_malformed_calls_are_entries_not_exceptions():
-    text = ('<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>'  # bad JSON
-            '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>'  # no name
-            '<tool_call>\n{"name": "add", "arguments": [1, 2]}\n</tool_call>'  # arguments not an object
-            '<tool_call>\n["add"]\n</tool_call>'  # not an object
-            '<tool_call>\n{"name": "echo", "arguments": {"text": "ok"}}\n</tool_call>')
+    text = (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>'  # bad JSON
+        '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>'  # no name
+        '<tool_call>\n{"name": "add", "arguments": [1, 2]}\n</tool_call>'  # arguments not an object
+        '<tool_call>\n["add"]\n</tool_call>'  # not an object
+        '<tool_call>\n{"name": "echo", "arguments": {"text": "ok"}}\n</tool_call>'
+    )
     bad_json, no_name, not_object, array, good = parse_tool_calls(text, "hermes")
     assert isinstance(bad_json, ToolCallError) and bad_json.reason.startswith("invalid JSON")
     assert bad_json.raw == '{"name": "add", "arguments": {"a": 1,}}' and bad_json.name == "add"
@@ -226,7 +235,8 @@ def test_hermes_unclosed_block_at_the_end_of_a_turn():
 def test_hermes_calls_inside_thinking_are_not_made():
     call = '<tool_call>\n{"name": "echo", "arguments": {"text": "a"}}\n</tool_call>'
     assert parse_tool_calls(f"<think>\nmaybe {call}\n</think>\n\n{call}", "hermes") == [
-        ToolCall("echo", {"text": "a"}, '{"name": "echo", "arguments": {"text": "a"}}')]
+        ToolCall("echo", {"text": "a"}, '{"name": "echo", "arguments": {"text": "a"}}')
+    ]
     assert parse_tool_calls(f"<think>\nstill thinking {call}", "hermes") == []
 
 
@@ -350,17 +360,28 @@ def test_runner_runs_async_tools_and_times_them_out():
 
 def test_runner_turns_malformed_calls_into_results_and_counts():
     runner = ToolRunner([echo, divide, slow], timeout_s=0.2)
-    text = ('<tool_call>\n{"name": "echo", "arguments": {"text": "a"}}\n</tool_call>'
-            '<tool_call>\n{"name": "echo", "arguments": {"text": }}\n</tool_call>'
-            '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
-            '<tool_call>\n{"name": "divide", "arguments": {"a": 1, "b": 0}}\n</tool_call>'
-            '<tool_call>\n{"name": "slow", "arguments": {"seconds": 1}}\n</tool_call>'
-            '<tool_call>\n{"name": "echo", "arguments": {}}\n</tool_call>')
+    text = (
+        '<tool_call>\n{"name": "echo", "arguments": {"text": "a"}}\n</tool_call>'
+        '<tool_call>\n{"name": "echo", "arguments": {"text": }}\n</tool_call>'
+        '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+        '<tool_call>\n{"name": "divide", "arguments": {"a": 1, "b": 0}}\n</tool_call>'
+        '<tool_call>\n{"name": "slow", "arguments": {"seconds": 1}}\n</tool_call>'
+        '<tool_call>\n{"name": "echo", "arguments": {}}\n</tool_call>'
+    )
     results = runner.run(parse_tool_calls(text, "hermes"))
     assert [r.error for r in results] == [None, "malformed", "unknown_tool", "raised", "timeout", "bad_arguments"]
     assert results[1].name == "echo" and results[1].content.startswith("Error: malformed tool call: invalid JSON")
-    expected = {"calls": 6, "errors": 5, "timeouts": 1, "errors/malformed": 1, "errors/unknown_tool": 1,
-                "errors/bad_arguments": 1, "errors/raised": 1, "errors/timeout": 1, "errors/not_run": 0}
+    expected = {
+        "calls": 6,
+        "errors": 5,
+        "timeouts": 1,
+        "errors/malformed": 1,
+        "errors/unknown_tool": 1,
+        "errors/bad_arguments": 1,
+        "errors/raised": 1,
+        "errors/timeout": 1,
+        "errors/not_run": 0,
+    }
     assert tool_counts(results) == expected
 
 
@@ -376,39 +397,48 @@ def test_runner_refuses_bad_tools_up_front():
 
 def test_tool_messages_render_as_tool_responses_in_qwen3():
     runner = ToolRunner([echo, add])
-    results = runner.run([ToolCall("echo", {"text": "first result"}, ""), ToolCall("add", {"a": 1, "b": 2}, ""),
-                          ToolCall("nope", {}, "")])
+    results = runner.run(
+        [ToolCall("echo", {"text": "first result"}, ""), ToolCall("add", {"a": 1, "b": 2}, ""), ToolCall("nope", {}, "")]
+    )
     messages = tool_messages(results, "hermes")
     assert messages[0] == {"role": "tool", "name": "echo", "content": "first result"}
     turn = '<tool_call>\n{"name": "echo", "arguments": {"text": "first result"}}\n</tool_call>'
     conversation = [{"role": "user", "content": "Go."}, {"role": "assistant", "content": turn}, *messages]
     for name in ("qwen3", "qwen2.5"):
-        text = chat_tokenizer(name).apply_chat_template(conversation, tools=tool_schemas([echo, add]), tokenize=False,
-                                                        add_generation_prompt=True)
+        text = chat_tokenizer(name).apply_chat_template(
+            conversation, tools=tool_schemas([echo, add]), tokenize=False, add_generation_prompt=True
+        )
         assert text.endswith(
             "<|im_start|>user\n<tool_response>\nfirst result\n</tool_response>\n<tool_response>\n3.0\n</tool_response>\n"
             "<tool_response>\nError: unknown tool 'nope'; available: echo, add\n</tool_response><|im_end|>\n"
-            "<|im_start|>assistant\n")
+            "<|im_start|>assistant\n"
+        )
 
 
 def test_tool_messages_render_as_ipython_turns_in_llama3():
     results = [ToolResult("echo", "first result"), ToolResult("add", "3.0")]
     messages = tool_messages(results, "llama3")
     assert [m["role"] for m in messages] == ["ipython", "ipython"]
-    conversation = [{"role": "user", "content": "Go."},
-                    {"role": "assistant", "content": '{"name": "echo", "parameters": {"text": "first result"}}'}, *messages]
+    conversation = [
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "content": '{"name": "echo", "parameters": {"text": "first result"}}'},
+        *messages,
+    ]
     llama31 = chat_tokenizer("llama3")
     llama31.chat_template = LLAMA31_TEMPLATE
-    text = llama31.apply_chat_template(conversation, tools=tool_schemas([echo, add]), tokenize=False,
-                                       add_generation_prompt=True)
+    text = llama31.apply_chat_template(conversation, tools=tool_schemas([echo, add]), tokenize=False, add_generation_prompt=True)
     # Llama 3.1's template writes a string content as JSON
-    assert text.endswith('<|start_header_id|>ipython<|end_header_id|>\n\n"first result"<|eot_id|>'
-                         '<|start_header_id|>ipython<|end_header_id|>\n\n"3.0"<|eot_id|>'
-                         '<|start_header_id|>assistant<|end_header_id|>\n\n')
+    assert text.endswith(
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"first result"<|eot_id|>'
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"3.0"<|eot_id|>'
+        '<|start_header_id|>assistant<|end_header_id|>\n\n'
+    )
     text = chat_tokenizer("llama3").apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    assert text.endswith("<|start_header_id|>ipython<|end_header_id|>\n\nfirst result<|eot_id|>"
-                         "<|start_header_id|>ipython<|end_header_id|>\n\n3.0<|eot_id|>"
-                         "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert text.endswith(
+        "<|start_header_id|>ipython<|end_header_id|>\n\nfirst result<|eot_id|>"
+        "<|start_header_id|>ipython<|end_header_id|>\n\n3.0<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     with pytest.raises(ValueError, match="unknown tool call format"):
         tool_messages(results, "json")
 

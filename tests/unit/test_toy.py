@@ -30,8 +30,7 @@ def test_model_and_tokenizer_load_with_transformers(toy):
     assert model.dtype == torch.float32
     assert tok.eos_token == "<eos>" and tok.pad_token_id == tok.eos_token_id == 0
     assert model.config.vocab_size == len(tok) == len(TOY_SYMBOLS) + 3
-    assert tok.decode(tok("c a after b")["input_ids"] + [tok.eos_token_id],
-                      skip_special_tokens=True) == "c a after b"
+    assert tok.decode(tok("c a after b")["input_ids"] + [tok.eos_token_id], skip_special_tokens=True) == "c a after b"
 
 
 def test_task_files(toy):
@@ -49,14 +48,12 @@ def test_task_files(toy):
 def test_reward_follows_the_label_and_random_responses_score_low(toy):
     fn = load_reward_fn("toy")
     rows = read_jsonl(toy / "eval.jsonl")
-    perfect, errors = compute_rewards(
-        fn, [RewardInput(r["prompt"], r["label"], r["label"]) for r in rows])
+    perfect, errors = compute_rewards(fn, [RewardInput(r["prompt"], r["label"], r["label"]) for r in rows])
     assert perfect == [1.0] * len(rows) and errors == 0
     rng = random.Random(0)
     words = [*TOY_SYMBOLS, "after"]
     random_responses = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 8))) for _ in rows]
-    rewards, _ = compute_rewards(fn, [RewardInput(r["prompt"], resp, r["label"])
-                                      for r, resp in zip(rows, random_responses)])
+    rewards, _ = compute_rewards(fn, [RewardInput(r["prompt"], resp, r["label"]) for r, resp in zip(rows, random_responses)])
     assert sum(rewards) / len(rewards) < 0.15
 
 
@@ -65,9 +62,10 @@ def test_untrained_model_scores_low(toy):
     tok = AutoTokenizer.from_pretrained(toy / "model")
     rows = read_jsonl(toy / "eval.jsonl")[:16]
     ids = torch.tensor([tok(r["prompt"])["input_ids"] for r in rows])  # (B, T): same length
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                         do_sample=False, pad_token_id=tok.eos_token_id)
-    responses = tok.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id
+    )
+    responses = tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     inputs = [RewardInput(r["prompt"], s, r["label"]) for r, s in zip(rows, responses)]
     rewards, _ = compute_rewards(load_reward_fn("toy"), inputs)
     assert sum(rewards) / len(rewards) < 0.2
@@ -75,8 +73,7 @@ def test_untrained_model_scores_low(toy):
 
 def test_generation_is_deterministic(toy, tmp_path):
     again = write_toy(tmp_path / "again")
-    for name in ("model/model.safetensors", "model/config.json", "model/tokenizer.json",
-                 "train.jsonl", "eval.jsonl"):
+    for name in ("model/model.safetensors", "model/config.json", "model/tokenizer.json", "train.jsonl", "eval.jsonl"):
         assert (again / name).read_bytes() == (toy / name).read_bytes(), name
 
 
@@ -102,9 +99,11 @@ def test_toy_tokenizer_loads_without_the_auto_registry(toy):
     import subprocess
     import sys
 
-    code = ("import sys; from colocate.models.config import load_tokenizer; load_tokenizer(sys.argv[1]); "
-            "print([m for m in ('transformers.models.auto.auto_factory', 'transformers.models.auto.tokenization_auto') "
-            "if m in sys.modules])")
+    code = (
+        "import sys; from colocate.models.config import load_tokenizer; load_tokenizer(sys.argv[1]); "
+        "print([m for m in ('transformers.models.auto.auto_factory', 'transformers.models.auto.tokenization_auto') "
+        "if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(toy / "model")], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -122,8 +121,10 @@ def test_load_tokenizer_equals_auto_tokenizer(toy, tmp_path, arch, tokenizer_cla
 
     model = tmp_path / "model"
     shutil.copytree(toy / "model", model)
-    for name, update in (("config.json", {"architectures": [arch], "model_type": ARCHITECTURES[arch]}),
-                         ("tokenizer_config.json", {"tokenizer_class": tokenizer_class})):
+    for name, update in (
+        ("config.json", {"architectures": [arch], "model_type": ARCHITECTURES[arch]}),
+        ("tokenizer_config.json", {"tokenizer_class": tokenizer_class}),
+    ):
         (model / name).write_text(json.dumps({**json.loads((model / name).read_text()), **update}))
     mine, auto = load_tokenizer(model), AutoTokenizer.from_pretrained(model)
     assert type(mine) is type(auto)

@@ -43,8 +43,10 @@ class GuessTask(vf.Task[GuessData, vf.State, vf.TaskConfig]):
 class GuessTaskset(vf.Taskset[GuessTask, vf.TasksetConfig]):
     def load(self):
         for n in (3, 7):
-            yield GuessTask(GuessData(prompt="Guess my number from 1 to 9.", system_prompt=SYSTEM, answer=n,
-                                      info={"level": "easy"}), self.config.task)
+            yield GuessTask(
+                GuessData(prompt="Guess my number from 1 to 9.", system_prompt=SYSTEM, answer=n, info={"level": "easy"}),
+                self.config.task,
+            )
 
 
 class GuessEnvConfig(vf.EnvConfig):
@@ -143,9 +145,13 @@ class TwoSeatEnv(vf.Env[TwoSeatConfig]):
 @pytest.fixture(autouse=True)
 def tasksets(monkeypatch):
     """The tasksets above as installed taskset packages (verifiers imports a taskset by its id)."""
-    for name, exports in {"colocate_vf_guess": [GuessTaskset, GuessEnv], "colocate_vf_oneshot": [OneShotTaskset],
-                          "colocate_vf_tools": [ToolTaskset], "colocate_vf_twoseat": [GuessTaskset, TwoSeatEnv],
-                          "colocate_vf_opener": [OpenerTaskset, OpenerEnv]}.items():
+    for name, exports in {
+        "colocate_vf_guess": [GuessTaskset, GuessEnv],
+        "colocate_vf_oneshot": [OneShotTaskset],
+        "colocate_vf_tools": [ToolTaskset],
+        "colocate_vf_twoseat": [GuessTaskset, TwoSeatEnv],
+        "colocate_vf_opener": [OpenerTaskset, OpenerEnv],
+    }.items():
         module = types.ModuleType(name)
         for cls in exports:
             setattr(module, cls.__name__, cls)
@@ -173,8 +179,12 @@ class Scripted:
 
 def run_episodes(env, rows, policy, max_turns=6):
     tok = chat_tokenizer("qwen3")
-    runner = EpisodeRunner(env, tok, EpisodeLimits(max_turns=max_turns, max_episode_tokens=4096,
-                                                   turn_max_new_tokens=256, tool_timeout_s=1.0), workers=2)
+    runner = EpisodeRunner(
+        env,
+        tok,
+        EpisodeLimits(max_turns=max_turns, max_episode_tokens=4096, turn_max_new_tokens=256, tool_timeout_s=1.0),
+        workers=2,
+    )
     prompts = [PromptSample(i, [], "", row["label"], row["metadata"], row["prompt"]) for i, row in enumerate(rows)]
     try:
         samples = runner.run(Scripted(tok, policy), prompts, [SamplingParams(n=1, max_new_tokens=256)] * len(prompts))
@@ -230,8 +240,12 @@ def test_the_trace_the_rewards_read_is_the_conversation_as_verifiers_records_it(
         GuessTask.correct = original
     [trace] = traces
     assert [(m.role, vf.types.content_text(m.content)) for m in trace.messages] == [
-        ("system", SYSTEM), ("user", "Guess my number from 1 to 9."), ("assistant", "5"), ("user", "No: lower."),
-        ("assistant", "3")]
+        ("system", SYSTEM),
+        ("user", "Guess my number from 1 to 9."),
+        ("assistant", "5"),
+        ("user", "No: lower."),
+        ("assistant", "3"),
+    ]
     assert trace.messages[2].reasoning_content == "x"
     assert [n.sampled for n in trace.nodes] == [False, False, True, False, True]
     assert [c.finish_reason for c in trace.calls] == ["stop", "stop"]
@@ -242,8 +256,7 @@ def test_episodes_of_different_tasks_keep_their_own_state():
     env = VerifiersEnv(taskset="colocate_vf_guess")
 
     def policy(context):  # 5, then 7 after "higher" and 3 after "lower"
-        return "7" if context.endswith("higher.<|im_end|>\n<|im_start|>assistant\n") else (
-            "3" if "lower." in context else "5")
+        return "7" if context.endswith("higher.<|im_end|>\n<|im_start|>assistant\n") else ("3" if "lower." in context else "5")
 
     _, samples = run_episodes(env, task_rows(env), policy)
     assert sorted(map(tuple, SEEN)) == [("5", "3", "<won>"), ("5", "7", "<won>")]
@@ -281,8 +294,11 @@ def test_an_env_that_opens_the_exchange_and_a_stop_on_the_trace():
 def test_a_plain_taskset_is_one_turn_of_the_single_agent_env_through_the_registry():
     env = load_env("verifiers", {"taskset": "colocate_vf_oneshot"})
     [row] = task_rows(env)
-    assert row == {"prompt": [{"role": "user", "content": "Say 4."}], "label": 4,
-                   "metadata": {"task": {"idx": 0, "prompt": "Say 4.", "answer": 4}}}
+    assert row == {
+        "prompt": [{"role": "user", "content": "Say 4."}],
+        "label": 4,
+        "metadata": {"task": {"idx": 0, "prompt": "Say 4.", "answer": 4}},
+    }
     _, [sample] = run_episodes(env, [row], from_script(["4"]))
     assert sample.reward == 1.0 and sample.metadata["env"]["turns"] == 1
     # A row without metadata.task: a task of the taskset's type from its prompt and label.
@@ -294,8 +310,10 @@ def test_task_rows_keep_what_the_task_is():
     env = VerifiersEnv(taskset="colocate_vf_guess")
     rows = task_rows(env)
     assert [r["label"] for r in rows] == [3, 7]
-    assert rows[0]["prompt"] == [{"role": "system", "content": SYSTEM},
-                                 {"role": "user", "content": "Guess my number from 1 to 9."}]
+    assert rows[0]["prompt"] == [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Guess my number from 1 to 9."},
+    ]
     assert rows[0]["metadata"]["task"]["info"] == {"level": "easy"}
     tasks = list(env.env.taskset)
     assert [env.task(r).hash for r in rows] == [t.hash for t in tasks]
@@ -313,7 +331,10 @@ def test_the_data_command_writes_a_taskset_s_rows(tmp_path):
 
 def test_assistant_messages_split_the_thinking_off():
     assert assistant_message("<think>\nhm\n</think>\n\n42").model_dump(exclude_none=True) == {
-        "role": "assistant", "content": "42", "reasoning_content": "hm"}
+        "role": "assistant",
+        "content": "42",
+        "reasoning_content": "hm",
+    }
     assert assistant_message("<think>\nstill thinking").content is None
     assert assistant_message(" 42 ").reasoning_content is None
 

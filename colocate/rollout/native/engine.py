@@ -102,10 +102,15 @@ class NativeEngine:
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_decode_steps)
         self.runner = ModelRunner(
-            self.model, memory=self.memory, block_size=block_size, num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+            self.model,
+            memory=self.memory,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
             cuda_graph_max_bs=cuda_graph_max_bs if cuda_graph else None,
-            compile_decode=self.device.type == "cuda" if compile_decode is None else compile_decode)
+            compile_decode=self.device.type == "cuda" if compile_decode is None else compile_decode,
+        )
         self.startup_seconds["runner"] = time.perf_counter() - start - self.startup_seconds["weights"]
         if self.runner.graphs is not None:
             self.startup_seconds.update(self.runner.graphs.capture())
@@ -120,9 +125,19 @@ class NativeEngine:
         self._next_seq_id = 0
         self._next_prompt_index = 0
         self._decode_sampling: tuple[list[int], SamplingBatch] | None = None
-        self.stats = dict(prefill_steps=0, prefill_tokens=0, prefill_seconds=0.0, decode_steps=0,
-                          decode_tokens=0, decode_seconds=0.0, preemptions=0, env_wait_seconds=0.0,
-                          history_tokens=0, reused_history_tokens=0, evictions=0)
+        self.stats = dict(
+            prefill_steps=0,
+            prefill_tokens=0,
+            prefill_seconds=0.0,
+            decode_steps=0,
+            decode_tokens=0,
+            decode_seconds=0.0,
+            preemptions=0,
+            env_wait_seconds=0.0,
+            history_tokens=0,
+            reused_history_tokens=0,
+            evictions=0,
+        )
         """Cumulative counters: tokens computed and wall time (synchronised) per phase, sequences
         preempted for want of KV-cache blocks (each recomputes its context later); multi-turn:
         seconds waited for environments with nothing to decode, history tokens cached at the ends
@@ -160,8 +175,9 @@ class NativeEngine:
 
     # ---------------------------------------------------------------- generation
 
-    def generate(self, prompt_ids: SequenceType[SequenceType[int]],
-                 sampling: SamplingParams | SequenceType[SamplingParams]) -> list[Completion]:
+    def generate(
+        self, prompt_ids: SequenceType[SequenceType[int]], sampling: SamplingParams | SequenceType[SamplingParams]
+    ) -> list[Completion]:
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompt_ids)
         if len(sampling) != len(prompt_ids):
@@ -171,8 +187,9 @@ class NativeEngine:
                 raise ValueError(f"prompt {i}: sampling must be a SamplingParams, got {type(params).__name__}")
         return self.generate_requests([Request(ids, params) for ids, params in zip(prompt_ids, sampling)])
 
-    def generate_requests(self, requests: SequenceType[Request],
-                          stop: Callable[[list[Completion]], bool] | None = None) -> list[Completion]:
+    def generate_requests(
+        self, requests: SequenceType[Request], stop: Callable[[list[Completion]], bool] | None = None
+    ) -> list[Completion]:
         """See the protocol (PartialRolloutEngine): requests run in order; once `stop` says so, the
         unfinished samples come back aborted with their tokens so far."""
         self._admit(requests, "generate()")
@@ -188,9 +205,16 @@ class NativeEngine:
             raise
         return sorted(out, key=lambda c: (c.prompt_index, c.sample_index))
 
-    def add_request(self, prompt_ids: SequenceType[int], sampling: SamplingParams,
-                    prompt_index: int | None = None, *, output_ids: SequenceType[int] = (),
-                    logprobs: SequenceType[float] = (), sample_index: int = 0) -> int:
+    def add_request(
+        self,
+        prompt_ids: SequenceType[int],
+        sampling: SamplingParams,
+        prompt_index: int | None = None,
+        *,
+        output_ids: SequenceType[int] = (),
+        logprobs: SequenceType[float] = (),
+        sample_index: int = 0,
+    ) -> int:
         """Queue the `sampling.n` samples of one prompt (numbered from `sample_index`), or continue
         one sample after its kept `output_ids` (see Request); returns the prompt index."""
         if prompt_index is None:
@@ -199,8 +223,7 @@ class NativeEngine:
         self._add(Request(prompt_ids, sampling, output_ids, logprobs, sample_index), prompt_index)
         return prompt_index
 
-    def generate_turns(self, requests: SequenceType[Request],
-                       next_turn: Callable[[TurnEnd], Future]) -> list[Completion]:
+    def generate_turns(self, requests: SequenceType[Request], next_turn: Callable[[TurnEnd], Future]) -> list[Completion]:
         """See the protocol (MultiTurnEngine). A sample that ends its turn is parked with its KV
         cache while its future runs (an environment step in a worker); finished futures are taken
         between engine steps, and when nothing else can run the engine waits for the first one
@@ -222,8 +245,9 @@ class NativeEngine:
                     out += self._next_turn(pending.pop(future), future.result())
                 if self.has_unfinished_requests():
                     for seq in self._step():
-                        future = next_turn(TurnEnd(seq.prompt_index, seq.sample_index, seq.output_ids, seq.turn_ids,
-                                                   seq.finish_reason))
+                        future = next_turn(
+                            TurnEnd(seq.prompt_index, seq.sample_index, seq.output_ids, seq.turn_ids, seq.finish_reason)
+                        )
                         pending[future] = seq
                         future.add_done_callback(answered.put)
         except BaseException:
@@ -252,12 +276,13 @@ class NativeEngine:
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt {seq.prompt_index}: observation token ids {bad[:5]} outside the vocabulary "
-                             f"[0, {vocab})")
+            raise ValueError(f"prompt {seq.prompt_index}: observation token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if cont.max_new_tokens < 1 or seq.num_tokens + len(ids) + cont.max_new_tokens > self.max_model_len:
-            raise ValueError(f"prompt {seq.prompt_index}: {seq.num_tokens} tokens + a {len(ids)}-token observation + "
-                             f"max_new_tokens={cont.max_new_tokens} exceed the engine's max length "
-                             f"{self.max_model_len} (or max_new_tokens < 1)")
+            raise ValueError(
+                f"prompt {seq.prompt_index}: {seq.num_tokens} tokens + a {len(ids)}-token observation + "
+                f"max_new_tokens={cont.max_new_tokens} exceed the engine's max length "
+                f"{self.max_model_len} (or max_new_tokens < 1)"
+            )
         self.scheduler.resume(seq, ids, cont.max_new_tokens)
         return []
 
@@ -270,10 +295,20 @@ class NativeEngine:
         first = request.sample_index
         group = []
         for j in range(first, first + sampling.n):
-            group.append(Sequence(
-                seq_id=self._next_seq_id, prompt_index=prompt_index, sample_index=j, token_ids=list(tokens),
-                num_prompt_tokens=len(request.prompt_ids), params=sampling, seed=(base + j) & _SEED_MASK,
-                stop_ids=stop, logprobs=[float(x) for x in request.logprobs], hold=hold))
+            group.append(
+                Sequence(
+                    seq_id=self._next_seq_id,
+                    prompt_index=prompt_index,
+                    sample_index=j,
+                    token_ids=list(tokens),
+                    num_prompt_tokens=len(request.prompt_ids),
+                    params=sampling,
+                    seed=(base + j) & _SEED_MASK,
+                    stop_ids=stop,
+                    logprobs=[float(x) for x in request.logprobs],
+                    hold=hold,
+                )
+            )
             self._next_seq_id += 1
         self.scheduler.add(group)
 
@@ -317,17 +352,26 @@ class NativeEngine:
             self.stats["decode_seconds"] += time.perf_counter() - start
         finished = self.scheduler.postprocess(batch, token_ids, token_logprobs)
         sched = self.scheduler
-        self.stats.update(history_tokens=sched.history_tokens, reused_history_tokens=sched.reused_tokens,
-                          evictions=sched.num_evictions)
+        self.stats.update(
+            history_tokens=sched.history_tokens, reused_history_tokens=sched.reused_tokens, evictions=sched.num_evictions
+        )
         return finished
 
     def _completion(self, seq: Sequence) -> Completion:
         extra = {"loss_mask": seq.loss_mask} if seq.hold else {}
-        return Completion(seq.prompt_index, seq.sample_index, seq.output_ids, seq.logprobs, seq.finish_reason,
-                          weight_version=self.weight_version, extra=extra)
+        return Completion(
+            seq.prompt_index,
+            seq.sample_index,
+            seq.output_ids,
+            seq.logprobs,
+            seq.finish_reason,
+            weight_version=self.weight_version,
+            extra=extra,
+        )
 
-    def _check_prompt(self, index: int, ids: SequenceType[int], params: SamplingParams,
-                      output_ids: SequenceType[int] = ()) -> None:
+    def _check_prompt(
+        self, index: int, ids: SequenceType[int], params: SamplingParams, output_ids: SequenceType[int] = ()
+    ) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"prompt {index}: sampling must be a SamplingParams, got {type(params).__name__}")
         if len(ids) == 0:
@@ -340,7 +384,8 @@ class NativeEngine:
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt {index}: {len(ids)} prompt + {params.max_new_tokens} new tokens exceed the "
-                f"engine's max length {self.max_model_len} (position limit or KV-cache capacity)")
+                f"engine's max length {self.max_model_len} (position limit or KV-cache capacity)"
+            )
 
     def _check_ready(self) -> None:
         if self._released:
@@ -405,8 +450,7 @@ class NativeEngine:
             "cuda_graph_bytes": graphs.num_bytes if graphs is not None else 0,
             # Pausable in preload mode; dropped and captured again without the memory saver; kept
             # allocated by the memory saver's torch-hook mode.
-            "cuda_graph_releasable": graphs is not None and (self.memory.graphs_pausable
-                                                              or not self.memory.keeps_addresses),
+            "cuda_graph_releasable": graphs is not None and (self.memory.graphs_pausable or not self.memory.keeps_addresses),
             "num_kv_blocks": self.block_manager.num_blocks,
             "block_size": self.block_manager.block_size,
             "released": sorted(self._released),
@@ -422,8 +466,10 @@ class NativeEngine:
         if "weights" in self._released:
             raise RuntimeError("weights are released; resume_memory(['weights']) before updating them")
         if partial and not self._weights_valid:
-            raise RuntimeError("a partial weight update needs complete weights, but they were released "
-                               "since the last full update: update every parameter")
+            raise RuntimeError(
+                "a partial weight update needs complete weights, but they were released "
+                "since the last full update: update every parameter"
+            )
         self._written, self._partial = set(), partial
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

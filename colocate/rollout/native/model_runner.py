@@ -57,9 +57,16 @@ below this size the saving is small, and a run whose prefills are all small neve
 
 
 @torch.library.custom_op("colocate_native::decode_attention", mutates_args=("kv",))
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                     slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Store one layer's new K/V into its paged cache `kv` (2, num_blocks, block_size, Hk, D) and
     attend over it (the default table's `decode_attention`). An opaque op to torch.compile, which
     fuses everything around it."""
@@ -74,9 +81,18 @@ def _(q, k, v, kv, slot_mapping, block_tables, context_lens, scale):
 
 
 @torch.library.custom_op("colocate_native::prefill_attention", mutates_args=("kv",))
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                      slot_mapping: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor,
-                      max_lens: torch.Tensor, gather_slots: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_lens: torch.Tensor,
+    gather_slots: Optional[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
     """Store one layer's new K/V of a packed prefill into its paged cache `kv` (2, num_blocks,
     block_size, Hk, D), then attend: each sequence's queries, its last tokens, over its keys
     (causal, the last query aligned with the last key). `gather_slots` holds the cache slots of every
@@ -101,14 +117,24 @@ def _(q, k, v, kv, slot_mapping, cu_seq_q, cu_seq_k, max_lens, gather_slots, sca
     return torch.empty_like(q)
 
 
-def _decode_layer(layer: nn.Module, x: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  kv: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_layer(
+    layer: nn.Module,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of a decode step, as `DecoderLayer.forward` computes it but with the
     residual sum moved to the start: takes the stream `x` and the previous layer's MLP output
     `delta`, returns this layer's stream and MLP output. The sum then fuses with the norm that
     reads it, as it would in a compile of the whole forward, while one compiled graph serves every
     layer (the layer's cache `kv` (2, num_blocks, block_size, Hk, D) is an input, not an index)."""
+
     def attn(_module, q, k, v):
         return decode_attention(q, k, v, kv, slot_mapping, block_tables, context_lens, scale)
 
@@ -118,11 +144,22 @@ def _decode_layer(layer: nn.Module, x: torch.Tensor, delta: torch.Tensor, cos: t
     return x, layer.mlp(normed)
 
 
-def _prefill_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                   slot_mapping: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor,
-                   max_lens: torch.Tensor, gather_slots: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _prefill_layer(
+    layer: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_lens: torch.Tensor,
+    gather_slots: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
     """One decoder layer of a prefill of N packed tokens (x (N, H)); compiled, one graph serves
     every layer, as in `_decode_layer`."""
+
     def attn(_module, q, k, v):
         return prefill_attention(q, k, v, kv, slot_mapping, cu_seq_q, cu_seq_k, max_lens, gather_slots, scale)
 
@@ -142,8 +179,18 @@ class _PrefillContext:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, *, memory: DeviceMemory, block_size: int, num_blocks: int,
-                 max_num_seqs: int, max_model_len: int, cuda_graph_max_bs: int | None, compile_decode: bool):
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        memory: DeviceMemory,
+        block_size: int,
+        num_blocks: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        cuda_graph_max_bs: int | None,
+        compile_decode: bool,
+    ):
         cfg = model.config
         self.model = model
         self.ops: Ops = model.ops
@@ -154,7 +201,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.kv: torch.Tensor | None = None
         self.allocate_kv()
         # Static decode inputs (outside any releasable region: small, and graphs read them).
@@ -172,14 +219,16 @@ class ModelRunner:
         # trace and code generation rather than the whole model's. Never in the batch-invariant
         # mode: inductor would bypass the mode's kernels.
         self.compiled_decode = bool(compile_decode) and not self.ops.invariant
-        self._prefill_attention = (self._invariant_prefill_attention if self.ops.invariant
-                                   else self._default_prefill_attention)
+        self._prefill_attention = self._invariant_prefill_attention if self.ops.invariant else self._default_prefill_attention
 
         def compiled(fn):
             return torch.compile(fn, fullgraph=True) if self.compiled_decode else fn
 
-        self._embed, self._layer, self._head = (compiled(self._decode_embed), compiled(_decode_layer),
-                                                compiled(self._decode_head))
+        self._embed, self._layer, self._head = (
+            compiled(self._decode_embed),
+            compiled(_decode_layer),
+            compiled(self._decode_head),
+        )
         self._prefill_layer = compiled(_prefill_layer)
         self.compiled_prefill_min_tokens = COMPILED_PREFILL_MIN_TOKENS
         self.graphs = None
@@ -212,8 +261,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- prefill
 
     @torch.no_grad()
-    def prefill(self, chunks: list[PrefillChunk], sampling: SamplingBatch | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, chunks: list[PrefillChunk], sampling: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute the chunks' tokens; sample one token per sampler of completed chunks (`sampling`
         has one row per sampler, None when no chunk completes). Returns ids (R,) and log-probs (R,)
         on the device."""
@@ -230,13 +278,19 @@ class ModelRunner:
             last_rows += [len(ids) - 1] * len(chunk.samplers)
             counters += [end - 1] * len(chunk.samplers)
         to = dict(device=self.device)
-        ctx = _PrefillContext(slot_mapping=torch.tensor(slots, dtype=torch.int64, **to), q_lens=q_lens,
-                              k_lens=k_lens, cu_seq_q=_cumsum(q_lens, **to), cu_seq_k=_cumsum(k_lens, **to),
-                              max_lens=torch.tensor([max(q_lens), max(k_lens)]))
+        ctx = _PrefillContext(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, **to),
+            q_lens=q_lens,
+            k_lens=k_lens,
+            cu_seq_q=_cumsum(q_lens, **to),
+            cu_seq_k=_cumsum(k_lens, **to),
+            max_lens=torch.tensor([max(q_lens), max(k_lens)]),
+        )
         if self.ops.invariant and self.device.type == "cuda":
             width = max(len(c.seq.block_table) for c in chunks)
-            ctx.block_tables = torch.tensor([c.seq.block_table + [-1] * (width - len(c.seq.block_table))
-                                             for c in chunks], dtype=torch.int32, **to)
+            ctx.block_tables = torch.tensor(
+                [c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks], dtype=torch.int32, **to
+            )
         elif k_lens != q_lens:
             gather = [s for c in chunks for s in _slots(c.seq.block_table, 0, c.end, bs)]
             ctx.gather_slots = torch.tensor(gather, dtype=torch.int64, **to)
@@ -254,8 +308,7 @@ class ModelRunner:
         logits = self._logits(hidden[torch.tensor(last_rows, **to)])  # (R, V)
         return sampling.sample(logits, torch.tensor(counters, dtype=torch.int64, **to))
 
-    def _compiled_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _PrefillContext
-                          ) -> torch.Tensor:
+    def _compiled_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _PrefillContext) -> torch.Tensor:
         """`CausalLM.hidden_states` of a prefill, its layers through the compiled `_prefill_layer`."""
         inner = self.model.model
         x = inner.embed_tokens(input_ids)
@@ -263,15 +316,27 @@ class ModelRunner:
         slots = () if ctx.gather_slots is None else (ctx.gather_slots,)
         self._batch_dim(x, cos, sin, ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k, *slots)
         for i, layer in enumerate(inner.layers):
-            x = self._prefill_layer(layer, x, cos, sin, self._layer_kv(i), ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k,
-                                    ctx.max_lens, ctx.gather_slots, self.scale)
+            x = self._prefill_layer(
+                layer,
+                x,
+                cos,
+                sin,
+                self._layer_kv(i),
+                ctx.slot_mapping,
+                ctx.cu_seq_q,
+                ctx.cu_seq_k,
+                ctx.max_lens,
+                ctx.gather_slots,
+                self.scale,
+            )
         return inner.norm(x)
 
     def _default_prefill_attention(self, module: nn.Module, q, k, v):
         ctx = self._prefill
         kv = self.kv[:, module.layer_idx]
-        return prefill_attention(q, k, v, kv, ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k, ctx.max_lens,
-                                 ctx.gather_slots, self.scale)
+        return prefill_attention(
+            q, k, v, kv, ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k, ctx.max_lens, ctx.gather_slots, self.scale
+        )
 
     def _invariant_prefill_attention(self, module: nn.Module, q, k, v):
         """The true on-policy mode's prefill attention, eager: on CUDA the mode's kernel over the
@@ -281,8 +346,9 @@ class ModelRunner:
         kv = self.kv[:, module.layer_idx]
         store_kv(k, v, kv[0], kv[1], ctx.slot_mapping)
         if ctx.block_tables is not None:
-            return invariant_attention.paged_prefill_attention(q, kv[0], kv[1], ctx.block_tables, ctx.q_lens,
-                                                               ctx.k_lens, self.scale)
+            return invariant_attention.paged_prefill_attention(
+                q, kv[0], kv[1], ctx.block_tables, ctx.q_lens, ctx.k_lens, self.scale
+            )
         if ctx.gather_slots is not None:
             k = kv[0].flatten(0, 1)[ctx.gather_slots]  # (M, Hk, D): cached prefix + new keys
             v = kv[1].flatten(0, 1)[ctx.gather_slots]
@@ -312,8 +378,9 @@ class ModelRunner:
         x, delta, cos, sin = batch(*self._embed(*batch(self.input_ids[:b], self.positions[:b])))
         batch(slot_mapping, block_tables, context_lens)
         for i, layer in enumerate(self.model.model.layers):
-            x, delta = batch(*self._layer(layer, x, delta, cos, sin, self._layer_kv(i), slot_mapping, block_tables,
-                                          context_lens, self.scale))
+            x, delta = batch(
+                *self._layer(layer, x, delta, cos, sin, self._layer_kv(i), slot_mapping, block_tables, context_lens, self.scale)
+            )
         return self._head(x, delta)
 
     def _batch_dim(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -349,8 +416,7 @@ class ModelRunner:
         return self._logits(self.model.model.norm(x + delta))
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence], num_steps: int, sampling: SamplingBatch
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, seqs: list[Sequence], num_steps: int, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `num_steps` decode steps for `seqs`; ids and log-probs (num_steps, B) on the device."""
         b = len(seqs)
         to = dict(device=self.device)
@@ -366,8 +432,7 @@ class ModelRunner:
         self.block_tables[:b, :width].copy_(tables)
         self.input_ids[:b].copy_(torch.tensor([s.token_ids[-1] for s in seqs]), non_blocking=True)
         self.positions[:b].copy_(torch.tensor([s.num_tokens - 1 for s in seqs]), non_blocking=True)
-        self.context_lens[:b].copy_(torch.tensor([s.num_tokens for s in seqs], dtype=torch.int32),
-                                    non_blocking=True)
+        self.context_lens[:b].copy_(torch.tensor([s.num_tokens for s in seqs], dtype=torch.int32), non_blocking=True)
         self.reset_padding(b)
         out_ids = torch.empty((num_steps, b), dtype=torch.int64, **to)
         out_logprobs = torch.empty((num_steps, b), dtype=torch.float32, **to)
@@ -413,10 +478,11 @@ def _attention_per_sequence(q, k, v, q_lens: list[int], k_lens: list[int], scale
     out = torch.empty_like(q)  # (N, Hq, D)
     q0 = k0 = 0
     for nq, nk in zip(q_lens, k_lens):
-        qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk]))
+        qs, ks, vs = (t.transpose(0, 1) for t in (q[q0 : q0 + nq], k[k0 : k0 + nk], v[k0 : k0 + nk]))
         mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
-        out[q0:q0 + nq] = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+        out[q0 : q0 + nq] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True).transpose(
+            0, 1
+        )
         q0, k0 = q0 + nq, k0 + nk
     return out
 
@@ -428,6 +494,6 @@ def _invariant_attention_per_sequence(q, k, v, q_lens: list[int], k_lens: list[i
     q0 = k0 = 0
     for nq, nk in zip(q_lens, k_lens):
         positions = torch.arange(nk - nq, nk, device=q.device)
-        out[q0:q0 + nq] = batch_invariant.attention(q[q0:q0 + nq], k[k0:k0 + nk], v[k0:k0 + nk], positions, scale)
+        out[q0 : q0 + nq] = batch_invariant.attention(q[q0 : q0 + nq], k[k0 : k0 + nk], v[k0 : k0 + nk], positions, scale)
         q0, k0 = q0 + nq, k0 + nk
     return out

@@ -50,8 +50,7 @@ def sample_tokens(
         # top_p = 1 must keep everything, even where rounding lets the cumulative mass reach 1.
         cut = ((mass_before >= top_p[:, None]) & (top_p < 1)[:, None]) | (probs < min_p[:, None] * probs[:, :1])
         exclude = torch.empty_like(cut).scatter_(1, order, cut | values.isneginf())
-    return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left, exclude,
-                                   logsumexp)
+    return reference_gumbel_sample(logits, temperature, seed, counter, suppress_ids, suppress_left, exclude, logsumexp)
 
 
 @dataclass
@@ -73,8 +72,13 @@ class SamplingBatch:
     """The engine's table of operations: its sampler and log-sum-exp."""
 
     @classmethod
-    def build(cls, rows: list[tuple[SamplingParams, int, frozenset[int], int]], vocab_size: int,
-              device: torch.device, ops: Ops | None = None) -> "SamplingBatch":
+    def build(
+        cls,
+        rows: list[tuple[SamplingParams, int, frozenset[int], int]],
+        vocab_size: int,
+        device: torch.device,
+        ops: Ops | None = None,
+    ) -> "SamplingBatch":
         """rows: (params, seed, stop ids, tokens generated so far) per sampled row; `ops`: the
         engine's table (default `Ops.standard()`)."""
         params = [r[0] for r in rows]
@@ -110,11 +114,23 @@ class SamplingBatch:
         """Sample one token per row from logits (B, V) at positions `counter` (B,)."""
         logits = logits.float()
         if not self.truncate:  # one streaming pass over the logits on CUDA (colocate/kernels/sampling.py)
-            return self.ops.sample(logits, self.temperature, self.seed, counter, self.suppress_ids,
-                                   self.suppress_left, self.unit_temperature)
+            return self.ops.sample(
+                logits, self.temperature, self.seed, counter, self.suppress_ids, self.suppress_left, self.unit_temperature
+            )
         # The top-k/top-p sort and scan stay eager: inductor (torch 2.11) fails to compile the scan.
-        return sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.min_p, self.seed, counter,
-                             self.suppress_ids, self.suppress_left, truncate=True, logsumexp=self.ops.row_logsumexp)
+        return sample_tokens(
+            logits,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.seed,
+            counter,
+            self.suppress_ids,
+            self.suppress_left,
+            truncate=True,
+            logsumexp=self.ops.row_logsumexp,
+        )
 
     def advance(self) -> None:
         """One token was generated per row (multi-step decode)."""

@@ -76,7 +76,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_remaining(self) -> int:
@@ -86,7 +86,7 @@ class Sequence:
     @property
     def turn_ids(self) -> list[int]:
         """The tokens sampled in the current (or just ended) turn."""
-        return self.token_ids[self.num_prompt_tokens + self.turn_start:]
+        return self.token_ids[self.num_prompt_tokens + self.turn_start :]
 
     @property
     def loss_mask(self) -> list[int]:
@@ -130,8 +130,7 @@ RESERVE_FADE_TOKENS = 1024
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_decode_steps: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_decode_steps: int):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

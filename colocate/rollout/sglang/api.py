@@ -50,10 +50,23 @@ MEMORY_TAG_CONSTANTS = {
 CUDA_GRAPH_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"
 
 SERVER_ARG_NAMES = (
-    "model_path", "dtype", "load_format", "skip_tokenizer_init", "tp_size", "dp_size",
-    "base_gpu_id", "port", "nccl_port", "random_seed", "enable_memory_saver",
-    "mem_fraction_static", "max_running_requests", "cuda_graph_max_bs_decode", "log_level",
-    "weight_version", "enable_deterministic_inference",
+    "model_path",
+    "dtype",
+    "load_format",
+    "skip_tokenizer_init",
+    "tp_size",
+    "dp_size",
+    "base_gpu_id",
+    "port",
+    "nccl_port",
+    "random_seed",
+    "enable_memory_saver",
+    "mem_fraction_static",
+    "max_running_requests",
+    "cuda_graph_max_bs_decode",
+    "log_level",
+    "weight_version",
+    "enable_deterministic_inference",
 )
 """Exactly the keyword arguments `engine_kwargs` gives `Engine(...)`."""
 REMOVED_SERVER_ARGS = ("cuda_graph_max_bs",)
@@ -63,8 +76,15 @@ LOAD_FORMATS = ("auto", "dummy")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 SAMPLING_KEYS = (
-    "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens",
-    "stop_token_ids", "ignore_eos", "sampling_seed",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_new_tokens",
+    "min_new_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "sampling_seed",
 )
 """Every key `sampling_request` can put in a request's sampling params."""
 LOGPROB_KEY = "output_token_logprobs"
@@ -77,16 +97,25 @@ def import_sglang() -> SimpleNamespace:
         try:
             found[name] = getattr(importlib.import_module(module), name)
         except ImportError as e:
-            raise ImportError(
-                f"the SGLang rollout backend needs sglang=={SGLANG_VERSION} ({e}); {INSTALL_HINT}"
-            ) from e
+            raise ImportError(f"the SGLang rollout backend needs sglang=={SGLANG_VERSION} ({e}); {INSTALL_HINT}") from e
     return SimpleNamespace(**found)
 
 
 def engine_kwargs(
-    *, model_path: str, dtype: str, seed: int, rank: int, device_index: int, port: int,
-    nccl_port: int, mem_fraction_static: float, max_running_requests: int, cuda_graph_max_bs: int,
-    load_dummy: bool, log_level: str, deterministic: bool,
+    *,
+    model_path: str,
+    dtype: str,
+    seed: int,
+    rank: int,
+    device_index: int,
+    port: int,
+    nccl_port: int,
+    mem_fraction_static: float,
+    max_running_requests: int,
+    cuda_graph_max_bs: int,
+    load_dummy: bool,
+    log_level: str,
+    deterministic: bool,
 ) -> dict:
     """Keyword arguments for `sglang.Engine`: one TP=1 engine per rank on this rank's GPU."""
     checks = [
@@ -158,9 +187,7 @@ def completion_from_output(out: dict, prompt_index: int, sample_index: int, weig
     output_ids = list(out["output_ids"])
     triples = meta[LOGPROB_KEY]  # [(logprob, token_id, text or None)] per generated token
     if [t[1] for t in triples] != output_ids:
-        raise RuntimeError(
-            f"SGLang log-probs cover tokens {[t[1] for t in triples]} but output_ids are {output_ids}"
-        )
+        raise RuntimeError(f"SGLang log-probs cover tokens {[t[1] for t in triples]} but output_ids are {output_ids}")
     reason = meta["finish_reason"] or {}
     kind = reason.get("type")
     if kind not in FINISH_REASONS:

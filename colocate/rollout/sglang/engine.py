@@ -75,10 +75,23 @@ class SGLangEngine:
     """Buckets travel to SGLang's scheduler process as they are: the sync casts them first."""
 
     def __init__(
-        self, *, model_path: str, dtype: str | torch.dtype, seed: int, rank: int, local_rank: int,
-        mem_fraction_static: float, max_running_requests: int, cuda_graph_max_bs: int,
-        release_cuda_graph: bool, eos_token_ids: Sequence[int], load_dummy: bool, log_level: str,
-        device_index: int | None = None, deterministic: bool = False, base_port: int = DEFAULT_BASE_PORT,
+        self,
+        *,
+        model_path: str,
+        dtype: str | torch.dtype,
+        seed: int,
+        rank: int,
+        local_rank: int,
+        mem_fraction_static: float,
+        max_running_requests: int,
+        cuda_graph_max_bs: int,
+        release_cuda_graph: bool,
+        eos_token_ids: Sequence[int],
+        load_dummy: bool,
+        log_level: str,
+        device_index: int | None = None,
+        deterministic: bool = False,
+        base_port: int = DEFAULT_BASE_PORT,
     ):
         """
         dtype: an SGLang dtype name or torch.bfloat16 / float16 / float32.
@@ -94,11 +107,19 @@ class SGLangEngine:
         if device_index is None:
             device_index = visible_device_index(local_rank)
         kwargs = engine_kwargs(
-            model_path=model_path, dtype=TORCH_DTYPE_NAMES.get(dtype, dtype), seed=seed, rank=rank,
+            model_path=model_path,
+            dtype=TORCH_DTYPE_NAMES.get(dtype, dtype),
+            seed=seed,
+            rank=rank,
             device_index=device_index,
-            port=self.port, nccl_port=self.nccl_port, mem_fraction_static=mem_fraction_static,
-            max_running_requests=max_running_requests, cuda_graph_max_bs=cuda_graph_max_bs,
-            load_dummy=load_dummy, log_level=log_level, deterministic=deterministic,
+            port=self.port,
+            nccl_port=self.nccl_port,
+            mem_fraction_static=mem_fraction_static,
+            max_running_requests=max_running_requests,
+            cuda_graph_max_bs=cuda_graph_max_bs,
+            load_dummy=load_dummy,
+            log_level=log_level,
+            deterministic=deterministic,
         )
         check_allocator_env()
         check_ports_free((self.port, self.nccl_port))
@@ -185,8 +206,10 @@ class SGLangEngine:
             if sp.seed is not None and not self._warned_seed:
                 self._warned_seed = True
                 if self._rank == 0:
-                    logger.warning("SGLang ignores SamplingParams.seed unless SGLangEngine(deterministic=True): "
-                                   "rollouts are not reproducible")
+                    logger.warning(
+                        "SGLang ignores SamplingParams.seed unless SGLangEngine(deterministic=True): "
+                        "rollouts are not reproducible"
+                    )
             return None
         if sp.min_p > 0:
             raise ValueError(f"SamplingParams.min_p={sp.min_p}: SGLang's seeded sampler does not support min_p")
@@ -232,8 +255,7 @@ class SGLangEngine:
                 return
             time.sleep(FLUSH_RETRY_S)
         raise RuntimeError(
-            f"SGLang refused to flush its cache {FLUSH_ATTEMPTS} times ({result.message!r}): "
-            "requests are still queued or running"
+            f"SGLang refused to flush its cache {FLUSH_ATTEMPTS} times ({result.message!r}): requests are still queued or running"
         )
 
     # -- weights ---------------------------------------------------------------------------
@@ -245,8 +267,10 @@ class SGLangEngine:
         if "weights" in self._released:
             raise RuntimeError("begin_weight_update: resume_memory(['weights']) first; the weight pages are unmapped")
         if partial and not self._weights_current:
-            raise RuntimeError("begin_weight_update(partial=True): the engine's weights are stale (random after "
-                               "load_dummy, or released and resumed); a full update must come first")
+            raise RuntimeError(
+                "begin_weight_update(partial=True): the engine's weights are stale (random after "
+                "load_dummy, or released and resumed); a full update must come first"
+            )
         _check(engine.begin_weight_update(), "begin_weight_update")
         self._session, self._partial = set(), partial
         self._weights_current = False

@@ -52,9 +52,7 @@ def visible_device_index(local_rank: int, environ: Mapping[str, str] = os.enviro
     if len(devices) == 1:
         return 0
     if local_rank >= len(devices):
-        raise ValueError(
-            f"local_rank={local_rank} but CUDA_VISIBLE_DEVICES={visible!r} lists {len(devices)} devices"
-        )
+        raise ValueError(f"local_rank={local_rank} but CUDA_VISIBLE_DEVICES={visible!r} lists {len(devices)} devices")
     return local_rank
 
 
@@ -147,8 +145,7 @@ class ProcessState:
 
     def restore(self) -> None:
         if self._env_keys is None:
-            self._env_keys = {k for k in set(os.environ) | set(self.environ)
-                              if os.environ.get(k) != self.environ.get(k)}
+            self._env_keys = {k for k in set(os.environ) | set(self.environ) if os.environ.get(k) != self.environ.get(k)}
         for key in self._env_keys:
             if key in self.environ:
                 os.environ[key] = self.environ[key]
@@ -191,7 +188,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     return fields[0], int(fields[1])
 
 

@@ -49,8 +49,7 @@ def checkpoint_parameter_names(model_path: str | Path, tied: bool) -> frozenset[
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             names.update(f.keys())
-    return frozenset(n for n in names
-                     if not (tied and n == TIED_HEAD) and not n.endswith(NON_PARAMETER_SUFFIXES))
+    return frozenset(n for n in names if not (tied and n == TIED_HEAD) and not n.endswith(NON_PARAMETER_SUFFIXES))
 
 
 def check_buffer(name: str, tensor: torch.Tensor) -> None:
