@@ -3,7 +3,9 @@
 CKPT is one checkpoint directory or a checkpoint root (then its newest complete checkpoint). The
 weights are read straight from the DCP shards in one process, without a process group, a bucket of
 tensors at a time, so exporting needs about one bucket plus one safetensors shard of host memory
-and no GPU. The model config and tokenizer files come from the checkpoint's `hf/` directory.
+and no GPU. The model config and tokenizer files come from the checkpoint's `hf/` directory; a
+model trained from a block-FP8 checkpoint is written as plain weights, without its config's
+quantization_config.
 
 A LoRA checkpoint holds adapters only. By default they are merged into the base model's weights
 (read from the base directory the run trained on, or `--base`; its config.json and the fingerprint
@@ -162,8 +164,9 @@ def _base_dir(lora: dict, base: str | Path | None) -> Path:
 def merged_base_weights(
     base: Path, adapters: dict[str, torch.Tensor], scale: float, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor in `dtype`) of the base's weights, adapted ones merged, one at a time."""
-    for name, tensor in iter_safetensors(base):
+    """(HF name, tensor in `dtype`) of the base's weights, adapted ones merged, one at a time. A
+    block-FP8 base is dequantized into `dtype` (bf16: the base weights of a bf16 run's engine)."""
+    for name, tensor in iter_safetensors(base, dtype):
         if name.endswith("rotary_emb.inv_freq"):
             continue
         module = name[: -len(".weight")]

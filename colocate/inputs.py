@@ -86,6 +86,11 @@ def _check_model_fit(cfg: Config, field: str, mc: ArchConfig) -> None:
     if field == "ref_path":
         return
     if field == "path":
+        if mc.fp8_block_size is not None and cfg.rollout.engine == "sglang":
+            raise ValueError(
+                f"model.path {where} holds block-FP8 weights, which rollout.engine=sglang would load as its own FP8 "
+                "layers that a weight sync cannot update: use rollout.engine=native (rollout.weight_dtype fp8 for FP8 rollout)"
+            )
         outside = [t for t in cfg.rollout.stop_token_ids if t >= mc.vocab_size]
         if outside:
             raise ValueError(

@@ -36,6 +36,10 @@ class ArchConfig:
     """RMSNorm on each head of q and k before rope (Qwen3)."""
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    fp8_block_size: tuple[int, int] | None = None
+    """(rows, cols) of the scale blocks of a block-FP8 checkpoint (config.json's quantization_config:
+    e4m3 linear weights, each with its `weight_scale_inv`), which loading dequantizes; None for a
+    checkpoint of plain floats. Never written back: a saved model holds plain floats."""
     extra: dict = field(default_factory=dict)
     """Keys of config.json we do not interpret, written back unchanged on save."""
 
@@ -80,6 +84,7 @@ class ArchConfig:
             "attention_bias",
             "bos_token_id",
             "eos_token_id",
+            "quantization_config",
         }
         return cls(
             model_type=model_type,
@@ -99,6 +104,7 @@ class ArchConfig:
             qk_norm=model_type == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
+            fp8_block_size=fp8_block_size(raw.get("quantization_config"), source),
             extra={k: v for k, v in raw.items() if k not in used},
         )
 
@@ -113,7 +119,7 @@ class ArchConfig:
         arch = {v: k for k, v in ARCHITECTURES.items()}[self.model_type]
         out = dict(self.extra)
         d = asdict(self)
-        for k in ("extra", "qk_norm", "rope_scaling", "rope_theta"):
+        for k in ("extra", "qk_norm", "rope_scaling", "rope_theta", "fp8_block_size"):
             d.pop(k)
         if self.model_type == "qwen2":
             d.pop("attention_bias")
@@ -122,6 +128,42 @@ class ArchConfig:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta, "rope_type": "llama3"}
         out.update(d, architectures=[arch], rope_parameters=rope, hidden_act="silu")
         return out
+
+
+def fp8_block_size(quantization: object, source: str) -> tuple[int, int] | None:
+    """The scale-block shape of config.json's `quantization_config` (None when there is none), or a
+    ValueError naming the file and the method for any quantization loading cannot dequantize:
+    raised when the config is read, before a weight is."""
+    if quantization is None:
+        return None
+    if not isinstance(quantization, dict):
+        raise ValueError(f"{source}: quantization_config must be a JSON object, got {type(quantization).__name__}")
+    refused = _refused_quantization(quantization)
+    if refused is not None:
+        raise ValueError(
+            f"{source}: {refused} is not supported; colocate loads plain checkpoints and block-wise FP8 ones "
+            "(quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size [n, k])"
+        )
+    rows, cols = quantization["weight_block_size"]
+    return rows, cols
+
+
+def _refused_quantization(quantization: dict) -> str | None:
+    """What of a quantization_config loading cannot dequantize, in words; None when it can. Skip
+    lists (modules_to_not_convert, ignored_layers) need no reading: a weight stored as plain floats
+    is loaded as it is."""
+    method = quantization.get("quant_method")
+    if method != "fp8":
+        return f"quantization method {method!r}"
+    for key, accepted in (("fmt", "e4m3"), ("activation_scheme", "dynamic"), ("scale_fmt", "float")):
+        if quantization.get(key) not in (None, accepted):
+            return f"quantization method 'fp8' with {key} {quantization[key]!r}"
+    block = quantization.get("weight_block_size")
+    if block is None:
+        return "quantization method 'fp8' without weight_block_size (per-tensor scales)"
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        return f"quantization method 'fp8' with weight_block_size {block!r} (two positive integers expected)"
+    return None
 
 
 GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")

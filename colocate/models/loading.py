@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from colocate.kernels.fp8 import E4M3, block_dequantize
 from colocate.models.config import ArchConfig
 from colocate.models.layers import rope_inv_freq
 from colocate.models.transformer import CausalLM
@@ -19,6 +20,8 @@ from colocate.output_dir import replacing_dir
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # aminmax has no kernels for the float8 types; integer tensors cannot hold NaN.
 _CHECKED_DTYPES = (torch.float64, *DTYPES.values())
+SCALE_SUFFIX = "_scale_inv"
+"""A block-FP8 checkpoint's weight `X.weight` has its block scales in `X.weight_scale_inv`."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -85,20 +88,80 @@ def _check_finite(name: str, tensor: torch.Tensor, source: str | Path) -> None:
     raise ValueError(f"{source}: tensor {name} holds non-finite values ({num_nan} NaN, {num_inf} inf of {tensor.numel()})")
 
 
-def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str | Path, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, CPU tensor) for every tensor of a model directory, one file at a time.
 
-    A file that safetensors cannot read (truncated, not safetensors) and a tensor holding NaN or
-    inf raise ValueError naming the file (and the tensor)."""
-    for file in safetensors_files(path):
+    In a block-FP8 checkpoint (`ArchConfig.fp8_block_size`) each float8_e4m3fn weight comes
+    dequantized with its `weight_scale_inv` (`block_dequantize`) in `dtype`, one tensor at a time,
+    and the scales are not yielded; other tensors come as stored. The default fp32 is the exact
+    product, which a copy into a parameter rounds once: the same values as dequantizing straight
+    into the parameter's dtype. A file that safetensors cannot read (truncated, not safetensors), a
+    tensor holding NaN or inf, a float8 weight without its scales or with scales of the wrong
+    shape, and scales of no float8 weight raise ValueError naming the file and the tensor."""
+    block = ArchConfig.from_dir(path).fp8_block_size if (Path(path) / "config.json").is_file() else None
+    files = safetensors_files(path)
+    scale_files = {name: file for file in files for name in _names(file) if name.endswith(SCALE_SUFFIX)} if block else {}
+    used = set()
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    if name in scale_files:
+                        continue  # read with its weight
                     tensor = f.get_tensor(name)
+                    if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1:
+                        tensor = _dequantized(name, tensor, file, scale_files, block, dtype)
+                        used.add(name + SCALE_SUFFIX)
                     _check_finite(name, tensor, file)
                     yield name, tensor
         except SafetensorError as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+    unused = sorted(set(scale_files) - used)
+    if unused:
+        raise ValueError(f"{scale_files[unused[0]]}: tensor {unused[0]} scales no float8 weight of {path}")
+
+
+def _names(file: Path) -> list[str]:
+    """The tensor names of a safetensors file (its header only)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _dequantized(
+    name: str,
+    w8: torch.Tensor,
+    file: Path,
+    scale_files: dict[str, Path],
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The weight (N, K) of a block-FP8 checkpoint in `dtype`, from its e4m3 values and the
+    `weight_scale_inv` (ceil(N/bn), ceil(K/bk)) named by `scale_files`, after checking both."""
+    if block is None or w8.dtype != E4M3 or w8.dim() != 2:
+        raise ValueError(
+            f"{file}: tensor {name} of shape {tuple(w8.shape)} is stored as {w8.dtype}; float8 tensors are read only as "
+            "the e4m3 matrices of a block-FP8 checkpoint (config.json's quantization_config)"
+        )
+    scale_name = name + SCALE_SUFFIX
+    if scale_name not in scale_files:
+        raise ValueError(f"{file}: float8 weight {name} has no {scale_name} (its block scales)")
+    scale_file = scale_files[scale_name]
+    try:
+        with safe_open(str(scale_file), framework="pt") as f:
+            scale_inv = f.get_tensor(scale_name)
+    except SafetensorError as e:
+        raise ValueError(f"{scale_file}: not a readable safetensors file ({e})") from None
+    (n, k), (bn, bk) = w8.shape, block
+    expected = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != expected or scale_inv.dtype not in DTYPES.values():
+        raise ValueError(
+            f"{scale_file}: tensor {scale_name} is {scale_inv.dtype} of shape {tuple(scale_inv.shape)}; the ({n}, {k}) "
+            f"weight {name} in {bn}x{bk} blocks needs floats of shape {expected}"
+        )
+    return block_dequantize(w8, scale_inv, dtype, block)
 
 
 def load_weights(model: CausalLM, named: Iterable[tuple[str, torch.Tensor]], source: str = "weights"):
@@ -148,8 +211,9 @@ def from_config(cfg: ArchConfig, dtype=torch.float32, device="cpu", init: bool =
 def from_pretrained(path: str | Path, dtype: str | torch.dtype = "auto", device="cpu") -> CausalLM:
     """Load an HF model directory (Llama, Qwen2 or Qwen3) into our plain-torch definition."""
     cfg = ArchConfig.from_dir(path)
-    model = from_config(cfg, resolve_dtype(dtype, device), device)
-    load_weights(model, iter_safetensors(path), source=str(path))
+    dtype = resolve_dtype(dtype, device)
+    model = from_config(cfg, dtype, device)
+    load_weights(model, iter_safetensors(path, dtype), source=str(path))
     return model
 
 
