@@ -157,3 +157,67 @@ def decode_mixed(
         + f" | contexts mean {result['contexts']['mean']:.0f}, max "
         f"{result['contexts']['max']} -> {MIXED_RESULTS}"
     )
+
+
+FP8_SWEEP_RESULTS = RESULTS_DIR / "fp8_decode_sweep.json"
+FP8_SWEEP_SHAPES = [(64, 32, 8, 128, 4096), (8, 32, 8, 128, 16384), (128, 14, 2, 64, 4096)]
+"""(batch, q heads, kv heads, head_dim, context): 4B/8B-shaped heads at a long context, few and many
+sequences, and the 0.5B shape's."""
+
+
+def fp8_decode_sweep() -> dict:
+    """The decode kernel over a bf16 cache and over the same cache in e4m3 (with its scales), each
+    with the picked launch shape, and the fp8 kernel at every tile size and pipeline depth; the fp8
+    store beside the bf16 one. Microseconds (triton's do_bench)."""
+    from triton.testing import do_bench
+
+    from colocate.kernels.fp8 import E4M3
+
+    result = {"shapes": []}
+    for batch, hq, hk, d, ctx in FP8_SWEEP_SHAPES:
+        torch.manual_seed(0)
+        bs = 16
+        nb = batch * ctx // bs
+        tables = torch.randperm(nb, device="cuda", dtype=torch.int32).view(batch, ctx // bs)
+        lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(nb, bs, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k8, v8 = torch.empty_like(kc, dtype=E4M3), torch.empty_like(vc, dtype=E4M3)
+        ks, vs = (torch.empty(nb, bs, hk, device="cuda") for _ in range(2))
+        paged_attention.store_kv(kc.flatten(0, 1), vc.flatten(0, 1), k8, v8, torch.arange(nb * bs, device="cuda"), ks, vs)
+        picked = paged_attention.decode_config(batch, hk, d, ctx, q.device)
+        picked8 = paged_attention.decode_config(batch, hk, d, ctx, q.device, fp8=True)
+        bf16_us = 1e3 * do_bench(lambda: paged_attention._paged_decode_triton(q, kc, vc, tables, lens, 0.1, picked), rep=200)
+        fp8_us = 1e3 * do_bench(
+            lambda: paged_attention._paged_decode_triton(q, k8, v8, tables, lens, 0.1, picked8, ks, vs), rep=200
+        )
+        tiles = {}
+        for block_n, stages in itertools.product((32, 64, 128), (1, 2, 3, 4)):
+            config = paged_attention.DecodeConfig(block_n=block_n, num_splits=picked8.num_splits, num_warps=4, num_stages=stages)
+            try:
+                tiles[f"bn{block_n}_s{stages}"] = 1e3 * do_bench(
+                    lambda: paged_attention._paged_decode_triton(q, k8, v8, tables, lens, 0.1, config, ks, vs), rep=100
+                )
+            except Exception as e:  # noqa: BLE001 - out of shared memory, say: recorded, the sweep goes on
+                tiles[f"bn{block_n}_s{stages}"] = f"{type(e).__name__}"
+        slots = torch.arange(batch, device="cuda")
+        store8 = do_bench(
+            lambda: paged_attention.store_kv(kc[:1].flatten(0, 1)[:batch], vc[:1].flatten(0, 1)[:batch], k8, v8, slots, ks, vs)
+        )
+        store16 = do_bench(
+            lambda: paged_attention.store_kv(kc[:1].flatten(0, 1)[:batch], vc[:1].flatten(0, 1)[:batch], kc, vc, slots)
+        )
+        kv_bytes = 2 * batch * ctx * hk * d
+        result["shapes"].append(
+            {
+                "batch": batch, "q_heads": hq, "kv_heads": hk, "head_dim": d, "context": ctx,
+                "bf16_config": str(picked), "fp8_config": str(picked8),
+                "bf16_us": bf16_us, "fp8_us": fp8_us, "fp8_speedup": bf16_us / fp8_us,
+                "bf16_tb_per_s": kv_bytes * 2 / bf16_us / 1e6, "fp8_tb_per_s": kv_bytes * (d + 4) / d / fp8_us / 1e6,
+                "fp8_tiles_us": tiles, "store_fp8_us": 1e3 * store8, "store_bf16_us": 1e3 * store16,
+                "hbm_peak_tb_per_s": peak_hbm_bytes_per_s() / 1e12,
+            }
+        )  # fmt: skip
+        print(result["shapes"][-1], flush=True)
+    write_result(result, FP8_SWEEP_RESULTS)
+    return result

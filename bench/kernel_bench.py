@@ -27,6 +27,11 @@ engine-like decode batches (it and `--decode-mixed` run bench/decode_sweeps.py):
 over 24 layers' caches in one CUDA graph, as in a decode step, so no layer's K/V is still in L2.
 Writes bench/results/paged_decode_sweep.json.
 
+`--fp8-decode-sweep` times the decode kernel over a bf16 cache and over the same cache in e4m3
+(rollout.kv_cache_dtype fp8_e4m3), each with the launch shape `decode_config` picks, and the fp8
+kernel at every tile size and pipeline depth, on 4B/8B- and 0.5B-shaped heads; the fp8 store beside
+the bf16 one. Writes bench/results/fp8_decode_sweep.json.
+
 `--invariant-sweep` times the batch-invariant matmul of `algorithm.true_on_policy`
 (colocate/kernels/batch_invariant_cuda.py) on every projection of the 0.5B and 1.5B shapes at a
 decode batch (M=256) and a training micro-batch (M=16384): the config the product's shape picks
@@ -460,6 +465,9 @@ def main() -> None:
     parser.add_argument("--decode-sweep", action="store_true", help="time every paged-decode launch shape")
     parser.add_argument("--sample-sweep", action="store_true", help="time every sampler launch shape")
     parser.add_argument(
+        "--fp8-decode-sweep", action="store_true", help="the decode kernel over an fp8 cache beside bf16, every fp8 tile"
+    )
+    parser.add_argument(
         "--decode-mixed",
         action="store_true",
         help="time the decode kernel on long-tailed contexts, longest first and in drawn order",
@@ -474,6 +482,10 @@ def main() -> None:
         return invariant_sweep()
     if args.decode_sweep:
         return decode_sweep()
+    if args.fp8_decode_sweep:
+        from bench.decode_sweeps import fp8_decode_sweep
+
+        return fp8_decode_sweep()
     if args.sample_sweep:
         return sample_sweep()
     if args.decode_mixed:

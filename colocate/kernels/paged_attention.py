@@ -19,6 +19,14 @@ size, splits, warps and pipeline stages come from `DecodeConfig` (`decode_config
 the shapes; bench/kernel_bench.py --decode-sweep measures the alternatives). Everything is shaped by
 (B, max_blocks_per_seq) alone and the launch never reads device values back, so both kernels can be
 captured in a CUDA graph.
+
+FP8 cache: k_cache and v_cache may be float8_e4m3fn, each with a float32 scale tensor (num_blocks,
+block_size, Hk) beside it. A (token, kv head) row x of D values is stored as x / s in e4m3 with
+s = amax(|x|) / 448, so the row's largest value maps to e4m3's largest and every value keeps e4m3's
+rounding (relative 2^-4). `store_kv` quantizes as it writes; the decode kernel reads the fp8 tiles,
+half the bytes of bf16, converts them to q's dtype for its products and folds the scales in as
+vectors: key n's into its scores after q.k, value n's into its probabilities before p.v. `gather_kv`
+returns dequantized rows, and `kv_bytes_per_token` counts the scales in a token's bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
+from colocate.kernels.fp8 import _TINY, E4M3, E4M3_MAX, quantize_per_token
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Dtypes of q, of the K/V that `store_kv` writes, and of a cache that is not fp8."""
 _MIN_SPLIT_TOKENS = 256
 """Fewest context tokens worth a program of their own in the split kernel."""
 _MAX_SPLITS = 16
@@ -55,16 +66,24 @@ def reference_paged_decode_attention(
     block_tables: torch.Tensor,  # (B, max_blocks_per_seq) int32
     context_lens: torch.Tensor,  # (B,) int32
     scale: float,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hk) fp32, with an fp8 cache
+    v_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hk) fp32, with an fp8 cache
 ) -> torch.Tensor:
-    """Gather every sequence's K/V into a dense, masked tensor and attend in fp32 (the CPU path)."""
+    """Gather every sequence's K/V into a dense, masked tensor (dequantized, for an fp8 cache) and
+    attend in fp32 (the CPU path)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     num_used_blocks = -(-int(context_lens.max()) // block_size) if batch else 0
     blocks = block_tables[:, :num_used_blocks].long().clamp(min=0)  # (B, nb)
     length = num_used_blocks * block_size
-    k = k_cache[blocks].reshape(batch, length, num_kv_heads, head_dim).float()  # (B, L, Hk, D)
-    v = v_cache[blocks].reshape(batch, length, num_kv_heads, head_dim).float()  # (B, L, Hk, D)
+    k = k_cache[blocks].float()  # (B, nb, block_size, Hk, D)
+    v = v_cache[blocks].float()
+    if k_scale is not None:
+        k = k * k_scale[blocks][..., None]
+        v = v * v_scale[blocks][..., None]
+    k = k.reshape(batch, length, num_kv_heads, head_dim)  # (B, L, Hk, D)
+    v = v.reshape(batch, length, num_kv_heads, head_dim)  # (B, L, Hk, D)
     qg = q.float().reshape(batch, num_kv_heads, group, head_dim)  # (B, Hk, G, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # (B, Hk, G, L)
     visible = torch.arange(length, device=q.device) < context_lens[:, None]  # (B, L)
@@ -81,15 +100,21 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # (B, max_blocks_per_seq) int32
     context_lens: torch.Tensor,  # (B,) int32
     scale: float,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hk) fp32, with an fp8 cache
+    v_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hk) fp32, with an fp8 cache
 ) -> torch.Tensor:
-    """softmax(q K^T * scale) V over each sequence's cached tokens; (B, Hq, D) in q's dtype."""
+    """softmax(q K^T * scale) V over each sequence's cached tokens; (B, Hq, D) in q's dtype. An fp8
+    cache takes its scales (K ~ k_cache * k_scale[..., None], V likewise)."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    _check_scales(k_cache, k_scale, v_scale)
     if not q.is_cuda:
-        return reference_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return reference_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     if not _kernel_block_size_ok(k_cache.shape[1]):
         raise ValueError(f"the CUDA kernel needs a power-of-two block_size >= 16, got {k_cache.shape[1]}")
-    config = decode_config(q.shape[0], k_cache.shape[2], q.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device)
-    return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, config)
+    config = decode_config(
+        q.shape[0], k_cache.shape[2], q.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device, k_cache.dtype == E4M3
+    )
+    return _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, config, k_scale, v_scale)
 
 
 def store_kv(
@@ -98,44 +123,63 @@ def store_kv(
     k_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
     v_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
     slot_mapping: torch.Tensor,  # (N,) int64
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hk) fp32, with an fp8 cache
+    v_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hk) fp32, with an fp8 cache
 ) -> None:
     """Write token i's K/V to flat slot slot_mapping[i] = block * block_size + offset; -1 skips it.
+    Into an fp8 cache each (token, head) row goes quantized, its scale into k_scale/v_scale.
 
-    On CUDA a Triton kernel does the scatter so that skipped rows need no host-side filtering
-    (which would sync and break CUDA-graph capture).
+    On CUDA a Triton kernel does the scatter (and the quantization) so that skipped rows need no
+    host-side filtering (which would sync and break CUDA-graph capture).
     """
     _check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    _check_scales(k_cache, k_scale, v_scale)
     if k.shape[0] == 0:
         return
-    if not k.is_cuda:
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        block_size = k_cache.shape[1]
-        k_cache[slots // block_size, slots % block_size] = k[keep]
-        v_cache[slots // block_size, slots % block_size] = v[keep]
+    if k.is_cuda:
+        _store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    _, _, store_kernel = _triton_kernels()
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    store_kernel[(k.shape[0], num_kv_heads)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        k_cache.shape[1],
-        head_dim,
-        D_PAD=_tile(head_dim),
-    )
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    for x, cache, x_scale in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
+        if x_scale is None:
+            cache[blocks, offsets] = x
+        else:
+            x8, s = quantize_per_token(x.reshape(-1, x.shape[-1]))  # (n * Hk, D), (n * Hk, 1)
+            cache[blocks, offsets] = x8.view(x.shape)
+            x_scale[blocks, offsets] = s.view(x.shape[:-1])
+
+
+def gather_kv(
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, Hk, D)
+    slots: torch.Tensor,  # (M,) int64, each >= 0
+    dtype: torch.dtype,
+    k_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hk) fp32, with an fp8 cache
+    v_scale: torch.Tensor | None = None,  # (num_blocks, block_size, Hk) fp32, with an fp8 cache
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached K and V at flat slots (block * block_size + offset), each (M, Hk, D) in `dtype`,
+    dequantized from an fp8 cache. Slots are not bounds-checked (that would sync with the device)."""
+    _check_cache(k_cache, v_cache)
+    _check_scales(k_cache, k_scale, v_scale)
+    if slots.ndim != 1 or slots.dtype != torch.int64:
+        raise ValueError(f"slots must be (M,) int64, got {tuple(slots.shape)} {slots.dtype}")
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k, v = k_cache[blocks, offsets], v_cache[blocks, offsets]  # (M, Hk, D)
+    if k_scale is not None:
+        k = k.float() * k_scale[blocks, offsets][..., None]
+        v = v.float() * v_scale[blocks, offsets][..., None]
+    return k.to(dtype), v.to(dtype)
+
+
+def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one token's K and V take in one layer's cache of `dtype`, an fp8 cache's scales included."""
+    if dtype == E4M3:
+        return 2 * num_kv_heads * (head_dim + 4)  # one byte a value, an fp32 scale a row
+    if dtype not in _DTYPES:
+        raise ValueError(f"a KV cache dtype is one of {(*_DTYPES, E4M3)}, got {dtype}")
+    return 2 * num_kv_heads * head_dim * dtype.itemsize
 
 
 def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
@@ -148,7 +192,9 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens) -> 
         raise ValueError(f"q head_dim {head_dim} differs from the cache's {k_cache.shape[3]}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q's {num_q_heads} heads are not a multiple of the cache's {num_kv_heads} kv heads")
-    if q.dtype != k_cache.dtype:
+    if k_cache.dtype == E4M3 and q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype must be one of {_DTYPES} with an fp8 cache, got {q.dtype}")
+    if k_cache.dtype != E4M3 and q.dtype != k_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in head_dim")
@@ -168,7 +214,9 @@ def _check_store_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
     expected = (k.shape[0], *k_cache.shape[2:])
     if k.shape != expected or v.shape != expected:
         raise ValueError(f"k and v must be (N, Hk, D) = {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+    if k_cache.dtype == E4M3 and (k.dtype not in _DTYPES or v.dtype != k.dtype):
+        raise ValueError(f"k and v must share one dtype of {_DTYPES} with an fp8 cache, got {k.dtype} and {v.dtype}")
+    if k_cache.dtype != E4M3 and (k.dtype != k_cache.dtype or v.dtype != k_cache.dtype):
         raise ValueError(f"k and v must have the cache dtype {k_cache.dtype}, got {k.dtype} and {v.dtype}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must be contiguous in head_dim")
@@ -185,12 +233,32 @@ def _check_cache(k_cache, v_cache) -> None:
             "k_cache and v_cache must both be (num_blocks, block_size, num_kv_heads, head_dim), "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"caches must share one dtype of {_DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype not in (*_DTYPES, E4M3) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"caches must share one dtype of {(*_DTYPES, E4M3)}, got {k_cache.dtype} and {v_cache.dtype}")
     if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError(
             f"k_cache and v_cache must share strides and be contiguous in head_dim, got {k_cache.stride()} and {v_cache.stride()}"
         )
+
+
+def _check_scales(k_cache, k_scale, v_scale) -> None:
+    """An fp8 cache needs both scale tensors, (num_blocks, block_size, Hk) fp32 with one set of
+    strides on the cache's device; any other cache takes none."""
+    if k_cache.dtype != E4M3:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale and v_scale belong with a {E4M3} cache, not a {k_cache.dtype} one")
+        return
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {E4M3} cache needs k_scale and v_scale")
+    expected = tuple(k_cache.shape[:3])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if tuple(s.shape) != expected or s.dtype != torch.float32 or s.device != k_cache.device:
+            raise ValueError(
+                f"{name} must be (num_blocks, block_size, Hk) = {expected} float32 on {k_cache.device}, "
+                f"got {tuple(s.shape)} {s.dtype} on {s.device}"
+            )
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError(f"k_scale and v_scale must share strides, got {k_scale.stride()} and {v_scale.stride()}")
 
 
 def _kernel_block_size_ok(block_size: int) -> bool:
@@ -198,17 +266,21 @@ def _kernel_block_size_ok(block_size: int) -> bool:
     return block_size >= 16 and block_size & (block_size - 1) == 0
 
 
-def decode_config(batch: int, num_kv_heads: int, head_dim: int, max_context: int, device: torch.device) -> DecodeConfig:
+def decode_config(
+    batch: int, num_kv_heads: int, head_dim: int, max_context: int, device: torch.device, fp8: bool = False
+) -> DecodeConfig:
     """The launch shape for these sizes, from the H200 sweep (bench/kernel_bench.py --decode-sweep): big
     tiles with a 3-stage pipeline, and the context split only as far as it takes to give each SM
-    about four programs. Depends on shapes alone, so one captured graph keeps one choice for every
-    replay (the kernel sizes each split from the real context length)."""
+    about four programs. An fp8 cache (`fp8`) takes 128-token tiles at every head_dim: on an H100,
+    head_dim 128, they beat 64-token ones by 1.26-1.32x (bench/kernel_bench.py --fp8-decode-sweep).
+    Depends on shapes alone, so one captured graph keeps one choice for every replay (the kernel
+    sizes each split from the real context length)."""
     num_programs = batch * num_kv_heads
     splits = _PROGRAMS_PER_SM * _sm_count(device) // max(num_programs, 1)
     splits = max(1, min(splits, max_context // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
     splits = 1 << (splits.bit_length() - 1)  # a power of two: fewer compiles
     # 128 x 64 and 64 x 128 tiles are the same bytes; larger ones spill registers.
-    return DecodeConfig(block_n=128 if head_dim <= 64 else 64, num_splits=splits, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=128 if head_dim <= 64 or fp8 else 64, num_splits=splits, num_warps=4, num_stages=3)
 
 
 @functools.cache
@@ -223,9 +295,13 @@ def _tile(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, config: DecodeConfig):
+def _paged_decode_triton(
+    q, k_cache, v_cache, block_tables, context_lens, scale, config: DecodeConfig, k_scale=None, v_scale=None
+):
     """Launch the decode kernel (and the merge kernel when the context is split)."""
     decode_kernel, merge_kernel, _ = _triton_kernels()
+    fp8 = k_cache.dtype == E4M3
+    assert fp8 == (k_scale is not None) == (v_scale is not None)
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -242,10 +318,14 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         f32 = dict(dtype=torch.float32, device=q.device)
         part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), **f32)  # (B, Hq, S, D)
         part_stats = torch.empty((2, batch, num_q_heads, num_splits), **f32)  # max, sum-exp
+    if not fp8:
+        k_scale, v_scale = k_cache, v_cache  # the scale pointers are unused without fp8
     decode_kernel[(num_kv_heads, batch, num_splits)](
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         block_tables,
         context_lens,
         part_out,
@@ -256,6 +336,7 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *(k_scale.stride() if fp8 else (0, 0, 0)),
         block_tables.stride(0),
         block_tables.stride(1),
         block_tables.shape[1],
@@ -269,6 +350,7 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         BLOCK_N=config.block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        FP8=fp8,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -287,6 +369,42 @@ def _paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
     return out
 
 
+def _store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Launch the store kernel: one program per (token, kv head)."""
+    _, _, store_kernel = _triton_kernels()
+    fp8 = k_cache.dtype == E4M3
+    assert fp8 == (k_scale is not None) == (v_scale is not None)
+    if not fp8:
+        k_scale, v_scale = k_cache, v_cache  # the scale pointers are unused without fp8
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    store_kernel[(k.shape[0], num_kv_heads)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        *(k_scale.stride() if fp8 else (0, 0, 0)),
+        k_cache.shape[1],
+        head_dim,
+        D_PAD=_tile(head_dim),
+        FP8=fp8,
+        FP8_MAX=E4M3_MAX,
+        TINY=_TINY,
+    )
+
+
 @functools.cache
 def _triton_kernels():
     """Define the Triton kernels on first CUDA use, so CPU installs never import triton."""
@@ -299,6 +417,8 @@ def _triton_kernels():
         q_ptr,
         k_ptr,
         v_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         tables_ptr,
         lens_ptr,
         out_ptr,
@@ -309,6 +429,9 @@ def _triton_kernels():
         stride_cb,
         stride_ct,
         stride_ch,
+        stride_sb,
+        stride_st,
+        stride_sh,
         stride_tb,
         stride_tn,
         max_blocks,
@@ -322,6 +445,7 @@ def _triton_kernels():
         BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        FP8: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         kv_head = tl.program_id(0)
@@ -352,24 +476,38 @@ def _triton_kernels():
             pos = tile * BLOCK_N
             if BLOCK_N <= BLOCK_SIZE:
                 # The tile lies inside one cache block: one lookup, then fixed offsets.
-                block = tl.load(table + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1) * stride_tn)
-                rows = block.to(tl.int64) * stride_cb + ((pos % BLOCK_SIZE) + t) * stride_ct + head_off
+                block = tl.load(table + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1) * stride_tn).to(tl.int64)
+                offset = (pos % BLOCK_SIZE) + t  # (N,)
             else:
                 tok = pos + t
-                block = tl.load(table + tl.minimum(tok // BLOCK_SIZE, max_blocks - 1) * stride_tn)  # (N,)
-                rows = block.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_ct + head_off
+                block = tl.load(table + tl.minimum(tok // BLOCK_SIZE, max_blocks - 1) * stride_tn).to(tl.int64)  # (N,)
+                offset = tok % BLOCK_SIZE  # (N,)
+            rows = block * stride_cb + offset * stride_ct + head_off  # (N,)
             valid = pos + t < context  # (N,)
             kv_mask = valid[:, None] & d_ok[None, :]
             offs = rows[:, None] + d[None, :]  # (N, D)
             k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # (N, D)
             v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)  # (N, D)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (GP, N) fp32
+            if FP8:
+                scale_rows = block * stride_sb + offset * stride_st + kv_head * stride_sh  # (N,)
+                k_scale = tl.load(k_scale_ptr + scale_rows, mask=valid, other=0.0)  # (N,)
+                v_scale = tl.load(v_scale_ptr + scale_rows, mask=valid, other=0.0)  # (N,)
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (k_scale * scale)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (GP, N) fp32
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])  # (GP, N)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if FP8:
+                # p weighted by v_scale / its tile max stays in [0, 1]: p * v_scale itself (about
+                # |v| / 448) would fall to fp16's subnormals. The max comes back on the fp32 product.
+                v_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
+                pv = (p * (v_scale / v_max)[None, :]).to(q.dtype)
+                acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=PRECISION) * v_max
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out_offs = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
         out_mask = head_ok[:, None] & d_ok[None, :]
@@ -408,6 +546,8 @@ def _triton_kernels():
         v_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         slots_ptr,
         stride_kn,
         stride_kh,
@@ -419,9 +559,15 @@ def _triton_kernels():
         stride_vcb,
         stride_vct,
         stride_vch,
+        stride_sb,
+        stride_st,
+        stride_sh,
         block_size,
         head_dim,
         D_PAD: tl.constexpr,
+        FP8: tl.constexpr,
+        FP8_MAX: tl.constexpr,
+        TINY: tl.constexpr,
     ):
         token = tl.program_id(0)
         head = tl.program_id(1)
@@ -431,8 +577,20 @@ def _triton_kernels():
             offset = slot % block_size
             d = tl.arange(0, D_PAD)
             d_ok = d < head_dim
-            k = tl.load(k_ptr + token.to(tl.int64) * stride_kn + head * stride_kh + d, mask=d_ok)
-            v = tl.load(v_ptr + token.to(tl.int64) * stride_vn + head * stride_vh + d, mask=d_ok)
+            k = tl.load(k_ptr + token.to(tl.int64) * stride_kn + head * stride_kh + d, mask=d_ok, other=0.0)
+            v = tl.load(v_ptr + token.to(tl.int64) * stride_vn + head * stride_vh + d, mask=d_ok, other=0.0)
+            if FP8:
+                # fp8.quantize_per_token's arithmetic, with IEEE divisions (Triton's `/` is approximate),
+                # so the cache holds the bytes the CPU path writes.
+                scale_off = block * stride_sb + offset * stride_st + head * stride_sh
+                k_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k.to(tl.float32)), axis=0), TINY), FP8_MAX)
+                v_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v.to(tl.float32)), axis=0), TINY), FP8_MAX)
+                k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
+                v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
+                tl.store(k_scale_ptr + scale_off, k_scale)
+                tl.store(v_scale_ptr + scale_off, v_scale)
+            k = k.to(k_cache_ptr.dtype.element_ty)
+            v = v.to(v_cache_ptr.dtype.element_ty)
             tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kct + head * stride_kch + d, k, mask=d_ok)
             tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vct + head * stride_vch + d, v, mask=d_ok)
 

@@ -17,6 +17,7 @@ from colocate.kernels import (
     rotary,
     sampling,
 )
+from colocate.kernels.fp8 import E4M3, E4M3_MAX
 from colocate.kernels.invariant_ops import reference_rms_norm
 from colocate.kernels.paged_attention import DecodeConfig, reference_paged_decode_attention
 from colocate.kernels.sampling import SampleConfig, reference_gumbel_sample
@@ -245,6 +246,46 @@ def test_paged_decode_kernel_matches_the_reference(config):
     out = paged_attention._paged_decode_triton(*inputs, 0.25, config)
     torch.testing.assert_close(out, reference_paged_decode_attention(*inputs, 0.25), rtol=1e-5, atol=1e-5)
     assert not out[4].any()
+
+
+@pytest.mark.parametrize("config", [DecodeConfig(block_n=16), DecodeConfig(block_n=32, num_splits=4)], ids=["unsplit", "split"])
+def test_paged_decode_kernel_reads_an_fp8_cache(config):
+    """fp8 tiles with their scales: fp32 queries agree with the reference over the dequantized cache
+    to fp32 rounding; fp16 queries over values of size 1e-3 (scales ~2e-6, so p * v_scale would be an
+    fp16 subnormal) keep fp16's precision. Tiles of 32 span two cache blocks."""
+    q, k_cache, v_cache, tables, lens = _paged_inputs(
+        [1, 15, 16, 70, 0, 33], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16
+    )
+    slots = torch.arange(k_cache.shape[0] * k_cache.shape[1])
+    for x_q, v_size, tol in ((q, 1.0, 1e-5), (q.half(), 1e-3, 2e-3)):
+        k8, v8 = torch.empty(k_cache.shape, dtype=E4M3), torch.empty(k_cache.shape, dtype=E4M3)
+        k_scale, v_scale = torch.empty(k_cache.shape[:3]), torch.empty(k_cache.shape[:3])
+        paged_attention.store_kv(k_cache.flatten(0, 1), v_cache.flatten(0, 1) * v_size, k8, v8, slots, k_scale, v_scale)
+        out = paged_attention._paged_decode_triton(x_q, k8, v8, tables, lens, 0.25, config, k_scale, v_scale)
+        want = reference_paged_decode_attention(x_q, k8, v8, tables, lens, 0.25, k_scale, v_scale)
+        assert out.dtype == x_q.dtype and not out[4].any()
+        torch.testing.assert_close(out.float() / v_size, want.float() / v_size, rtol=tol, atol=tol)
+
+
+def test_store_kernel_writes_fp8_rows_and_scales():
+    """The Triton store into an fp8 cache writes the CPU path's bytes and scales and skips -1. The
+    values lie on e4m3's grid times a power of two (each row's amax 448 * 2^e), so no rounding
+    happens: the interpreter's fp32 -> e4m3 cast drops the carry when it rounds up to a power of two
+    (124.7 -> 64, not 128); rounding is the GPU test's (test_fp8_kv_cache.py)."""
+    gen = torch.Generator().manual_seed(0)
+    grid = (torch.randn(2, 7, 2, 40, generator=gen) * 100).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float()
+    grid[..., 3] = E4M3_MAX
+    powers = 2.0 ** torch.randint(-12, 4, (2, 7, 2, 1), generator=gen)
+    k, v = (grid * powers).unbind(0)  # (N, Hk, D)
+    slots = torch.tensor([3, -1, 22, 0, 63, -1, 40])
+    caches = []
+    for store in (paged_attention.store_kv, paged_attention._store_kv_triton):
+        cache = [torch.full((4, 16, 2, 40), 3.0).to(E4M3) for _ in range(2)] + [torch.full((4, 16, 2), -1.0) for _ in range(2)]
+        store(k, v, cache[0], cache[1], slots, cache[2], cache[3])
+        caches.append(cache)
+    for got, want in zip(*caches):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) if got.dtype == E4M3 else torch.equal(got, want)
+    assert (caches[1][2].flatten(0, 1)[[3, 22, 0, 63, 40]] == powers[0, [0, 2, 3, 4, 6]].squeeze(-1)).all()
 
 
 @pytest.mark.parametrize("config", [SampleConfig(1), SampleConfig(3, 256, 4)], ids=["one_split", "three_splits"])
