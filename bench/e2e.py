@@ -23,6 +23,10 @@ Both sides train fp32 master weights with bf16 compute and take one optimizer st
   norms) on 32 prompts x 8 x 1024 response tokens with every block recomputed: training all of
   its weights (fp32 masters and AdamW state, 128 GB) does not fit beside the engine on one GPU.
   Each run reports its peak device memory (the ledger's) and the KV-cache capacity in tokens.
+- FP8 rollout (`--rollout-dtype fp8|both`): our engine on FP8 weights and an FP8 KV cache
+  (rollout.weight_dtype fp8, rollout.kv_cache_dtype fp8_e4m3; algorithm.use_tis then on by default)
+  beside bf16, each run reporting the mismatch metrics' medians (train/mismatch/*). `--shape 4b_step`
+  is the Qwen3-4B shape (bench/e2e_tail.py's) on 32 prompts x 8 x 1024 response tokens.
 - TRL: GRPOTrainer with transformers' generate (no vLLM), 32-completion micro-batches with 4
   accumulation steps (one generation of 128 completions per optimizer step), gradient
   checkpointing off as in ours, `min_new_tokens` = max_completion_length for exact lengths, in
@@ -41,7 +45,7 @@ child's exit (a tail run's went on for over 110 s after its last step on an H100
 
 Run: python -m bench.e2e [--steps 5] [--warmup 2] [--offload both] [--compile on] [--skip-trl]
                          [--max-tokens-per-gpu N[,N...]] [--trl-site DIR] [--trl-configs A,B] [--trace-dir DIR]
-                         [--lora-rank N [--lora-only]] [--shape 0.5b|1.5b|8b]
+                         [--lora-rank N [--lora-only]] [--shape 0.5b|1.5b|8b|4b_step] [--rollout-dtype bf16|fp8|both]
      python -m bench.e2e --cpu-smoke   (tiny model and batch on CPU; checks the script in < 60 s)
      python -m bench.e2e --tail [--partial both] [--over-sampling 4] [--cpu-smoke]   (bench/e2e_tail.py: long-tailed
                          lengths on a Qwen3-4B shape, partial rollout off and on; no TRL)
@@ -124,10 +128,12 @@ SHAPES = {
     ),
     **e2e_tail.SHAPES,
 }
+SHAPES["4b_step"] = SHAPES["4b"]
 BATCHES = {
     "0.5b": dict(prompts=16, samples_per_prompt=8, prompt_tokens=128, response_tokens=256),
     "1.5b": dict(prompts=16, samples_per_prompt=8, prompt_tokens=128, response_tokens=256),
     "8b": dict(prompts=32, samples_per_prompt=8, prompt_tokens=128, response_tokens=1024),
+    "4b_step": dict(prompts=32, samples_per_prompt=8, prompt_tokens=128, response_tokens=1024),
     "tiny": dict(prompts=4, samples_per_prompt=4, prompt_tokens=16, response_tokens=16),
     **e2e_tail.BATCHES,
 }
@@ -139,6 +145,7 @@ OURS_TIMEOUT_S = {
     "0.5b": 200.0,
     "1.5b": 300.0,
     "8b": 1800.0,
+    "4b_step": 900.0,
     **{shape: e2e_tail.TIMEOUT_S for shape in e2e_tail.SHAPES},
 }
 TRL_TIMEOUT_S = 300.0
@@ -237,6 +244,7 @@ def ours_config(
     budget: tuple[int | str, str | None] | None,
     num_steps: int,
     lora_rank: int = 0,
+    rollout_dtype: str = "bf16",
 ) -> dict:
     b = BATCHES[shape]
     train = {"num_rollout": num_steps, "lr": LR}
@@ -263,6 +271,7 @@ def ours_config(
             "temperature": 1.0,
             "reward": f"{MODULE}:vowel_reward",
             "custom_generate": f"{MODULE}:fixed_length_generate",
+            **(dict(weight_dtype="fp8", kv_cache_dtype="fp8_e4m3") if rollout_dtype == "fp8" else {}),
         },
         "algorithm": {"advantage_estimator": "grpo"},
         "train": train,
@@ -393,8 +402,9 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
     ranks = ([] if args.lora_only else [0]) + ([args.lora_rank] if args.lora_rank else [])
     # The tail run's variants are partial rollout off and on, with offload on.
     offloads, partials = ([True], CHOICES[args.partial]) if args.tail else (CHOICES[args.offload], [None])
-    for rank, offload, compile, budget, partial in [
-        (r, o, c, m, p) for r in ranks for o in offloads for c in compiles for m in budgets for p in partials
+    dtypes = ["bf16", "fp8"] if args.rollout_dtype == "both" else [args.rollout_dtype]
+    for rank, offload, compile, budget, partial, dtype in [
+        (r, o, c, m, p, d) for r in ranks for o in offloads for c in compiles for m in budgets for p in partials for d in dtypes
     ]:
         name = "_".join(
             part
@@ -404,11 +414,14 @@ def orchestrate(args, out: Path, workdir: Path) -> dict:
                 f"compile_{'on' if compile else 'off'}" if len(compiles) > 1 else "",
                 f"tokens_{budget[0]}{'_' + budget[1] if budget[1] else ''}" if len(budgets) > 1 else "",
                 f"partial_{'on' if partial else 'off'}" if partial is not None else "",
+                f"rollout_{dtype}" if len(dtypes) > 1 else "",
             )
             if part
         )
         profiled = args.trace_dir is not None
-        cfg = ours_config(workdir, model_dir, prompts, shape, name, offload, compile, budget, warmup + steps + profiled, rank)
+        cfg = ours_config(
+            workdir, model_dir, prompts, shape, name, offload, compile, budget, warmup + steps + profiled, rank, dtype
+        )
         if args.tail:
             cfg = e2e_tail.tail_config(cfg, shape, partial, args.over_sampling)
         cfg_path = workdir / f"{name}.yaml"
@@ -488,7 +501,8 @@ def summary(results: dict) -> str:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in e["phase_median_s"].items() if v is not None)
         parts.append(
             f"ours {name} {_fmt(e['step_median_s'])} s ({phases}; len {_fmt(e['response_len_mean'], '.0f')}; "
-            f"peak {_fmt(e['peak_device_used_gib'], '.1f')} GiB; KV {e['kv_cache_tokens']} tok)"
+            f"peak {_fmt(e['peak_device_used_gib'], '.1f')} GiB; KV {e['kv_cache_tokens']} tok; "
+            f"mismatch max {_fmt(e.get('mismatch_median', {}).get('abs_diff_max'))})"
         )
         parts += e2e_tail.summary(e)
     parts += e2e_trl.summary(results["trl"])
@@ -551,6 +565,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=4,
         help="--tail with partial rollout: groups in flight, in multiples of a step's (default 4)",
+    )
+    parser.add_argument(
+        "--rollout-dtype",
+        choices=("bf16", "fp8", "both"),
+        default="bf16",
+        help="our engine's weights and KV cache: bf16, or FP8 (rollout.weight_dtype fp8, rollout.kv_cache_dtype fp8_e4m3)",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/e2e.json)")
     for hidden in (

@@ -154,6 +154,9 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
         "every_step": [{key.split("/")[1]: r.get(key) for key in STEP_KEYS} for r in rows[:end]],
         "rollout_tokens_per_s": med("perf/rollout_tokens_per_s"),
         "grad_norm": med("train/grad_norm"),
+        # How far the engine's log-probs are from the trainer's (FP8 rollout moves them: TIS corrects).
+        "mismatch_median": {k.split("/")[-1]: med(k) for k in ("train/mismatch/abs_diff_max", "train/mismatch/ppl_ratio")},
+        "tis_clipfrac": med("train/tis_clipfrac"),
         "peak_allocated_gib": peak("allocated"),
         "peak_device_used_gib": peak("device_used"),
         "kv_cache_tokens": kv_tokens,

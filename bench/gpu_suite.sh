@@ -2,7 +2,7 @@
 # Every GPU check of one machine in one go: GPU-marked tests, the default run, and the benchmarks.
 #   bench/gpu_suite.sh OUT_DIR [STEP...]   steps: loop default engine e2e rollout prefill colocation train
 #                                          train_small kernels units
-#                                          (and, asked for by name: multiturn tail e2e_tail_off e2e_tail_on startup
+#                                          (and, asked for by name: fp8 multiturn tail e2e_tail_off e2e_tail_on startup
 #                                          startup_4b sizing on_policy_bits on_policy invariant_sweep lora lora_8b;
 #                                          multigpu, on a machine of 2 or more GPUs)
 # Logs go to OUT_DIR/<step>.log, benchmark JSON to bench/results/ and, for the files this run wrote,
@@ -32,7 +32,10 @@ for step in $steps; do
     multiturn) run multiturn 590 python -m bench.multiturn --out "$out/multiturn.json" ;;
     default) run default 60 python -m colocate.train --config configs/default.yaml \
                --output-dir "$out/default_run" --logging.console False ;;
-    engine) run engine 220 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py ;;
+    engine) run engine 400 python -m pytest -q -s -rA -m gpu -p no:cacheprovider tests/integration/test_engine_gpu.py \
+              tests/integration/test_fp8_engine.py ;;
+    # Decode at the 4B and 8B shapes: bf16, FP8 weights, FP8 weights and KV cache.
+    fp8) run fp8 590 python -m bench.fp8_decode --out "$out/fp8_decode.json" ;;
     e2e) run e2e 590 python -m bench.e2e --steps 3 --warmup 2 --max-tokens-per-gpu 49152 ;;
     # The start-up's sizes (train.max_tokens_per_gpu, the recompute plan and the KV cache all auto)
     # beside hand-picked budgets with nothing recomputed, offload off and on, in one run.

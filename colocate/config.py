@@ -216,6 +216,15 @@ class RolloutConfig:
     """Log level of SGLang's engine and scheduler."""
     weight_sync_bucket_mb: int = _ranged(512, ">= 1")
     """Weight sync hands the engine full tensors in buckets of about this many MiB."""
+    weight_dtype: Literal["bf16", "fp8"] = "bf16"
+    """The native engine's decoder projections: bf16 keeps them in model.dtype; fp8 holds them in
+    e4m3 with a scale per output row and runs FP8 GEMMs (half the weight bytes read per decode
+    step; each weight sync quantizes on the GPU). The trainer stays in model.dtype, so
+    algorithm.use_tis defaults to on. Native engine only; not with algorithm.true_on_policy."""
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    """The native engine's KV cache: auto caches K/V in model.dtype; fp8_e4m3 in e4m3 with a scale
+    per token and head (about half the bytes: twice the tokens in the same memory, and faster
+    decode at long contexts). Native engine only; not with algorithm.true_on_policy."""
 
     @property
     def response_budget(self) -> int:
@@ -223,6 +232,12 @@ class RolloutConfig:
         if self.env is not None and self.max_episode_tokens is not None:
             return self.max_episode_tokens
         return self.max_response_len
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the rollout computes in FP8 (weights or KV cache): its log-probs are not the
+        trainer's numerics."""
+        return self.weight_dtype == "fp8" or self.kv_cache_dtype == "fp8_e4m3"
 
 
 @dataclass
@@ -254,8 +269,10 @@ class AlgorithmConfig:
     """KL estimator used by the loss and the reward penalty."""
     entropy_coef: float = _ranged(0.0, ">= 0")
     """Weight of the entropy bonus."""
-    use_tis: bool = False
-    """Truncated importance sampling: weight tokens by min(p_train / p_rollout, tis_clip)."""
+    use_tis: bool | None = None
+    """Truncated importance sampling: weight tokens by min(p_train / p_rollout, tis_clip). None: on
+    exactly when the rollout runs in FP8 (rollout.weight_dtype or rollout.kv_cache_dtype), whose
+    log-probs differ from the trainer's more than bf16's do."""
     tis_clip: float = _ranged(2.0, "> 0")
     """Upper bound of the truncated importance weight."""
     use_mis: bool = False
@@ -448,6 +465,11 @@ class Config:
     @property
     def samples_per_rollout(self) -> int:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def use_tis(self) -> bool:
+        """algorithm.use_tis, its None resolved: on with an FP8 rollout."""
+        return self.rollout.fp8 if self.algorithm.use_tis is None else self.algorithm.use_tis
 
     @property
     def global_batch_size(self) -> int:

@@ -266,6 +266,19 @@ def _combination_checks(cfg: Config) -> list[tuple[str, bool, str, Any]]:
             "needs rollout.engine=native (the SGLang engine's kernels are its own)",
             a.true_on_policy,
         ),
+        *[
+            check
+            for name, value in (("weight_dtype", r.weight_dtype), ("kv_cache_dtype", r.kv_cache_dtype))
+            for check in (
+                (f"rollout.{name}", "fp8" not in value or r.engine == "native", "fp8 needs rollout.engine=native", value),
+                (
+                    f"rollout.{name}",
+                    "fp8" not in value or not a.true_on_policy,
+                    "fp8 is not bitwise the trainer's numerics: not with algorithm.true_on_policy",
+                    value,
+                ),
+            )
+        ],
         (
             "model.lora_dropout",
             not (a.true_on_policy and cfg.model.lora_rank and cfg.model.lora_dropout),

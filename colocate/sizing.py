@@ -91,6 +91,17 @@ class Shape:
             adapters * mcfg.num_hidden_layers,
         )
 
+    def engine_weight_bytes(self, itemsize: int, fp8: bool) -> int:
+        """The engine's copy of the weights: in the compute dtype, or with every decoder projection
+        in e4m3 (1 byte) plus an fp32 scale per output row (rollout.weight_dtype fp8)."""
+        total = self.num_params * itemsize
+        if fp8:
+            h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
+            projections = self.num_layers * (2 * h * q + 2 * h * kv + 3 * h * i)
+            rows = self.num_layers * (q + 2 * kv + h + 2 * i + h)
+            total -= projections * (itemsize - 1) - rows * 4
+        return total
+
     def kept_per_token(self, mode: str) -> int:
         """Elements one block keeps for its backward per token, by recompute mode."""
         h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
@@ -117,6 +128,7 @@ class RunNeeds:
     kv_tokens: int  # one sampling round's sequences at full length
     world_size: int
     itemsize: int  # compute dtype
+    fp8_weights: bool  # the engine's projections in e4m3 (rollout.weight_dtype)
     keep_gathered: bool
     offload_train: bool
     offload_rollout: bool
@@ -145,7 +157,7 @@ def plan_memory(shape: Shape, needs: RunNeeds, free_bytes: int, total_bytes: int
     """The sizes for one rank with `free_bytes` of `total_bytes` free before anything is loaded."""
     usable = free_bytes - HEADROOM * total_bytes
     trainer = _trainer_bytes(shape, needs)
-    engine_weights = shape.num_params * needs.itemsize
+    engine_weights = shape.engine_weight_bytes(needs.itemsize, needs.fp8_weights)
     gen_trainer = _generation_trainer_bytes(shape, needs, trainer)
     if needs.kv_fraction is None:
         gen_room = usable - gen_trainer - engine_weights
@@ -255,6 +267,7 @@ def needs_of(cfg, world_size: int, itemsize: int, keep_gathered: bool, modes: tu
         kv_tokens=min(sequences, r.max_running_requests) * sample,
         world_size=world_size,
         itemsize=itemsize,
+        fp8_weights=r.weight_dtype == "fp8",
         keep_gathered=keep_gathered,
         offload_train=cfg.offload.offload_train,
         offload_rollout=cfg.offload.offload_rollout,

@@ -592,8 +592,8 @@ MUTANTS = [
     Mutant(
         "compiled_prefill_drops_the_cached_prefix",
         "colocate/rollout/native/model_runner.py",
-        "ctx.max_lens, ctx.gather_slots, self.scale",
-        "ctx.max_lens, None, self.scale",
+        "ctx.gather_slots,\n                self.scale,\n            )\n        return inner.norm(x)",
+        "None,\n                self.scale,\n            )\n        return inner.norm(x)",
         ("tests/parity/test_engine_parity.py::test_compiled_decode_equals_eager_decode",),
     ),
     Mutant(

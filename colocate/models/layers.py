@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from colocate.kernels.fp8 import fp8_linear
 from colocate.kernels.ops import Ops
 
 STANDARD = Ops.standard()
@@ -28,11 +29,19 @@ def set_ops(module: nn.Module, ops: Ops) -> None:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through the table's `linear`."""
+    """nn.Linear through the table's `linear`; with a `weight_scale` (an FP8 engine's projection,
+    `CausalLM.quantize_projections`), the weight is e4m3 and the product an FP8 GEMM."""
 
     ops: Ops = STANDARD
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight_scale: nn.Parameter | None = None
+        """Per-output-row fp32 scales of an e4m3 weight (kernels/fp8.py), else None."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return self.ops.linear(x, self.weight, self.bias)
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from colocate.kernels.fp8 import fp8_linear, quantize_rowwise
 from colocate.kernels.ops import Ops
 from colocate.kernels.rotary import rotate
 from colocate.models.config import ArchConfig
@@ -53,17 +54,20 @@ class Attention(nn.Module):
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
         self.qkv_weight: torch.Tensor | None = None  # packed q/k/v (see pack_projections)
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_scale: torch.Tensor | None = None  # packed FP8 row scales (see quantize_projections)
 
     def pack(self, keep_values: bool) -> None:
         parts = [self.q_proj, self.k_proj, self.v_proj]
         self.qkv_weight = pack_parameters([m.weight for m in parts], keep_values)
         if parts[0].bias is not None:
             self.qkv_bias = pack_parameters([m.bias for m in parts], keep_values)
+        if parts[0].weight_scale is not None:
+            self.qkv_scale = pack_parameters([m.weight_scale for m in parts], keep_values)
 
     def forward(self, x, cos, sin, cu_seqlens, max_seqlen, attn: AttnFn | None):
         n = x.shape[0]
         parts = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = joint_linear(x, parts, self.qkv_weight, self.qkv_bias, self.ops).split(self.qkv_sizes, dim=-1)
+        q, k, v = joint_linear(x, parts, self.qkv_weight, self.qkv_bias, self.ops, self.qkv_scale).split(self.qkv_sizes, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, D)
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -89,15 +93,20 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # packed gate/up (see pack_projections)
+        self.gate_up_scale: torch.Tensor | None = None  # packed FP8 row scales (see quantize_projections)
 
     def pack(self, keep_values: bool) -> None:
-        self.gate_up_weight = pack_parameters([self.gate_proj.weight, self.up_proj.weight], keep_values)
+        parts = [self.gate_proj, self.up_proj]
+        self.gate_up_weight = pack_parameters([m.weight for m in parts], keep_values)
+        if parts[0].weight_scale is not None:
+            self.gate_up_scale = pack_parameters([m.weight_scale for m in parts], keep_values)
 
     def forward(self, x):
         if self.gate_up_weight is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = self.ops.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            parts = (self.gate_proj, self.up_proj)
+            gate, up = joint_linear(x, parts, self.gate_up_weight, None, self.ops, self.gate_up_scale).chunk(2, dim=-1)
         return self.down_proj(self.ops.silu_mul(gate, up))
 
 
@@ -107,17 +116,23 @@ def joint_linear(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     ops: Ops = STANDARD,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All `parts` applied to `x` as one GEMM (`ops.linear`), their outputs side by side.
-    `weight`/`bias` are the packed tensors when the parts were packed; otherwise the parts' weights
-    are joined here, or, when a part has a `joint_forward(x, parts)` method (a trainer's LoRA
-    projection, which computes with its own table), that part computes the joint product."""
+    `weight`/`bias`/`scale` are the packed tensors when the parts were packed; otherwise the parts'
+    weights are joined here, or, when a part has a `joint_forward(x, parts)` method (a trainer's LoRA
+    projection, which computes with its own table), that part computes the joint product. With FP8
+    weights (`scale`, or the parts' `weight_scale`) the GEMM is kernels.fp8.fp8_linear."""
     if weight is None:
         owner = next((m for m in parts if hasattr(m, "joint_forward")), None)
         if owner is not None:
             return owner.joint_forward(x, parts)
         weight = torch.cat([m.weight for m in parts])
         bias = torch.cat([m.bias for m in parts]) if parts[0].bias is not None else None
+        if parts[0].weight_scale is not None:
+            scale = torch.cat([m.weight_scale for m in parts])
+    if scale is not None:
+        return fp8_linear(x, weight, scale, bias)
     return ops.linear(x, weight, bias)
 
 
@@ -198,7 +213,23 @@ class CausalLM(nn.Module):
     def unpack_projections(self) -> None:
         """Forget the packed tensors (their parameters must have been given new storage first)."""
         for layer in self.model.layers:
-            layer.self_attn.qkv_weight = layer.self_attn.qkv_bias = layer.mlp.gate_up_weight = None
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_weight = attn.qkv_bias = attn.qkv_scale = mlp.gate_up_weight = mlp.gate_up_scale = None
+
+    def quantize_projections(self) -> None:
+        """Turn every decoder layer's projection weight (q/k/v/o, gate/up/down) into e4m3 with a
+        per-row fp32 scale, its `weight_scale` parameter (kernels/fp8.py): an inference owner's FP8
+        weights, half the bytes of bf16. Embeddings, norms and the lm_head stay as they are. Call
+        before `pack_projections` (packed tensors are built from the quantized parts); a module at a
+        time, so at most one projection's extra copy is alive."""
+        if any(layer.self_attn.qkv_weight is not None for layer in self.model.layers):
+            raise RuntimeError("quantize_projections must run before pack_projections")
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                w8, scale = quantize_rowwise(m.weight.detach())
+                m.weight = nn.Parameter(w8, requires_grad=False)
+                m.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def tie_weights(self):
         """Share lm_head with the embeddings when the config says so (again after to_empty/moves)."""

@@ -77,4 +77,6 @@ def build_engine(
         seed=r.seed + info.rank,
         compile_decode=r.compile_decode and info.device.type == "cuda",
         ops=Ops.standard() if ops is None else ops,
+        weight_dtype="fp8" if r.weight_dtype == "fp8" else "auto",
+        kv_cache_dtype=r.kv_cache_dtype,
     )

@@ -45,8 +45,11 @@ class Actor:
         temperature: float,
         norm_len: int | None,
         keep_gathered: bool = False,
+        use_tis: bool = False,
     ):
+        """use_tis: algorithm.use_tis with its default resolved (`Config.use_tis`)."""
         self.model, self.opt, self.arrival, self.algo = model, opt, arrival, algo
+        self.use_tis = use_tis
         self.gathered = model if keep_gathered else None
         self.temperature = temperature
         self.norm_len = norm_len if algo.loss_agg_mode == "seq_mean_token_sum" else None
@@ -96,7 +99,7 @@ class Actor:
             loss_mask, mis = mis_mask(old, rollout, mb.seq_index, mask, a.mis_low, a.mis_high)
             shares["train/mis_dropfrac"] = agg(mis["mis_dropfrac"], mask, mode="token_mean")
         tis = None
-        if a.use_tis:
+        if self.use_tis:
             tis, tis_metrics = truncated_is_weights(old, rollout, mask, a.tis_clip)
             shares["train/tis_clipfrac"] = agg(tis_metrics["tis_clipfrac"], mask, mode="token_mean")
         pg_tok, pg_metrics = policy_loss(

@@ -24,6 +24,7 @@ from torch.profiler import record_function
 from colocate import dist
 from colocate.config import Config
 from colocate.kernels.ops import Ops
+from colocate.kernels.paged_attention import kv_bytes_per_token
 from colocate.lora.identity import LoRASpec, is_adapter
 from colocate.models import ArchConfig, CausalLM, iter_safetensors, resolve_dtype
 from colocate.rollout.sample import Sample
@@ -114,7 +115,14 @@ class Trainer:
             actor_model = self._build(lambda: CausalLM(policy_cfg, self.ops), m.path, ACTOR_PARAMS, train=True, lora=self.lora)
             actor_opt, arrival = self._optimizer(actor_model, t.lr, ACTOR_OPTIM, max(1, actor_rollouts * steps_per_rollout))
         self.actor = Actor(
-            actor_model, actor_opt, arrival, a, temperature=r.temperature, norm_len=norm_len, keep_gathered=self.keep_gathered
+            actor_model,
+            actor_opt,
+            arrival,
+            a,
+            temperature=r.temperature,
+            norm_len=norm_len,
+            keep_gathered=self.keep_gathered,
+            use_tis=cfg.use_tis,
         )
         if cfg.offload.offload_train:  # pinned on helper threads while the rest starts
             self.startup_seconds["pinned_buffers"] = self.memory.reserve(ACTOR_PARAMS, ACTOR_OPTIM)
@@ -179,7 +187,8 @@ class Trainer:
             free, total = torch.cuda.mem_get_info(self.device)
             free = -dist.all_reduce_max(-free, self.device)
             p = policy_cfg
-            kv_per_token = 2 * p.num_hidden_layers * p.num_key_value_heads * p.head_dim * itemsize  # K and V
+            kv_dtype = torch.float8_e4m3fn if self.cfg.rollout.kv_cache_dtype == "fp8_e4m3" else self.compute_dtype
+            kv_per_token = p.num_hidden_layers * kv_bytes_per_token(p.num_key_value_heads, p.head_dim, kv_dtype)
             shape = Shape.of(policy_cfg, m.lora_rank, tuple(m.lora_target_modules))
             plan = plan_memory(shape, needs, free, total, kv_per_token)
         t.max_tokens_per_gpu = plan.max_tokens_per_gpu

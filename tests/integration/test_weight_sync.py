@@ -165,6 +165,41 @@ def test_every_native_engine_parameter_holds_the_cast_master(tmp_path):
     run_ranks(_sync_into_native_engines, 2, path, torch.float16)
 
 
+def _sync_into_an_fp8_engine(rank, world_size, path):
+    """An engine with FP8 weights (rollout.weight_dtype fp8) takes the trainer's changed weights in
+    buckets: every projection must hold quantize_rowwise(master) (values and row scales), every other
+    parameter the master itself."""
+    from colocate.kernels.fp8 import E4M3, quantize_rowwise
+    from colocate.rollout.native import NativeEngine
+
+    model = from_pretrained(path, dtype="float32")
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    engine = NativeEngine(str(path), max_kv_tokens=256, weight_dtype="fp8")
+    _shard(model)
+    sync_weights(model, engine, version=1, dtype=torch.float32, bucket_bytes=8192)
+    got = dict(engine.model.named_parameters())
+    masters = _masters(model)
+    quantized = [n for n in masters if got[n].dtype == E4M3]
+    assert len(quantized) == 2 * 7
+    for name, master in masters.items():
+        if name in quantized:
+            w8, scale = quantize_rowwise(master)
+            assert torch.equal(got[name].view(torch.uint8), w8.view(torch.uint8)), name
+            assert torch.equal(got[name + "_scale"], scale), name
+        else:
+            assert torch.equal(got[name], master), name
+
+
+def test_an_fp8_engine_holds_the_quantized_masters_after_a_sync(tmp_path):
+    """One rank (whole tensors) and two (gathered units)."""
+    path, _ = write_hf_model(tmp_path, "qwen2")
+    run_ranks(_sync_into_an_fp8_engine, 1, path)
+    run_ranks(_sync_into_an_fp8_engine, 2, path)
+
+
 def test_native_engine_partial_update_keeps_the_rest_and_needs_complete_weights(tmp_path):
     from colocate.rollout.native import NativeEngine
     from colocate.rollout.protocol import SamplingParams

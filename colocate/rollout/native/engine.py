@@ -18,7 +18,9 @@ from typing import Sequence as SequenceType
 
 import torch
 
+from colocate.kernels.fp8 import E4M3, quantize_rowwise_into
 from colocate.kernels.ops import Ops
+from colocate.kernels.paged_attention import kv_bytes_per_token
 from colocate.models import CausalLM, from_config, from_pretrained, load_weights, resolve_dtype
 from colocate.models.layers import rope_inv_freq
 from colocate.rollout.native.block_manager import BlockManager
@@ -29,6 +31,8 @@ from colocate.rollout.native.scheduler import Scheduler, Sequence
 from colocate.rollout.protocol import Completion, Continue, Request, SamplingParams, TurnEnd, check_tags
 
 _SEED_MASK = (1 << 62) - 1
+WEIGHT_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 class NativeEngine:
@@ -56,6 +60,8 @@ class NativeEngine:
         memory_saver: bool | str = "auto",
         seed: int = 0,
         ops: Ops | None = None,
+        weight_dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
     ):
         """
         model: an HF model directory, or a CausalLM whose weights are copied (never shared).
@@ -71,6 +77,11 @@ class NativeEngine:
         ops: the table of operations the engine computes and samples with (colocate/kernels/ops.py;
             the true on-policy mode's in that mode); default: that of `model` when it is a CausalLM,
             else `Ops.standard()`.
+        weight_dtype: 'auto' keeps the weights in `dtype`; 'fp8' holds every decoder projection in
+            e4m3 with per-row scales and runs it as an FP8 GEMM (kernels/fp8.py; updates are
+            quantized as they are copied in). Not with the true on-policy table.
+        kv_cache_dtype: 'auto' caches K/V in `dtype`; 'fp8_e4m3' in e4m3 with a scale per token and
+            head (kernels/paged_attention.py): about half the bytes per cached token.
         """
         checks = [
             ("block_size", block_size, block_size >= 1),
@@ -84,11 +95,19 @@ class NativeEngine:
         for name, value, ok in checks:
             if not ok:
                 raise ValueError(f"NativeEngine: invalid {name}={value!r}")
+        if weight_dtype not in WEIGHT_DTYPES or kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"NativeEngine: weight_dtype must be one of {WEIGHT_DTYPES} and kv_cache_dtype one of "
+                f"{KV_CACHE_DTYPES}, got {weight_dtype!r} and {kv_cache_dtype!r}"
+            )
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.memory = DeviceMemory(self.device, memory_saver)
         self.ops = ops if ops is not None else (model.ops if isinstance(model, CausalLM) else Ops.standard())
+        if self.ops.invariant and "fp8" in (weight_dtype, kv_cache_dtype[:3]):
+            raise ValueError("NativeEngine: FP8 weights or KV cache break the true on-policy mode's bitwise match")
+        self.fp8_weights = weight_dtype == "fp8"
         start = time.perf_counter()
         self.model = self._load(model, resolve_dtype(dtype, self.device))
         self.startup_seconds = {"weights": time.perf_counter() - start}
@@ -97,7 +116,9 @@ class NativeEngine:
         and cuda_graphs (the other warm-ups and the capture of every bucket)."""
         cfg = self.model.config
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        num_blocks = self._num_kv_blocks(block_size, kv_cache_fraction, max_kv_tokens)
+        self.dtype = self.model.model.embed_tokens.weight.dtype  # the compute dtype (FP8 weights or not)
+        kv_dtype = E4M3 if kv_cache_dtype == "fp8_e4m3" else self.dtype
+        num_blocks = self._num_kv_blocks(block_size, kv_cache_fraction, max_kv_tokens, kv_dtype)
         self.max_model_len = min(cfg.max_position_embeddings, num_blocks * block_size)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_decode_steps)
@@ -108,6 +129,7 @@ class NativeEngine:
             num_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
+            kv_dtype=kv_dtype,
             cuda_graph_max_bs=cuda_graph_max_bs if cuda_graph else None,
             compile_decode=self.device.type == "cuda" if compile_decode is None else compile_decode,
         )
@@ -121,6 +143,9 @@ class NativeEngine:
         self._partial = False  # the open session may leave parameters as they are
         self._params = dict(self.model.named_parameters())  # the same objects across release/resume
         self._param_shapes = {n: p.shape for n, p in self._params.items()}
+        self._weights_bytes = sum(p.numel() * p.element_size() for p in self._params.values())
+        self._scales = {n: self._params[n + "_scale"] for n in self._params if n + "_scale" in self._params}
+        """An FP8 weight's name -> its row scales (written by update_weights, never pushed)."""
         self._rng = random.Random(seed)
         self._next_seq_id = 0
         self._next_prompt_index = 0
@@ -151,6 +176,9 @@ class NativeEngine:
                 load_weights(ours, model.state_dict().items(), source="model")
             else:
                 ours = from_pretrained(model, dtype, self.device)
+            if self.fp8_weights:
+                _check_fp8_shapes(ours, dtype, self.device)
+                ours.quantize_projections()
             ours.pack_projections()  # one GEMM for q/k/v and one for gate/up
             ours.set_ops(self.ops)
         if self.device.type == "cuda":
@@ -160,10 +188,10 @@ class NativeEngine:
         ours.model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(self.device)
         return ours.eval().requires_grad_(False)
 
-    def _num_kv_blocks(self, block_size: int, fraction: float, max_kv_tokens: int | None) -> int:
+    def _num_kv_blocks(self, block_size: int, fraction: float, max_kv_tokens: int | None, kv_dtype: torch.dtype) -> int:
         cfg = self.model.config
-        itemsize = next(self.model.parameters()).dtype.itemsize
-        block_bytes = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        token_bytes = kv_bytes_per_token(cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
+        block_bytes = cfg.num_hidden_layers * block_size * token_bytes
         if max_kv_tokens is None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free = torch.cuda.mem_get_info(self.device)[0]
@@ -444,8 +472,7 @@ class NativeEngine:
         graphs = self.runner.graphs
         return {
             "mode": self.memory.mode,
-            "weights_bytes": sum(int(torch.Size(s).numel()) for s in self._param_shapes.values())
-            * next(self.model.parameters()).dtype.itemsize,
+            "weights_bytes": self._weights_bytes,
             "kv_cache_bytes": self.runner.kv_bytes,
             "cuda_graph_bytes": graphs.num_bytes if graphs is not None else 0,
             # Pausable in preload mode; dropped and captured again without the memory saver; kept
@@ -478,6 +505,7 @@ class NativeEngine:
         params = self._params
         tied = self.model.config.tie_word_embeddings
         names, dsts, srcs = [], [], []
+        scales = self._scales
         for name, tensor in named_tensors:
             if tied and name == "lm_head.weight":
                 continue  # the same tensor as model.embed_tokens.weight
@@ -487,6 +515,10 @@ class NativeEngine:
             if tuple(tensor.shape) != tuple(p.shape):
                 raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             names.append(name)
+            if name in scales:  # an FP8 weight: quantized on the tensor's device as it is written
+                quantize_rowwise_into(tensor.detach(), p.data, scales[name].data)
+                names.append(name + "_scale")
+                continue
             dsts.append(p.data)
             srcs.append(tensor.detach())
         # One multi-tensor launch (casting on the fly) instead of a copy kernel per tensor.
@@ -519,6 +551,19 @@ class NativeEngine:
         self.runner = self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _check_fp8_shapes(model: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    """FP8 GEMMs on CUDA (torch._scaled_mm with row scales) take bf16 activations and widths that
+    are multiples of 16."""
+    if device.type != "cuda":
+        return
+    if dtype != torch.bfloat16:
+        raise ValueError(f"FP8 weights compute in bf16 on CUDA; the model dtype is {dtype}")
+    layer = model.model.layers[0]
+    for name, m in [*layer.self_attn.named_children(), *layer.mlp.named_children()]:
+        if name.endswith("_proj") and (m.in_features % 16 or m.out_features % 16):
+            raise ValueError(f"FP8 weights need widths that are multiples of 16; {name} is {m.out_features} x {m.in_features}")
 
 
 def _rows(seqs: list[Sequence]) -> list[tuple[SamplingParams, int, frozenset[int], int]]:

@@ -33,7 +33,6 @@ path's, which the compiled decode and prefill fuse around; the mode's path calls
 from __future__ import annotations
 
 import array
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,8 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from colocate.kernels import batch_invariant, invariant_attention
+from colocate.kernels.fp8 import E4M3
 from colocate.kernels.ops import Ops
-from colocate.kernels.paged_attention import paged_decode_attention, store_kv
+from colocate.kernels.paged_attention import gather_kv, kv_bytes_per_token, paged_decode_attention, store_kv
 from colocate.models import CausalLM
 from colocate.rollout.native.cuda_graphs import DecodeGraphs
 from colocate.rollout.native.memory import DeviceMemory
@@ -56,36 +56,44 @@ norm, rotary and residual work between the GEMMs took about half of a 4B model's
 below this size the saving is small, and a run whose prefills are all small never pays the compile."""
 
 
-@torch.library.custom_op("colocate_native::decode_attention", mutates_args=("kv",))
+def _kv_scales(kv: torch.Tensor, kv_scale: torch.Tensor) -> dict:
+    """The scale arguments of the cache ops: an FP8 cache's (2, num_blocks, block_size, Hk) scales
+    (`kv_scale`; an empty placeholder for a cache in the compute dtype)."""
+    return dict(k_scale=kv_scale[0], v_scale=kv_scale[1]) if kv.dtype == E4M3 else {}
+
+
+@torch.library.custom_op("colocate_native::decode_attention", mutates_args=("kv", "kv_scale"))
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kv: torch.Tensor,
+    kv_scale: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Store one layer's new K/V into its paged cache `kv` (2, num_blocks, block_size, Hk, D) and
-    attend over it (the default table's `decode_attention`). An opaque op to torch.compile, which
-    fuses everything around it."""
-    k_cache, v_cache = kv[0], kv[1]
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
-    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    attend over it (the default table's `decode_attention`); an FP8 cache's scales are `kv_scale`.
+    An opaque op to torch.compile, which fuses everything around it."""
+    scales = _kv_scales(kv, kv_scale)
+    store_kv(k, v, kv[0], kv[1], slot_mapping, **scales)
+    return paged_decode_attention(q, kv[0], kv[1], block_tables, context_lens, scale, **scales)
 
 
 @decode_attention.register_fake
-def _(q, k, v, kv, slot_mapping, block_tables, context_lens, scale):
+def _(q, k, v, kv, kv_scale, slot_mapping, block_tables, context_lens, scale):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("colocate_native::prefill_attention", mutates_args=("kv",))
+@torch.library.custom_op("colocate_native::prefill_attention", mutates_args=("kv", "kv_scale"))
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kv: torch.Tensor,
+    kv_scale: torch.Tensor,
     slot_mapping: torch.Tensor,
     cu_seq_q: torch.Tensor,
     cu_seq_k: torch.Tensor,
@@ -97,13 +105,13 @@ def prefill_attention(
     block_size, Hk, D), then attend: each sequence's queries, its last tokens, over its keys
     (causal, the last query aligned with the last key). `gather_slots` holds the cache slots of every
     key when some sequence continues a cached prefix (else the keys are the new ones); `max_lens`,
-    on the host, the longest query and key runs. An opaque op to torch.compile (the default path's:
-    the true on-policy mode's prefill is `ModelRunner._invariant_prefill_attention`)."""
-    k_cache, v_cache = kv[0], kv[1]
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
-    if gather_slots is not None:
-        k = k_cache.flatten(0, 1)[gather_slots]  # (M, Hk, D): cached prefix + new keys
-        v = v_cache.flatten(0, 1)[gather_slots]
+    on the host, the longest query and key runs; an FP8 cache's scales are `kv_scale` (the new keys
+    attend as computed, the cached prefix dequantized). An opaque op to torch.compile (the default
+    path's: the true on-policy mode's prefill is `ModelRunner._invariant_prefill_attention`)."""
+    scales = _kv_scales(kv, kv_scale)
+    store_kv(k, v, kv[0], kv[1], slot_mapping, **scales)
+    if gather_slots is not None:  # (M, Hk, D): cached prefix + new keys
+        k, v = gather_kv(kv[0], kv[1], gather_slots, q.dtype, **scales)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
@@ -113,7 +121,7 @@ def prefill_attention(
 
 
 @prefill_attention.register_fake
-def _(q, k, v, kv, slot_mapping, cu_seq_q, cu_seq_k, max_lens, gather_slots, scale):
+def _(q, k, v, kv, kv_scale, slot_mapping, cu_seq_q, cu_seq_k, max_lens, gather_slots, scale):
     return torch.empty_like(q)
 
 
@@ -124,6 +132,7 @@ def _decode_layer(
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv: torch.Tensor,
+    kv_scale: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
@@ -136,7 +145,7 @@ def _decode_layer(
     layer (the layer's cache `kv` (2, num_blocks, block_size, Hk, D) is an input, not an index)."""
 
     def attn(_module, q, k, v):
-        return decode_attention(q, k, v, kv, slot_mapping, block_tables, context_lens, scale)
+        return decode_attention(q, k, v, kv, kv_scale, slot_mapping, block_tables, context_lens, scale)
 
     x, normed = layer.input_layernorm.add_forward(x, delta)
     attended = layer.self_attn(normed, cos, sin, None, None, attn)
@@ -150,6 +159,7 @@ def _prefill_layer(
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv: torch.Tensor,
+    kv_scale: torch.Tensor,
     slot_mapping: torch.Tensor,
     cu_seq_q: torch.Tensor,
     cu_seq_k: torch.Tensor,
@@ -161,7 +171,7 @@ def _prefill_layer(
     every layer, as in `_decode_layer`."""
 
     def attn(_module, q, k, v):
-        return prefill_attention(q, k, v, kv, slot_mapping, cu_seq_q, cu_seq_k, max_lens, gather_slots, scale)
+        return prefill_attention(q, k, v, kv, kv_scale, slot_mapping, cu_seq_q, cu_seq_k, max_lens, gather_slots, scale)
 
     return layer(x, cos, sin, None, None, attn)
 
@@ -190,7 +200,10 @@ class ModelRunner:
         max_model_len: int,
         cuda_graph_max_bs: int | None,
         compile_decode: bool,
+        kv_dtype: torch.dtype | None = None,
     ):
+        """kv_dtype: the cache's dtype, default the model's compute dtype; float8_e4m3fn caches
+        K/V in e4m3 with an fp32 scale per token and head (`kv_scale`)."""
         cfg = model.config
         self.model = model
         self.ops: Ops = model.ops
@@ -198,11 +211,16 @@ class ModelRunner:
         self.memory = memory
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = kv_dtype or self.dtype
+        if self.kv_dtype == E4M3 and self.ops.invariant:
+            raise ValueError("an FP8 KV cache breaks the true on-policy mode's bitwise match")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_shape = (2, cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.scale = cfg.head_dim**-0.5
         self.kv: torch.Tensor | None = None
+        self.kv_scale: torch.Tensor | None = None
+        """An FP8 cache's scales (2, layers, num_blocks, block_size, Hk) fp32; else empty."""
         self.allocate_kv()
         # Static decode inputs (outside any releasable region: small, and graphs read them).
         max_blocks_per_seq = -(-max_model_len // block_size)
@@ -237,14 +255,17 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return math.prod(self.kv_shape) * self.dtype.itemsize
+        _, layers, blocks, block_size, heads, head_dim = self.kv_shape
+        return layers * blocks * block_size * kv_bytes_per_token(heads, head_dim, self.kv_dtype)
 
     def allocate_kv(self) -> None:
         with self.memory.region("kv_cache"):
-            self.kv = torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device)
+            self.kv = torch.zeros(self.kv_shape, dtype=self.kv_dtype, device=self.device)
+            scale_shape = self.kv_shape[:-1] if self.kv_dtype == E4M3 else (2, self.kv_shape[1], 0)
+            self.kv_scale = torch.zeros(scale_shape, dtype=torch.float32, device=self.device)
 
     def free_kv(self) -> None:
-        self.kv = None
+        self.kv = self.kv_scale = None
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer, K and V): copy on write of shared prompt blocks."""
@@ -253,6 +274,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], dtype=torch.int64).to(self.device, non_blocking=True)
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64).to(self.device, non_blocking=True)
         self.kv[:, :, dst] = self.kv[:, :, src]
+        if self.kv_dtype == E4M3:
+            self.kv_scale[:, :, dst] = self.kv_scale[:, :, src]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, H) -> (R, V) fp32, accumulated in fp32 as the trainer computes them (the table's `logits`)."""
@@ -321,7 +344,7 @@ class ModelRunner:
                 x,
                 cos,
                 sin,
-                self._layer_kv(i),
+                *self._layer_kv(i),
                 ctx.slot_mapping,
                 ctx.cu_seq_q,
                 ctx.cu_seq_k,
@@ -333,9 +356,19 @@ class ModelRunner:
 
     def _default_prefill_attention(self, module: nn.Module, q, k, v):
         ctx = self._prefill
-        kv = self.kv[:, module.layer_idx]
+        i = module.layer_idx
         return prefill_attention(
-            q, k, v, kv, ctx.slot_mapping, ctx.cu_seq_q, ctx.cu_seq_k, ctx.max_lens, ctx.gather_slots, self.scale
+            q,
+            k,
+            v,
+            self.kv[:, i],
+            self.kv_scale[:, i],
+            ctx.slot_mapping,
+            ctx.cu_seq_q,
+            ctx.cu_seq_k,
+            ctx.max_lens,
+            ctx.gather_slots,
+            self.scale,
         )
 
     def _invariant_prefill_attention(self, module: nn.Module, q, k, v):
@@ -379,7 +412,7 @@ class ModelRunner:
         batch(slot_mapping, block_tables, context_lens)
         for i, layer in enumerate(self.model.model.layers):
             x, delta = batch(
-                *self._layer(layer, x, delta, cos, sin, self._layer_kv(i), slot_mapping, block_tables, context_lens, self.scale)
+                *self._layer(layer, x, delta, cos, sin, *self._layer_kv(i), slot_mapping, block_tables, context_lens, self.scale)
             )
         return self._head(x, delta)
 
@@ -394,16 +427,18 @@ class ModelRunner:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         return tensors
 
-    def _layer_kv(self, i: int) -> torch.Tensor:
-        """Layer i's cache (2, num_blocks, block_size, Hk, D) for a compiled layer, its block count
-        traced as a size that varies. On CUDA the engine sizes its cache from the free memory, which
-        moves between runs by more than a block; as a constant, the block count would key the
-        compile caches (inductor's graphs, AOTAutograd's) anew, and a warm restart would compile the
-        layer again. Only the opaque attention op reads the cache, so no kernel depends on it."""
-        kv = self.kv[:, i]
+    def _layer_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's cache (2, num_blocks, block_size, Hk, D) and its scales for a compiled layer, the
+        block count traced as a size that varies. On CUDA the engine sizes its cache from the free
+        memory, which moves between runs by more than a block; as a constant, the block count would
+        key the compile caches (inductor's graphs, AOTAutograd's) anew, and a warm restart would
+        compile the layer again. Only the opaque attention op reads the cache, so no kernel depends on it."""
+        kv, kv_scale = self.kv[:, i], self.kv_scale[:, i]
         if self.compiled_decode:
             torch._dynamo.maybe_mark_dynamic(kv, 1)
-        return kv
+            if self.kv_dtype == E4M3:
+                torch._dynamo.maybe_mark_dynamic(kv_scale, 1)
+        return kv, kv_scale
 
     def _decode_embed(self, input_ids, positions):
         """The stream (B, H), a zero first delta, and the rotary tables of a decode step."""
