@@ -17,12 +17,21 @@ Cases:
 Cases run only when named:
   qwen3_4b  `python -m colocate.train` on a Qwen3-4B shape (random bf16 weights, bench/e2e.py's "4b"),
             full fine-tuning with offload on, 32 prompts x 8 samples (the decode graphs of the
-            measured 4B run) of 32 new tokens, one step: the start-up phases, among them the
-            trainer's pinned buffers (now their layout), the start-up offload (which waits for
-            the pinning left) and the engine's first decode (the compile, or the cache's hit).
-            With --cpu-smoke a tiny shape on CPU.
+            measured 4B run) of 32 new tokens, one step: the start-up phases and their parts (the
+            inputs' imports, tokenizer and data; the trainer's pinned buffers, their layouts; the
+            engine's first decode, the compile or the cache's hit), and the first record's moves of
+            the trainer's state (`moves`): the start-up offload's bytes copied, of them to pageable
+            memory (pieces not pinned yet), left behind as zeros (a fresh optimizer's state), its
+            wait for pinning (none by design); the first sync's (`first_sync/*`: its second offload
+            of the parameters waits for their pinned pieces); the host buffers pinned by the end of
+            start-up; and step 0's moves, where any pinning still left is waited for. With
+            --cpu-smoke a tiny shape on CPU (offload off).
   pinning   pinning 8 GiB of host memory in 1 GiB pieces with 1, 2, 4 and 8 helper threads, each in
-            a fresh process (GB/s each): how far pieces pin side by side on this machine. CUDA only.
+            a fresh process, with cudaHostAlloc (`alloc`, torch's default) and by registering pages
+            faulted in first (`register`, what the offload uses): GB/s, and the calling thread's
+            stalls meanwhile (a tiny kernel and a wait for it, in a loop: the longest, and the share
+            of the time spent in them), which is what pinning costs a start-up that goes on beside
+            it. CUDA only.
 
 Each case runs twice in a set of empty cache directories of its own (Triton, inductor, colocate's
 toy model and data): "cold" is the first run, as on a fresh CI machine, "warm" the second, caches
@@ -66,21 +75,32 @@ RUN_4B_TIMEOUT_S = 420
 """Per run of the 4B case: a cold start measured 78 s, and its one step takes seconds."""
 PIN_GIB = 8
 PIN_THREADS = (1, 2, 4, 8)
+PIN_MODES = ("alloc", "register")
 PIN_CODE = """
 import sys, time
 import torch
-from colocate.trainer.offload import HostPieces, pin_in_background
+from colocate.trainer.host_buffers import HostPieces, pin_in_background, use_registered_pinning
 
-num_gib, num_threads = int(sys.argv[1]), int(sys.argv[2])
+num_gib, num_threads, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 device = torch.device("cuda", 0)
-torch.empty(1, device=device)  # the context, before the clock starts
+probe = torch.zeros(1, device=device)  # the context, before the clock starts
+if mode == "register":
+    use_registered_pinning()
 pieces = HostPieces([1 << 30] * num_gib)
 start = time.perf_counter()
-for thread in pin_in_background([pieces], device, num_threads=num_threads):
+threads = pin_in_background([pieces], device, num_threads=num_threads)
+stalls = []
+while any(thread.is_alive() for thread in threads):
+    begin = time.perf_counter()
+    probe.add_(1)
+    torch.cuda.synchronize()
+    stalls.append(time.perf_counter() - begin)
+    time.sleep(0.001)
+for thread in threads:
     thread.join()
 seconds = time.perf_counter() - start
 assert all(pieces.get(i).is_pinned() for i in range(num_gib))
-print(seconds)
+print(seconds, max(stalls, default=0.0), sum(stalls))
 """
 
 
@@ -137,6 +157,7 @@ def run_loop(work: pathlib.Path, env: dict, name: str, config: pathlib.Path, ste
     if not rows:
         raise RuntimeError(f"{name}: no step was logged under {out_dir}")
     startup = startup_phases(rows[0])
+    moves = {k.removeprefix("handoff/"): v for k, v in rows[0].items() if k.startswith("handoff/")}
     top = sum(split_startup(startup)[0].values())
     first_done = rows[0]["time"] - start
     # What the logged phases leave out: before step 0, the process's spawn and what its phases do
@@ -147,6 +168,7 @@ def run_loop(work: pathlib.Path, env: dict, name: str, config: pathlib.Path, ste
         "wall_s": wall,
         "startup_s": top,
         "phases_s": startup,
+        "moves": moves,
         "outside_s": outside,
         "first_step_done_s": first_done,
         "steps_s": rows[-1]["time"] - rows[0]["time"],
@@ -181,17 +203,33 @@ def run_4b(work: pathlib.Path, env: dict, label: str, config: pathlib.Path) -> d
 
 
 def run_pinning() -> dict:
-    """Seconds and GB/s to pin PIN_GIB GiB in 1 GiB pieces, per number of helper threads."""
+    """Per way of pinning and number of helper threads: seconds and GB/s to pin PIN_GIB GiB in
+    1 GiB pieces, and the calling thread's longest stall and share of time stalled meanwhile."""
     out = {}
-    for threads in PIN_THREADS:
-        done = subprocess.run(
-            [sys.executable, "-c", PIN_CODE, str(PIN_GIB), str(threads)], cwd=ROOT, capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"pinning with {threads} threads failed (rc {done.returncode}):\n{done.stderr[-2000:]}")
-        seconds = float(done.stdout.split()[-1])
-        out[f"threads_{threads}"] = {"seconds": seconds, "gb_per_s": PIN_GIB * (1 << 30) / seconds / 1e9}
-        print(f"pinning {PIN_GIB} GiB, {threads} threads -> {seconds:.2f} s", flush=True)
+    for mode in PIN_MODES:
+        out[mode] = {}
+        for threads in PIN_THREADS:
+            done = subprocess.run(
+                [sys.executable, "-c", PIN_CODE, str(PIN_GIB), str(threads), mode],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"pinning ({mode}, {threads} threads) failed (rc {done.returncode}):\n{done.stderr[-2000:]}")
+            seconds, longest, stalled = (float(x) for x in done.stdout.split()[-3:])
+            out[mode][f"threads_{threads}"] = {
+                "seconds": seconds,
+                "gb_per_s": PIN_GIB * (1 << 30) / seconds / 1e9,
+                "longest_stall_s": longest,
+                "stalled_share": stalled / seconds,
+            }
+            print(
+                f"pinning {PIN_GIB} GiB ({mode}), {threads} threads -> {seconds:.2f} s; the calling thread stalled "
+                f"up to {longest:.3f} s, {stalled / seconds:.0%} of the time",
+                flush=True,
+            )
     return out
 
 
@@ -301,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
                 parts = {**r.get("init_parts_s", {}), **(r["phases_s"] if case == "qwen3_4b" else {})}
                 shown = {k: v for k, v in {**r, **parts}.items() if isinstance(v, float)}
                 print(f"{case} {label} -> " + ", ".join(f"{k} {v:.1f}" for k, v in shown.items()), flush=True)
+                if case == "qwen3_4b" and r["moves"]:  # what the offloads moved and what they waited for
+                    print(f"{case} {label} moves -> " + ", ".join(f"{k} {v:.2f}" for k, v in r["moves"].items()), flush=True)
                 write_result(result, args.out)  # after each run: a run cut short keeps what it measured
     write_result(result, args.out)
     print(f"wrote {args.out}")

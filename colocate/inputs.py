@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -10,6 +12,7 @@ from colocate import dist
 from colocate.config import Config
 from colocate.dist import DistInfo
 from colocate.rollout.rewards import RewardFn
+from colocate.timing import timed
 
 if TYPE_CHECKING:
     from colocate.models import ArchConfig
@@ -154,28 +157,37 @@ class RunInputs:
     """Training prompts dropped as longer than rollout.max_prompt_len."""
     episodes: object | None = None
     """rollout.env's EpisodeRunner (colocate/envs/episodes.py), None for single-turn sampling."""
+    startup_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Where the time of loading went: imports, models (their configs), tokenizer, reward, data,
+    hooks (rollout.custom_generate, rollout.env)."""
 
     @classmethod
     def load(cls, cfg: Config, info: DistInfo) -> "RunInputs":
-        from colocate.models.config import load_tokenizer, stop_token_ids
-        from colocate.models.loading import read_model_config
-        from colocate.rollout.prompts import PromptDataset, PromptSampler
-        from colocate.rollout.rewards import load_reward_fn
-        from colocate.user_code import load_function
+        parts: dict[str, float] = {}
+        part = functools.partial(timed, parts, device=info.device)
+        with part("imports"):  # colocate.models brings torch's compiler stack
+            from colocate.models.config import load_tokenizer, stop_token_ids
+            from colocate.models.loading import read_model_config
+            from colocate.rollout.prompts import PromptDataset, PromptSampler
+            from colocate.rollout.rewards import load_reward_fn
+            from colocate.user_code import load_function
 
-        cfg.check_world_size(info.world_size)
-        _prepare_toy(cfg, info)
-        _resolve_hub_ids(cfg, info)
-        r = cfg.rollout
-        # Unreadable config.json files and unsupported architectures fail here.
-        m, a = cfg.model, cfg.algorithm
-        used = {"path": True, "ref_path": a.needs_ref, "critic_path": a.use_critic}
-        for field in [f for f, on in used.items() if on and getattr(m, f)]:
-            _check_model_fit(cfg, field, read_model_config(getattr(m, field), f"model.{field}"))
-        _check_tokenizer_files(cfg.model.path)
-        tokenizer = load_tokenizer(cfg.model.path)
-        eos = stop_token_ids(cfg.model.path, tokenizer)
-        reward_fn = load_reward_fn(r.reward)
+        with part("models"):
+            cfg.check_world_size(info.world_size)
+            _prepare_toy(cfg, info)
+            _resolve_hub_ids(cfg, info)
+            r = cfg.rollout
+            # Unreadable config.json files and unsupported architectures fail here.
+            m, a = cfg.model, cfg.algorithm
+            used = {"path": True, "ref_path": a.needs_ref, "critic_path": a.use_critic}
+            for field in [f for f, on in used.items() if on and getattr(m, f)]:
+                _check_model_fit(cfg, field, read_model_config(getattr(m, field), f"model.{field}"))
+            _check_tokenizer_files(cfg.model.path)
+        with part("tokenizer"):  # with transformers' import
+            tokenizer = load_tokenizer(cfg.model.path)
+            eos = stop_token_ids(cfg.model.path, tokenizer)
+        with part("reward"):
+            reward_fn = load_reward_fn(r.reward)
 
         def dataset(path, input_key, label_key, metadata_key):
             return PromptDataset(
@@ -190,19 +202,22 @@ class RunInputs:
                 chat_template_kwargs=r.chat_template_kwargs,
             )
 
-        train_set = dataset(r.prompt_data, r.input_key, r.label_key, r.metadata_key)
-        _check_prompt_count(cfg, train_set)
-        data = PromptSampler(train_set, rank=info.rank, world_size=info.world_size, seed=r.seed, shuffle=r.shuffle)
-        eval_sets = []
-        for d in cfg.eval.datasets:
-            ds = dataset(d.path, d.input_key, d.label_key, d.metadata_key)
-            mine = [ds[i] for i in range(info.rank, len(ds), info.world_size)]
-            field = f"eval.datasets.{d.name}.reward" if d.reward else "rollout.reward"
-            eval_sets.append((d.name, mine, load_reward_fn(d.reward or r.reward, field)))
+        with part("data"):
+            train_set = dataset(r.prompt_data, r.input_key, r.label_key, r.metadata_key)
+            _check_prompt_count(cfg, train_set)
+            data = PromptSampler(train_set, rank=info.rank, world_size=info.world_size, seed=r.seed, shuffle=r.shuffle)
+            eval_sets = []
+            for d in cfg.eval.datasets:
+                ds = dataset(d.path, d.input_key, d.label_key, d.metadata_key)
+                mine = [ds[i] for i in range(info.rank, len(ds), info.world_size)]
+                field = f"eval.datasets.{d.name}.reward" if d.reward else "rollout.reward"
+                eval_sets.append((d.name, mine, load_reward_fn(d.reward or r.reward, field)))
 
         a = cfg.algorithm
         overlong = (a.overlong_buffer_len, a.overlong_penalty_factor) if a.overlong_buffer_len else None
-        hook = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else None
+        with part("hooks"):
+            hook = load_function(r.custom_generate, "rollout.custom_generate") if r.custom_generate else None
+            episodes = _episode_runner(cfg, tokenizer)
         return cls(
             tokenizer,
             data,
@@ -212,5 +227,6 @@ class RunInputs:
             overlong,
             hook,
             num_dropped_prompts=train_set.num_dropped,
-            episodes=_episode_runner(cfg, tokenizer),
+            episodes=episodes,
+            startup_seconds=parts,
         )

@@ -77,10 +77,12 @@ class Loop:
         self.out = Path(cfg.output_dir)
         self.startup: dict[str, float] = dict(startup or {})
         """perf/startup/<part>_s: where the time before step 0 went, logged with the first step
-        (`startup`: the parts before the loop, in order)."""
+        (`startup`: the parts before the loop, in order), with the start-up's moves of the trainer's
+        state (handoff/trainer_offload_*, handoff/first_sync/*) and its host buffers pinned by then."""
         # Everything that can be wrong with the user's input is checked before any model is built.
         with timed(self.startup, "perf/startup/inputs_s", info.device):
             self.inputs = RunInputs.load(cfg, info)
+        _add_parts(self.startup, "inputs", self.inputs.startup_seconds)
         self.log = MetricsLogger(
             self.out,
             enabled=info.is_main,
@@ -103,7 +105,7 @@ class Loop:
         """The last step a requested stop let run (-1: none), or None when the run was not stopped."""
 
     def build(self):
-        from colocate.colocation.handoff import Colocation
+        from colocate.colocation.handoff import GIB, Colocation
         from colocate.kernels.ops import Ops
         from colocate.metrics import startup_line, startup_phases
         from colocate.models import resolve_dtype
@@ -138,8 +140,9 @@ class Loop:
         )
         if cfg.offload.offload_train:
             with timed(startup, "perf/startup/offload_s", info.device):
-                self.colocation.make_room()
+                room = self.colocation.make_room()
             _add_parts(startup, "offload", {"pinned_wait": self.trainer.memory.wait_seconds})
+            startup.update(room.transfer_metrics())
         eval_prompts = max((len(prompts) for _, prompts, _ in self.inputs.eval_sets), default=0)
         with timed(startup, "perf/startup/engine_s", info.device):
             self.engine = build_engine(
@@ -167,7 +170,11 @@ class Loop:
         # The engine always starts from the trainer's weights (they differ from disk after resume).
         self.weight_version += 1
         with timed(startup, "perf/startup/first_sync_s", info.device):
-            self.colocation.start(self.engine, self.weight_version)
+            first = self.colocation.start(self.engine, self.weight_version)
+        startup.update(first.transfer_metrics("handoff/first_sync/"))
+        pinned, laid_out = self.trainer.memory.pinned_bytes()
+        if laid_out:  # what the helper threads have still to pin once the loop starts
+            startup.update({"handoff/host_pinned_gib": pinned / GIB, "handoff/host_buffers_gib": laid_out / GIB})
         self.ledger.record(self.start_rollout_id, "start")
         self.log.info(startup_line(startup_phases(startup)))
 

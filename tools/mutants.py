@@ -562,6 +562,27 @@ MUTANTS = [
         ("tests/unit/test_offload_layout.py",),
     ),
     Mutant(
+        "first_offload_copies_zeros",
+        "colocate/trainer/offload.py",
+        "zeros = self._zero_storages(todo) if self.fresh else set()",
+        "zeros = set()",
+        ("tests/unit/test_first_offload.py",),
+    ),
+    Mutant(
+        "first_offload_waits_for_pinning",
+        "colocate/trainer/offload.py",
+        "self._slot(i, standin=self.fresh).copy_(",
+        "self._slot(i).copy_(",
+        ("tests/unit/test_first_offload.py",),
+    ),
+    Mutant(
+        "stand_in_kept_out_of_its_pinned_piece",
+        "colocate/trainer/offload.py",
+        "                self.kept |= kept_later[piece]",
+        "                pass",
+        ("tests/unit/test_first_offload.py",),
+    ),
+    Mutant(
         "streamed_block_skips_the_prefetched_next",
         "colocate/trainer/memory.py",
         "through[min(i + 1, last)]",

@@ -55,11 +55,16 @@ GIB = 1 << 30
 @dataclass
 class Transfer:
     """One move of a handoff: `num_bytes` that changed sides in `seconds`. For the engine the bytes
-    are what the device gained or lost (its used memory before and after)."""
+    are what the device gained or lost (its used memory before and after). A move of the trainer's
+    also says what of it went to pageable host memory, what it left behind as zeros, and how long
+    it waited for host buffers still pinning (colocate/trainer/offload.py)."""
 
     name: str
     num_bytes: int
     seconds: float
+    pageable_bytes: int = 0
+    zero_bytes: int = 0
+    pinned_wait_s: float = 0.0
 
 
 @dataclass
@@ -72,14 +77,27 @@ class Handoff:
     """Optimizer state left on the host to stream home in the next step's last backward."""
 
     def metrics(self) -> dict[str, float]:
-        out = {}
-        for t in self.transfers:
-            out[f"handoff/{t.name}_gib"] = t.num_bytes / GIB
-            out[f"handoff/{t.name}_s"] = t.seconds
+        out = self.transfer_metrics()
         if self.pending_bytes:
             out["handoff/trainer_state_streamed_gib"] = self.pending_bytes / GIB
         if self.sync is not None:
             out.update(self.sync.metrics())
+        return out
+
+    def transfer_metrics(self, prefix: str = "handoff/") -> dict[str, float]:
+        """<prefix><move>_gib and _s of each move; _pageable_gib, _zeros_gib and _pinned_wait_s
+        where not zero."""
+        out = {}
+        for t in self.transfers:
+            out[f"{prefix}{t.name}_gib"] = t.num_bytes / GIB
+            out[f"{prefix}{t.name}_s"] = t.seconds
+            for suffix, value in (
+                ("pageable_gib", t.pageable_bytes / GIB),
+                ("zeros_gib", t.zero_bytes / GIB),
+                ("pinned_wait_s", t.pinned_wait_s),
+            ):
+                if value:
+                    out[f"{prefix}{t.name}_{suffix}"] = value
         return out
 
 
@@ -100,7 +118,9 @@ class Colocation:
 
     def make_room(self) -> Handoff:
         """Before the engine is built: the trainer's whole state to the host, so that the engine
-        sizes its KV cache from the memory the trainer leaves it during generation."""
+        sizes its KV cache from the memory the trainer leaves it during generation. Nothing waits
+        for host buffers still pinning: a fresh optimizer's state stays behind as zeros, and what
+        is not pinned yet goes to pageable memory (colocate/trainer/offload.py)."""
         out = Handoff()
         if self.offload_train:
             self._trainer(out, "trainer_offload", self.memory.offload(*STATE, *PARAMS))
@@ -166,4 +186,6 @@ class Colocation:
     @staticmethod
     def _trainer(out: Handoff, name: str, stats: OffloadStats) -> None:
         if stats.num_bytes:
-            out.transfers.append(Transfer(name, stats.num_bytes, stats.seconds))
+            out.transfers.append(
+                Transfer(name, stats.num_bytes, stats.seconds, stats.pageable_bytes, stats.zero_bytes, stats.pinned_wait_s)
+            )

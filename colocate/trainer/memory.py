@@ -132,9 +132,11 @@ class TrainerMemory:
     """The trainer's groups of device tensors and the two moves between device and host.
 
     On CPU nothing moves; calls still return statistics (0 bytes), so callers need no special case.
-    With offload on, `reserve` starts pinning the host buffers at start-up, on helper threads:
-    pinning many GiB takes seconds, which no step should pay, and the start-up goes on meanwhile;
-    the first offload waits for whatever is not pinned yet (`wait_seconds`)."""
+    With offload on, `reserve` starts pinning a group's host buffers at start-up, on helper threads,
+    as soon as its sizes are known: pinning many GiB takes seconds, which no step should pay, and
+    the start-up goes on meanwhile. A group's first offload waits for none of it (zeros stay behind,
+    the rest goes to pageable memory where a piece is not pinned yet: see offload.py); later ones
+    wait for whatever is not pinned yet (`wait_seconds`)."""
 
     def __init__(self, method: str, device: torch.device):
         self.offloader = StateOffloader(method, device)
@@ -164,18 +166,23 @@ class TrainerMemory:
         return self.arrivals[tag]
 
     def reserve(self, *tags: str) -> float:
-        """Start pinning the host buffers of these groups (default: every group), in the order the
-        start-up offload (`STATE`, then `PARAMS`) copies into them; returns the seconds this took,
-        not the pinning's."""
+        """Start pinning the host buffers of these groups (default: every group), after those
+        reserved before, parameters first: the start-up's offload leaves a fresh optimizer state
+        behind as zeros, and its first weight sync offloads the parameters a second time, into
+        their pinned buffers. Returns the seconds this took, not the pinning's."""
         chosen = set(tags or self.offloader.groups) & set(self.offloader.groups)
-        order = dict.fromkeys([*STATE, *PARAMS, *self.offloader.groups])
+        order = dict.fromkeys([*PARAMS, *STATE, *self.offloader.groups])
         return self.offloader.reserve([tag for tag in order if tag in chosen])
 
     @property
     def wait_seconds(self) -> float:
-        """Seconds offloads have spent on host buffers not pinned yet (the first offload's wait for
-        what `reserve`'s helper threads had not finished, and any buffers a new layout needed)."""
+        """Seconds offloads have spent on host buffers not pinned yet (an offload after a group's
+        first one, while helper threads were still pinning, and any buffers a new layout needed)."""
         return self.offloader.wait_seconds
+
+    def pinned_bytes(self) -> tuple[int, int]:
+        """(bytes of host buffers pinned so far, bytes laid out)."""
+        return self.offloader.pinned_bytes()
 
     def offload(self, *tags: str) -> OffloadStats:
         """Move these groups (those that exist) to the host and hand their memory back to the device."""

@@ -5,19 +5,24 @@ the trainer needs its tensors back unchanged afterwards: the same Python objects
 sharded parameters, the optimizer holds its state by identity), with the same values. Two methods:
 
 - "pinned" (default, faster): every distinct device storage behind the registered tensors is copied
-  into a slot of the group's pinned host buffers (allocated once, then reused, since pinning many
-  GiB takes seconds: by helper threads that `reserve` starts, while the start-up goes on, or at
-  the first offload), on a side stream, then the storage is resized to zero. Onload resizes it back
-  and copies the bytes home. The buffers are pieces of one power of two (`pinned_layout`): torch's
-  pinned allocator rounds every allocation up to a power of two, so one buffer a group pinned up
-  to twice its bytes (a 1.5B model's 18.5 GB of gradients and AdamW moments took 32 GiB). Views
-  into a storage (FSDP's padded shard, the parameter view) keep working because they reference the
-  storage, not its address.
+  into a slot of the group's pinned host buffers (allocated once, then reused), on a side stream,
+  then the storage is resized to zero. Onload resizes it back and copies the bytes home. The buffers
+  are pieces of one power of two (`pinned_layout`): torch's pinned allocator rounds every allocation
+  up to a power of two, so one buffer a group pinned up to twice its bytes (a 1.5B model's 18.5 GB
+  of gradients and AdamW moments took 32 GiB). Views into a storage (FSDP's padded shard, the
+  parameter view) keep working because they reference the storage, not its address.
   A group may name tensors that never change (`constant`: the frozen base under LoRA adapters):
   their bytes are copied out once, and later offloads only free their storages.
 - "tms": the tensors are allocated inside a torch_memory_saver region with a CPU backup, and
   offload/onload pause and resume that region. Slower (the library copies through freshly
   allocated pinned memory each time), kept selectable for setups that already use the library.
+
+Pinning is slow, and it stalls every CUDA call of the process while it runs
+(colocate/trainer/host_buffers.py), so no start-up waits for it: the first offload of a layout
+copies nothing for storages that hold only zeros (a fresh optimizer's state; they come back as
+zeros), and copies those whose pieces are not pinned yet into pageable stand-ins, which serve their
+return. Helper threads pin the pieces meanwhile (queued by `reserve`, or by that first offload).
+Every later offload copies into the pinned pieces, waiting for any still pinning.
 
 On CPU nothing moves; calls still return statistics (0 bytes) so callers need no special case.
 """
@@ -34,6 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from colocate.memory_saver import handle as memory_saver_handle
+from colocate.trainer.host_buffers import HostPieces, Pinner, pageable, use_registered_pinning
 
 OFFLOAD_METHODS = ("pinned", "tms")
 _ALIGN = 512
@@ -45,11 +51,6 @@ _SMALL = 1 << 20
 """torch's caching allocator serves requests up to this size (bytes) from its small pool's 2 MiB
 segments, larger ones from the large pool, rounded up to _BLOCK bytes."""
 _BLOCK = 512
-_PIN_THREADS = 4
-"""Helper threads that pin a reservation's pieces. Each piece is one allocation of its own, so
-pieces pin side by side where the driver and the kernel allow it; where they do not, the threads
-take turns and the total is that of one."""
-
 TensorSource = Callable[[], Iterable[torch.Tensor]]
 ConstantTest = Callable[[torch.Tensor], bool]
 
@@ -57,19 +58,34 @@ ConstantTest = Callable[[torch.Tensor], bool]
 @dataclass
 class OffloadStats:
     num_bytes: int = 0
+    """Bytes that changed sides: an offload's to the host, an onload's home."""
     seconds: float = 0.0
+    pageable_bytes: int = 0
+    """Of an offload's bytes, those copied to pageable stand-ins (pieces not pinned yet)."""
+    zero_bytes: int = 0
+    """Of an offload's bytes, those left behind as zeros (nothing copied; zeros come home)."""
+    pinned_wait_s: float = 0.0
+    """Seconds spent on pinned pieces not there yet: waiting for a helper, or pinning one."""
 
     @property
     def gb_per_s(self) -> float:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def __add__(self, other: "OffloadStats") -> "OffloadStats":
-        return OffloadStats(self.num_bytes + other.num_bytes, self.seconds + other.seconds)
+        return OffloadStats(
+            self.num_bytes + other.num_bytes,
+            self.seconds + other.seconds,
+            self.pageable_bytes + other.pageable_bytes,
+            self.zero_bytes + other.zero_bytes,
+            self.pinned_wait_s + other.pinned_wait_s,
+        )
 
 
-def _storages(tensors: Iterable[torch.Tensor], index: dict[int, int] | None = None) -> list[torch.UntypedStorage]:
-    """Distinct non-empty device storages behind these tensors, in first-seen order. With `index`,
-    also record there each tensor's (by id) position in that list."""
+def _storages(
+    tensors: Iterable[torch.Tensor], index: dict[int, int] | None = None, device_type: str = "cuda"
+) -> list[torch.UntypedStorage]:
+    """Distinct non-empty storages on `device_type` behind these tensors, in first-seen order.
+    With `index`, also record there each tensor's (by id) position in that list."""
     seen: dict[int, int] = {}
     out = []
     for t in tensors:
@@ -80,7 +96,7 @@ def _storages(tensors: Iterable[torch.Tensor], index: dict[int, int] | None = No
         local = t._local_tensor if isinstance(t, DTensor) else t
         storage = local.untyped_storage()
         ptr = storage.data_ptr()
-        if storage.device.type == "cpu" or storage.nbytes() == 0:
+        if storage.device.type != device_type or storage.nbytes() == 0:
             continue
         if ptr not in seen:
             seen[ptr] = len(out)
@@ -109,142 +125,62 @@ def pinned_layout(sizes: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
     return slots, pieces
 
 
-def pin(num_bytes: int) -> torch.Tensor:
-    """A pinned host buffer of this many bytes (uint8)."""
-    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-
-
-class HostPieces:
-    """The host buffers (uint8) of one layout, each allocated exactly once: by whichever comes to it
-    first of the helper threads that `pin_in_background` starts (`claim`, then `fill`) and the
-    caller of `get`, which waits for a piece a helper has begun. An error in a helper is kept with
-    its piece and raised by that piece's `get`, as the same exception the allocation raised."""
-
-    def __init__(self, sizes: list[int], allocate: Callable[[int], torch.Tensor] | None = None):
-        self.sizes = sizes
-        self._allocate = allocate or pin
-        self._lock = threading.Lock()
-        self._begun = [False] * len(sizes)
-        self._done = [threading.Event() for _ in sizes]
-        self._pieces: list[torch.Tensor | None] = [None] * len(sizes)
-        self._errors: list[BaseException | None] = [None] * len(sizes)
-        self._cancelled = False
-        self.wait_seconds = 0.0
-        """Seconds `get` spent on pieces not yet there: waiting for a helper, or allocating one
-        that no helper had begun."""
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def claim(self) -> int | None:
-        """The first piece nobody has begun, now begun by the caller; None when none is left."""
-        with self._lock:
-            i = next((i for i, begun in enumerate(self._begun) if not begun), None)
-            if i is not None:
-                self._begun[i] = True
-            return i
-
-    def fill(self, i: int) -> bool:
-        """Allocate claimed piece i; False if that raised (the error is kept for its `get`) or the
-        layout was cancelled meanwhile (the piece is let go at once)."""
-        try:
-            piece = self._allocate(self.sizes[i])
-            with self._lock:
-                if self._cancelled:
-                    return False
-                self._pieces[i] = piece
-        except Exception as e:
-            self._errors[i] = e
-        finally:
-            self._done[i].set()
-        return self._errors[i] is None
-
-    def cancel(self) -> None:
-        """A new layout replaced this one: no more pieces begin, and those done are let go."""
-        with self._lock:
-            self._cancelled = True
-            for i, begun in enumerate(self._begun):
-                if not begun:
-                    self._begun[i] = True
-                    self._errors[i] = RuntimeError("host piece of a replaced layout")
-                    self._done[i].set()
-            self._pieces = [None] * len(self.sizes)
-
-    def get(self, i: int) -> torch.Tensor:
-        """Piece i, allocated now if nobody has begun it, else once its helper is done."""
-        if not self._done[i].is_set():
-            start = time.perf_counter()
-            with self._lock:
-                mine = not self._begun[i]
-                self._begun[i] = True
-            if mine:
-                self.fill(i)
-            self._done[i].wait()
-            self.wait_seconds += time.perf_counter() - start
-        if self._errors[i] is not None:
-            raise self._errors[i]
-        return self._pieces[i]
-
-
-def pin_in_background(
-    reservations: list[HostPieces], device: torch.device | None = None, num_threads: int = _PIN_THREADS
-) -> list[threading.Thread]:
-    """Start helper threads that allocate these pieces, in this order; a helper stops at its first
-    failed allocation (its error waits in that piece), leaving the rest to whoever needs them.
-    `device` is made current in each thread first: pinned allocations go through its context."""
-    index = None  # a bare "cuda" device is the caller's current one
-    if device is not None and device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-
-    def work():
-        if index is not None:
-            torch.cuda.set_device(index)
-        for pieces in reservations:
-            while (i := pieces.claim()) is not None:
-                if not pieces.fill(i):
-                    return
-
-    count = min(num_threads, sum(len(pieces) for pieces in reservations))
-    threads = [threading.Thread(target=work, name=f"colocate-pin-{n}", daemon=True) for n in range(count)]
-    for thread in threads:
-        thread.start()
-    return threads
-
-
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
 
 
 class _PinnedGroup:
-    """One group's storages and their slots in reusable pinned host buffers."""
+    """One group's storages and their slots in reusable pinned host buffers. `stream` arguments are
+    the side stream the copies run on; None runs them on the caller's (a group of CPU storages,
+    `device_type` "cpu", moves between plain host buffers: the tests').
 
-    def __init__(self, source: TensorSource, constant: ConstantTest | None = None):
-        self.source, self.constant = source, constant
+    A stand-in (a layout's first offload) lives until a thread of the group's, the mover, has
+    copied it into its piece once that is pinned; returns read the stand-in until then, the piece
+    after. A constant storage's bytes are kept from then on. The next offload waits for the mover
+    (it may copy into the same pieces)."""
+
+    def __init__(self, source: TensorSource, constant: ConstantTest | None = None, device_type: str = "cuda"):
+        self.source, self.constant, self.device_type = source, constant, device_type
         self.storages: list[torch.UntypedStorage] = []
         self.sizes: list[int] = []
         self.pieces: HostPieces | None = None  # pinned (see pinned_layout)
         self.slots: list[tuple[int, int]] = []  # (piece, offset) of each storage
+        self.fresh = True  # no offload has used this layout yet
         self.away: set[int] = set()  # storages on the host, not yet queued home
+        self.zeros: set[int] = set()  # storages left behind as zeros: nothing copied, zeros come home
+        self.standins: dict[int, torch.Tensor] = {}  # piece -> pageable buffer in its place
         self.tensors: list[torch.Tensor] = []  # held while offloaded, so that `index`'s ids stay theirs
         self.index: dict[int, int] = {}  # id(tensor) -> its storage's position
         self.arrived: torch.cuda.Event | None = None  # end of an onload not yet waited for
-        self.kept: set[int] = set()  # constant storages whose slot holds their bytes already
-        self.earlier_wait_seconds = 0.0  # the wait_seconds of layouts replaced since
+        self.kept: set[int] = set()  # constant storages whose bytes the host holds already
+        self.earlier_wait_seconds = 0.0  # the wait_seconds of layouts replaced since, and the mover's
+        self._lock = threading.Lock()  # `standins` and `kept`, which the mover changes
+        self._mover: threading.Thread | None = None
 
     @property
     def offloaded(self) -> bool:
         return bool(self.away)
 
-    def _slot(self, i: int) -> torch.Tensor:
+    def _host(self, piece: int, standin: bool = False) -> torch.Tensor:
+        """Where a piece's bytes live: its pageable stand-in if it has one, else its pinned buffer.
+        With `standin` (an offload, no mover running), a piece not pinned yet gets a stand-in now
+        instead of being waited for."""
+        if standin and piece not in self.standins and not self.pieces.ready(piece):
+            self.standins[piece] = pageable(self.pieces.sizes[piece])
+        with self._lock:
+            buffer = self.standins.get(piece)
+        return self.pieces.get(piece) if buffer is None else buffer
+
+    def _slot(self, i: int, standin: bool = False) -> torch.Tensor:
         piece, offset = self.slots[i]
-        return self.pieces.get(piece)[offset : offset + self.sizes[i]]
+        return self._host(piece, standin)[offset : offset + self.sizes[i]]
 
     def prepare(self) -> tuple[list[torch.Tensor], dict[int, int]]:
         """Find the group's storages as they are now; lay out new pinned buffers if their sizes
-        differ from the last layout (allocated when first used, unless `pin_in_background` pins
-        them before). Returns the tensors and their storage positions."""
+        differ from the last layout (allocated when first used, unless a `Pinner` pins them before).
+        Returns the tensors and their storage positions."""
         tensors, index = [t for t in self.source() if t is not None], {}
-        self.storages = _storages(tensors, index)
+        self.storages = _storages(tensors, index, self.device_type)
         sizes = [s.nbytes() for s in self.storages]
         if sizes != self.sizes or self.pieces is None:
             self.sizes = sizes
@@ -254,26 +190,57 @@ class _PinnedGroup:
                 self.earlier_wait_seconds += self.pieces.wait_seconds
             self.pieces = None  # the old pieces go back to torch's pinned cache before the new ones come
             self.pieces = HostPieces(pieces)
-            self.kept = set()
+            self.fresh, self.kept, self.zeros = True, set(), set()
         return tensors, index
 
-    def offload(self, stream: torch.cuda.Stream) -> int:
+    def _zero_storages(self, positions: list[int]) -> set[int]:
+        """Those of these storages whose bytes are all zero (one read of them on the device, one
+        wait for its answer)."""
+        if not positions:
+            return set()
+        nonzero = torch.stack([_bytes_view(self.storages[i]).any() for i in positions]).tolist()
+        return {i for i, any_set in zip(positions, nonzero) if not any_set}
+
+    def offload(self, stream: torch.cuda.Stream | None) -> OffloadStats:
+        """Copy the group out and free its storages. The first offload of a layout copies nothing
+        for storages that hold only zeros, and copies those of pieces not pinned yet into pageable
+        stand-ins; later ones copy into the pinned pieces, waiting for any still pinning."""
         if self.offloaded:
-            return 0
+            return OffloadStats()
+        self._join_mover()
+        self.standins = {}  # what a mover stopped by a failed pinning left
         self.tensors, self.index = self.prepare()
+        todo = [i for i in range(len(self.storages)) if i not in self.kept]
+        zeros = self._zero_storages(todo) if self.fresh else set()
         # In slot order: the copies into a piece queue as soon as it is pinned, while helper
         # threads may still pin the next.
-        copies = sorted((i for i in range(len(self.storages)) if i not in self.kept), key=self.slots.__getitem__)
-        stream.wait_stream(torch.cuda.current_stream())
+        copies = sorted((i for i in todo if i not in zeros), key=self.slots.__getitem__)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for i in copies:
-                self._slot(i).copy_(_bytes_view(self.storages[i]), non_blocking=True)
-        stream.synchronize()
+                self._slot(i, standin=self.fresh).copy_(_bytes_view(self.storages[i]), non_blocking=True)
+        if stream is not None:
+            stream.synchronize()
         for storage in self.storages:
             storage.resize_(0)
         self.away, self.arrived = set(range(len(self.storages))), None
-        self.kept = self._constant_storages()
-        return sum(self.sizes[i] for i in copies)
+        standing_in = {i for i in copies if self.slots[i][0] in self.standins}
+        self.zeros = zeros | (self.zeros & self.kept)  # a constant storage of zeros stays one
+        constant = self._constant_storages()
+        self.kept = constant - standing_in
+        self.fresh = False
+        if self.standins:
+            kept_later = {piece: {i for i in constant & standing_in if self.slots[i][0] == piece} for piece in self.standins}
+            self._mover = threading.Thread(
+                target=self._move_standins, args=(self.pieces, kept_later), name="colocate-move", daemon=True
+            )
+            self._mover.start()
+        return OffloadStats(
+            num_bytes=sum(self.sizes[i] for i in todo),
+            pageable_bytes=sum(self.sizes[i] for i in standing_in),
+            zero_bytes=sum(self.sizes[i] for i in zeros),
+        )
 
     def _constant_storages(self) -> set[int]:
         """Positions of the storages behind constant tensors only (one changing tensor on a
@@ -283,25 +250,51 @@ class _PinnedGroup:
         changing = {self.index[id(t)] for t in self.tensors if not self.constant(t)}
         return set(range(len(self.storages))) - changing
 
-    def onload(self, stream: torch.cuda.Stream, tensors: Iterable[torch.Tensor] | None = None) -> int:
+    def onload(self, stream: torch.cuda.Stream | None, tensors: Iterable[torch.Tensor] | None = None) -> int:
         """Allocate the storages again (only those behind `tensors`, when given) on the current
         stream and queue their copies home on `stream`; `wait` orders the current stream after them.
-        The group is back once every storage is."""
+        The group is back once every storage is. (A copy from a stand-in, pageable memory, has read
+        it when it returns: the mover may let it go at any time.)"""
         chosen = self.away if tensors is None else {self.index[id(t)] for t in tensors if id(t) in self.index}
         todo = sorted(chosen & self.away)
         if not todo:
             return 0
         for i in todo:
             self.storages[i].resize_(self.sizes[i])
-        stream.wait_stream(torch.cuda.current_stream())
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for i in todo:
-                _bytes_view(self.storages[i]).copy_(self._slot(i), non_blocking=True)
-        self.arrived = stream.record_event()
+                if i in self.zeros:
+                    _bytes_view(self.storages[i]).zero_()
+                else:
+                    _bytes_view(self.storages[i]).copy_(self._slot(i), non_blocking=True)
+        self.arrived = stream.record_event() if stream is not None else None
         self.away.difference_update(todo)
         if not self.away:
             self.tensors, self.index = [], {}
         return sum(self.sizes[i] for i in todo)
+
+    def _move_standins(self, pieces: HostPieces, kept_later: dict[int, set[int]]) -> None:
+        """The mover: each stand-in, in piece order, into its piece once that is pinned, then let
+        go, its constant storages (`kept_later`) kept. Stops at a piece whose pinning failed (the
+        next offload raises the error)."""
+        for piece in sorted(kept_later):
+            try:
+                pinned = pieces.get(piece, timed=False)
+            except Exception:
+                return
+            pinned.copy_(self.standins[piece])
+            with self._lock:
+                del self.standins[piece]
+                self.kept |= kept_later[piece]
+
+    def _join_mover(self) -> None:
+        if self._mover is not None:
+            start = time.perf_counter()
+            self._mover.join()
+            self._mover = None
+            self.earlier_wait_seconds += time.perf_counter() - start
 
     def wait(self) -> None:
         if self.arrived is not None:
@@ -328,7 +321,7 @@ class StateOffloader:
 
     `register(tag, source, constant)` names a group; `source()` returns its tensors at offload time
     (so gradients and lazily created state are found as they are then), `constant(t)` says whether
-    a tensor's bytes never change once built ("pinned": copied out at the first offload only).
+    a tensor's bytes never change once built ("pinned": copied to the host once).
     Under "tms" the group's tensors must be allocated inside `region(tag)`; under "pinned" that
     context does nothing.
     """
@@ -342,6 +335,9 @@ class StateOffloader:
         self.paused: set[str] = set()
         self._stream = torch.cuda.Stream(device) if self.enabled and method == "pinned" else None
         self._tms = memory_saver_handle() if self.enabled and method == "tms" else None
+        self._pinner = Pinner(device)
+        if self._stream is not None:
+            use_registered_pinning()
 
     def register(self, tag: str, source: TensorSource, constant: ConstantTest | None = None) -> None:
         assert tag not in self.groups, f"offload group {tag!r} registered twice"
@@ -361,26 +357,32 @@ class StateOffloader:
         return sum(group.sizes[i] for i in group.away)
 
     def reserve(self, tags: Iterable[str]) -> float:
-        """Lay out the pinned buffers of these groups (not yet offloaded) for their tensors as they
-        are now, and start pinning them on helper threads, in this order; returns the seconds this
-        took (the layout, not the pinning). An offload waits for just the pieces it copies into,
-        each when it first needs it (`wait_seconds` adds up those waits), and raises any error
-        pinning it raised. Without a reservation the first offload allocates them."""
+        """Lay out the pinned buffers of these groups (not yet offloaded) for their storages' sizes
+        as they are now, and queue them for the helper threads, which pin reservations in the order
+        they come; returns the seconds this took (the layout, not the pinning). An offload waits
+        for just the pieces it copies into, each when it first needs it (`wait_seconds` adds up
+        those waits; a layout's first offload waits for none), and raises any error pinning it
+        raised. A group not reserved has its pieces queued by its first offload."""
         start = time.perf_counter()
         if self._stream is not None:
             groups = [self.groups[tag] for tag in tags if not self.groups[tag].offloaded]
             for group in groups:
                 group.prepare()
-            pin_in_background([group.pieces for group in groups], self.device)
+            self._pinner.add([group.pieces for group in groups if not group.pieces.helped])
         return time.perf_counter() - start
 
     @property
     def wait_seconds(self) -> float:
         """Seconds offloads and onloads have spent on pinned buffers not yet there (waiting for the
-        helper threads of `reserve`, or allocating)."""
+        helper threads, or allocating)."""
         return sum(
             g.earlier_wait_seconds + (g.pieces.wait_seconds if g.pieces is not None else 0.0) for g in self.groups.values()
         )
+
+    def pinned_bytes(self) -> tuple[int, int]:
+        """(bytes pinned so far, bytes laid out) of the groups' current layouts ("pinned")."""
+        layouts = [g.pieces for g in self.groups.values() if g.pieces is not None]
+        return sum(p.ready_bytes() for p in layouts), sum(sum(p.sizes) for p in layouts)
 
     def offload(self, tags: Iterable[str]) -> OffloadStats:
         return self._move(list(tags), to_host=True)
@@ -429,20 +431,39 @@ class StateOffloader:
             return OffloadStats()
         if wait or self._tms is not None:  # a queued pinned onload neither waits nor is timed
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        num_bytes = 0
-        for tag in tags:
-            if self._tms is None:
-                group = self.groups[tag]
-                if not to_host:
-                    group.reserve_device()
-                num_bytes += group.offload(self._stream) if to_host else group.onload(self._stream)
-            elif to_host != (tag in self.paused):
-                num_bytes += sum(s.nbytes() for s in _storages(self.groups[tag].source()))
-                (self._tms.pause if to_host else self._tms.resume)(tag)
-                (self.paused.add if to_host else self.paused.discard)(tag)
+        start, waited = time.perf_counter(), self.wait_seconds
+        if self._tms is None:
+            stats = self._pinned_move([self.groups[tag] for tag in tags], to_host)
+        else:
+            stats = OffloadStats()
+            for tag in tags:
+                if to_host != (tag in self.paused):
+                    stats.num_bytes += sum(s.nbytes() for s in _storages(self.groups[tag].source()))
+                    (self._tms.pause if to_host else self._tms.resume)(tag)
+                    (self.paused.add if to_host else self.paused.discard)(tag)
+        stats.pinned_wait_s = self.wait_seconds - waited
         if not wait:
-            return OffloadStats(num_bytes)
+            return stats
         self.wait(tags)
         torch.cuda.synchronize()
-        return OffloadStats(num_bytes, time.perf_counter() - start)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _pinned_move(self, groups: list[_PinnedGroup], to_host: bool) -> OffloadStats:
+        stats = OffloadStats()
+        if not to_host:
+            for group in groups:
+                group.reserve_device()
+                stats.num_bytes += group.onload(self._stream)
+            return stats
+        # A layout's first offload copies into stand-ins what is not pinned yet; meanwhile the
+        # helpers begin no piece, whose pinning would hold up every copy.
+        if any(group.fresh and not group.offloaded for group in groups):
+            self._pinner.gate.clear()
+        try:
+            for group in groups:
+                stats += group.offload(self._stream)
+        finally:
+            self._pinner.gate.set()
+        self._pinner.add([g.pieces for g in groups if g.pieces is not None and not g.pieces.helped])  # layouts new here
+        return stats

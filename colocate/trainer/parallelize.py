@@ -330,11 +330,13 @@ def build_sharded(
     seed: int = 0,
     adapt: Callable[[nn.Module], None] | None = None,
     random: bool = False,
+    allocated: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, set[str]]:
     """Build `make()` on the meta device in `dtype`, parallelize it, allocate its shards (inside
     `region` when given) and fill them from `weights`, or randomly when None. `adapt` changes the
     meta model in place after the cast and before sharding (LoRA adds fp32 adapters there);
-    `random` as for `parallelize`.
+    `random` as for `parallelize`; `allocated` sees the model once its shards are allocated, before
+    they are filled (the offload's host buffers start pinning there, their sizes known).
 
     Returns the model and the parameter names that `weights` did not fill (the caller decides
     whether that is an error or a new head to initialise).
@@ -355,6 +357,8 @@ def build_sharded(
     )
     with region if region is not None else contextlib.nullcontext():
         materialize(model, device)
+    if allocated is not None:
+        allocated(model)
     names = {n for n, _ in model.named_parameters()}
     if weights is None:
         init_random_(model, seed)

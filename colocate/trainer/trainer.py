@@ -106,13 +106,20 @@ class Trainer:
 
         self.startup_seconds: dict[str, float] = {}
         """Where the time of building went (the parts that were built): actor (load, shard,
-        optimizer state), reference, critic, pinned_buffers (their layout: helper threads pin them
-        behind the rest of the start-up, and the first offload waits for what is left)."""
+        optimizer state), reference, critic, and on CUDA pinned_buffers (their layouts, within the
+        parts above: helper threads pin them behind the rest of the start-up)."""
 
         self.vocab_size = policy_cfg.vocab_size
         self.lora = LoRASpec.from_config(m)
         with timed(self.startup_seconds, "actor", self.device):
-            actor_model = self._build(lambda: CausalLM(policy_cfg, self.ops), m.path, ACTOR_PARAMS, train=True, lora=self.lora)
+            actor_model = self._build(
+                lambda: CausalLM(policy_cfg, self.ops),
+                m.path,
+                ACTOR_PARAMS,
+                train=True,
+                lora=self.lora,
+                pin=cfg.offload.offload_train,
+            )
             actor_opt, arrival = self._optimizer(actor_model, t.lr, ACTOR_OPTIM, max(1, actor_rollouts * steps_per_rollout))
         self.actor = Actor(
             actor_model,
@@ -124,8 +131,6 @@ class Trainer:
             keep_gathered=self.keep_gathered,
             use_tis=cfg.use_tis,
         )
-        if cfg.offload.offload_train:  # pinned on helper threads while the rest starts
-            self.startup_seconds["pinned_buffers"] = self.memory.reserve(ACTOR_PARAMS, ACTOR_OPTIM)
 
         self.reference = None
         if a.needs_ref and self.lora is not None:
@@ -140,7 +145,11 @@ class Trainer:
             ref_path = m.ref_path or m.path
             with timed(self.startup_seconds, "reference", self.device):
                 ref_model = self._build(
-                    lambda: CausalLM(model_config or ArchConfig.from_dir(ref_path), self.ops), ref_path, REFERENCE, train=False
+                    lambda: CausalLM(model_config or ArchConfig.from_dir(ref_path), self.ops),
+                    ref_path,
+                    REFERENCE,
+                    train=False,
+                    pin=True,
                 )
                 self.reference = Reference(ref_model, self.memory, REFERENCE, temperature=r.temperature)
                 self.memory.offload(REFERENCE)
@@ -160,13 +169,12 @@ class Trainer:
                     forward_methods=(),
                     lora=self.lora,
                     adapt=add_critic_adapters,
+                    pin=cfg.offload.offload_train,
                 )
                 critic_opt, critic_arrival = self._optimizer(
                     critic_model, t.critic_lr, CRITIC_OPTIM, max(1, t.num_rollout * steps_per_rollout)
                 )
             self.critic = Critic(critic_model, critic_opt, critic_arrival, a, norm_len=norm_len, keep_gathered=self.keep_gathered)
-        if self.critic is not None and cfg.offload.offload_train:
-            self.startup_seconds["pinned_buffers"] += self.memory.reserve(CRITIC_PARAMS, CRITIC_OPTIM)
 
     def _plan_memory(self, policy_cfg: ArchConfig, checkpointing: ActivationCheckpointing | None) -> MemoryPlan:
         """Resolve cfg's `auto` sizes in place from the device's free memory (colocate/sizing.py),
@@ -208,11 +216,19 @@ class Trainer:
         forward_methods: tuple[str, ...] = ("hidden_states",),
         lora: LoRASpec | None = None,
         adapt=add_adapters,
+        pin: bool = False,
     ) -> nn.Module:
         """Trained models keep fp32 master shards and compute in the compute dtype; the frozen
         reference, and the frozen base under `lora` adapters (fp32 masters, added by `adapt`),
-        store their shards in the compute dtype directly."""
+        store their shards in the compute dtype directly. With `pin` the model's host buffers
+        start pinning once its shards are allocated, while its weights load."""
         mixed = self.compute_dtype if self.compute_dtype != torch.float32 else None
+
+        def allocated(model: nn.Module) -> None:
+            self.memory.add_model(tag, model, keep_trained=self._keeps_adapters(lora))
+            if pin:
+                self._reserve(tag)
+
         model, missing = build_sharded(
             make,
             self.mesh,
@@ -230,6 +246,7 @@ class Trainer:
             reshard_after_forward=not (train and self.keep_gathered),
             region=self.memory.region(tag),
             seed=self.cfg.train.seed,
+            allocated=allocated,
         )
         unexpected = sorted(n for n in missing if not n.startswith(new) and not is_adapter(n))
         if unexpected:
@@ -238,8 +255,13 @@ class Trainer:
             zero_value_head_(model)
         if lora is not None:
             init_adapters_(model, self.cfg.train.seed)
-        self.memory.add_model(tag, model, keep_trained=self._keeps_adapters(lora))
         return model
+
+    def _reserve(self, tag: str) -> None:
+        """Start pinning a group's host buffers on helper threads (colocate/trainer/memory.py)."""
+        seconds = self.memory.reserve(tag)
+        if self.device.type == "cuda":
+            self.startup_seconds["pinned_buffers"] = self.startup_seconds.get("pinned_buffers", 0.0) + seconds
 
     def _keeps_adapters(self, lora: LoRASpec | None) -> bool:
         """LoRA's trained tensors stay on the device through generation (offload.keep_adapters;
@@ -263,7 +285,10 @@ class Trainer:
         )
         with self.memory.region(tag):
             init_optimizer_state(opt.optimizer)
-        return opt, self.memory.add_optimizer(tag, opt, model, keep=self._keeps_adapters(self.lora))
+        arrival = self.memory.add_optimizer(tag, opt, model, keep=self._keeps_adapters(self.lora))
+        if self.cfg.offload.offload_train:
+            self._reserve(tag)
+        return opt, arrival
 
     @property
     def actor_module(self) -> nn.Module:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from colocate.trainer.offload import HostPieces, pin_in_background
+from colocate.trainer.host_buffers import HostPieces, pin_in_background
 
 
 class Allocator:
@@ -106,24 +106,36 @@ def test_a_replaced_layout_begins_no_more_pieces_and_lets_go_of_its_buffers():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_offload_waits_for_the_pieces_pinning_behind_it(monkeypatch):
-    """A reservation pins on helper threads (the calling thread returns at once); the offload that
-    follows copies into pinned pieces only, and the bytes come back exactly."""
-    from colocate.trainer import offload
+def test_the_first_offload_waits_for_no_pinning_and_the_next_copies_into_the_pinned_pieces(monkeypatch):
+    """A reservation pins on helper threads (the calling thread returns at once). With the pinning
+    held back, the first offload copies into pageable stand-ins without waiting; once the pieces
+    are pinned, the second copies into them. The bytes come back exactly both times."""
+    from colocate.trainer import host_buffers, offload
     from colocate.trainer.offload import StateOffloader
 
     monkeypatch.setattr(offload, "_PIECE", 1 << 20)
     tensors = [torch.randn(1 << 18, device="cuda") for _ in range(6)]  # 1 MiB each: 6 pieces
     saved = [t.clone() for t in tensors]
-    made, pin = [], offload.pin
-    monkeypatch.setattr(offload, "pin", lambda n: made.append(threading.current_thread().name) or pin(n))
+    release, made, pin = threading.Event(), [], host_buffers.pin
+
+    def held_pin(num_bytes):
+        assert release.wait(10)
+        made.append(threading.current_thread().name)
+        return pin(num_bytes)
+
+    monkeypatch.setattr(host_buffers, "pin", held_pin)
     offloader = StateOffloader("pinned", torch.device("cuda"))
     offloader.register("g", lambda: tensors)
     assert offloader.reserve(["g"]) < 1.0
-    assert offloader.offload(["g"]).num_bytes == 6 << 20
-    pieces = offloader.groups["g"].pieces
-    assert len(made) == 6 and all(pieces.get(i).is_pinned() for i in range(6))
+    stats = offloader.offload(["g"])
+    assert stats.num_bytes == stats.pageable_bytes == 6 << 20 and stats.pinned_wait_s == 0.0 and not made
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    release.set()
     offloader.onload(["g"])
     assert all(torch.equal(t, s) for t, s in zip(tensors, saved))
-    assert offloader.wait_seconds >= 0.0 and len(made) == 6  # nothing pinned twice
+    stats = offloader.offload(["g"])
+    assert stats.num_bytes == 6 << 20 and stats.pageable_bytes == 0
+    pieces = offloader.groups["g"].pieces
+    assert len(made) == 6 and all(pieces.get(i).is_pinned() for i in range(6))  # each pinned once
+    offloader.onload(["g"])
+    assert all(torch.equal(t, s) for t, s in zip(tensors, saved))
