@@ -467,8 +467,8 @@ class Config:
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
 
     @property
-    def use_tis(self) -> bool:
-        """algorithm.use_tis, its None resolved: on with an FP8 rollout."""
+    def tis_on(self) -> bool:
+        """Whether the update applies TIS: algorithm.use_tis, its None resolved (on with an FP8 rollout)."""
         return self.rollout.fp8 if self.algorithm.use_tis is None else self.algorithm.use_tis
 
     @property
@@ -539,43 +539,54 @@ def config_from_yaml(path: str | Path) -> Config:
     return from_mapping(Config, data, str(path))
 
 
-def _bool_fields(section: Any, prefix: str = "") -> set[str]:
+def _bool_fields(section: Any, prefix: str = "", optional: bool = False) -> set[str]:
     """The command-line names, hyphenated, that tyro makes flags of: the bool fields of `section`
     and of its sections (`overwrite`, `checkpoint.resume`, `rollout.partial-rollout`), and the bool
-    entries of a mapping's default (`rollout.chat-template-kwargs.enable-thinking`)."""
+    entries of a mapping's default (`rollout.chat-template-kwargs.enable-thinking`). With
+    `optional`, the `bool | None` fields instead (`algorithm.use-tis`), which tyro gives a value."""
     names = set()
     hints = typing.get_type_hints(type(section))
     for f in dataclasses.fields(section):
         name, value = prefix + f.name.replace("_", "-"), getattr(section, f.name)
-        if hints[f.name] is bool:
+        if hints[f.name] == (bool | None if optional else bool):
             names.add(name)
         elif dataclasses.is_dataclass(value):
-            names |= _bool_fields(value, name + ".")
-        elif isinstance(value, dict):
+            names |= _bool_fields(value, name + ".", optional)
+        elif isinstance(value, dict) and not optional:
             names |= {f"{name}.{key.replace('_', '-')}" for key, v in value.items() if isinstance(v, bool)}
     return names
 
 
 def _bool_values_as_flags(args: list[str], base: Config) -> list[str]:
     """tyro makes a bool field a pair of flags (`--overwrite`, `--no-overwrite`); the spelling with a
-    value that scripts use (`--overwrite True`, `--checkpoint.resume=False`) becomes one of them."""
-    fields = _bool_fields(base)
+    value that scripts use (`--overwrite True`, `--checkpoint.resume=False`) becomes one of them. A
+    `bool | None` field (None: chosen by other settings) takes a value in tyro; its flag spellings
+    (`--algorithm.use-tis`, `--algorithm.no-use-tis`) become `--algorithm.use-tis True` / `False`."""
+    fields, optional = _bool_fields(base), _bool_fields(base, optional=True)
+    negated = {f"{s}{'.' if s else ''}no-{last}": f for f in optional for s, _, last in [f.rpartition(".")]}
     out, i = [], 0
     while i < len(args):
         name, eq, value = args[i].partition("=")
         field_name = name[2:].replace("_", "-") if name.startswith("--") else None
-        if field_name not in fields:
+        if field_name in negated and not eq:
+            out += [f"--{negated[field_name]}", "False"]
+            i += 1
+            continue
+        if field_name not in fields | optional:
             out.append(args[i])
             i += 1
             continue
-        if not eq and i + 1 < len(args) and args[i + 1] in ("True", "False"):
+        if not eq and i + 1 < len(args) and args[i + 1] in ("True", "False", "None"):
             value, i = args[i + 1], i + 1
         elif not eq:
             value = "True"
-        if value not in ("True", "False"):
+        if value not in ("True", "False") and not (field_name in optional and value == "None"):
             raise ValueError(f"--{field_name} is a flag: give it alone, or with True or False, not {value!r}")
         section, _, last = field_name.rpartition(".")
-        out.append(f"--{field_name}" if value == "True" else f"--{section}{'.' if section else ''}no-{last}")
+        if field_name in optional:
+            out += [f"--{field_name}", value]
+        else:
+            out.append(f"--{field_name}" if value == "True" else f"--{section}{'.' if section else ''}no-{last}")
         i += 1
     return out
 

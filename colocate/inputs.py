@@ -94,6 +94,10 @@ def _check_model_fit(cfg: Config, field: str, mc: ArchConfig) -> None:
                 f"model.path {where} holds block-FP8 weights, which rollout.engine=sglang would load as its own FP8 "
                 "layers that a weight sync cannot update: use rollout.engine=native (rollout.weight_dtype fp8 for FP8 rollout)"
             )
+        widths = {"hidden_size": mc.hidden_size, "intermediate_size": mc.intermediate_size, "head_dim": mc.head_dim}
+        odd = {name: width for name, width in widths.items() if width % 16}
+        if cfg.rollout.weight_dtype == "fp8" and odd:
+            raise ValueError(f"rollout.weight_dtype fp8 needs projection widths that are multiples of 16; {where} has {odd}")
         outside = [t for t in cfg.rollout.stop_token_ids if t >= mc.vocab_size]
         if outside:
             raise ValueError(
@@ -106,6 +110,19 @@ def _check_model_fit(cfg: Config, field: str, mc: ArchConfig) -> None:
                 f"model.lora_rank {rank} exceeds the smaller side of {name} "
                 f"({shapes[name][0]} -> {shapes[name][1]} in {where}): at most {min(shapes[name])}"
             )
+
+
+def _check_fp8_dtype(cfg: Config, info: DistInfo) -> None:
+    """FP8 GEMMs on CUDA (torch._scaled_mm with row scales) compute in bf16."""
+    if cfg.rollout.weight_dtype != "fp8" or info.device.type != "cuda":
+        return
+    import torch
+
+    from colocate.models import resolve_dtype
+
+    dtype = resolve_dtype(cfg.model.dtype, info.device)
+    if dtype != torch.bfloat16:
+        raise ValueError(f"rollout.weight_dtype fp8 computes in bf16 on CUDA; model.dtype is {cfg.model.dtype} ({dtype})")
 
 
 def _check_prompt_count(cfg: Config, data: PromptDataset) -> None:
@@ -174,6 +191,7 @@ class RunInputs:
 
         with part("models"):
             cfg.check_world_size(info.world_size)
+            _check_fp8_dtype(cfg, info)
             _prepare_toy(cfg, info)
             _resolve_hub_ids(cfg, info)
             r = cfg.rollout

@@ -123,3 +123,17 @@ def capture_grads(trainer, part: str = "actor") -> dict:
 
     trained.opt.optimizer.register_step_pre_hook(hook)
     return grads
+
+
+def cuda_graph_of(step):
+    """(a CUDA graph of `step()`, the output tensor it replays into): `step` runs once first on a
+    side stream, so that its kernels compile outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -120,6 +120,8 @@ ACTOR, LOSSES, CKPT = "colocate/trainer/actor.py", "colocate/algo/losses.py", "c
 OPTIM, CRITIC = "colocate/trainer/optim.py", "colocate/trainer/critic.py"
 GLOBAL_ADVANTAGES = "colocate/trainer/global_advantages.py"
 TRAINER, SYNC_FILE = "colocate/trainer/trainer.py", "colocate/colocation/weight_sync.py"
+ENGINE = "colocate/rollout/native/engine.py"
+FP8_ENGINE = ("tests/integration/test_fp8_engine.py",)
 PG_LOSS = "loss = agg(pg_tok, mask,"
 ACTOR_STATE = "ModelOptimizerState(self.actor.model, opt.optimizer, opt.scheduler,"
 CRITIC_STATE = "self.critic.model, c.optimizer, c.scheduler, adapters="
@@ -426,7 +428,7 @@ MUTANTS = [
     ),
     Mutant(
         "split_kv_merge_unweighted",
-        "colocate/kernels/paged_attention.py",
+        "colocate/kernels/paged_attention_triton.py",
         "out = tl.sum(part * weight[:, None], axis=0)",
         "out = tl.sum(part, axis=0)",
         SPLIT_KV,
@@ -756,6 +758,31 @@ MUTANTS = [
         "dapo_overlong_penalty(lengths, self.cfg.max_response_len,",
         "dapo_overlong_penalty(lengths, 8,",
         OVERLONG,
+    ),
+    # FP8 rollout (rollout.weight_dtype, rollout.kv_cache_dtype) and the TIS default it turns on.
+    Mutant("fp8_weights_not_quantized", ENGINE, "if self.fp8_weights:", "if False:", FP8_ENGINE),
+    Mutant("fp8_updates_copied_unquantized", ENGINE, "if name in scales:", "if False:", FP8_ENGINE),
+    Mutant(
+        "kv_cache_dtype_disconnected",
+        ENGINE,
+        'kv_dtype = E4M3 if kv_cache_dtype == "fp8_e4m3" else compute_dtype',
+        "kv_dtype = compute_dtype",
+        FP8_ENGINE,
+    ),
+    Mutant(
+        "tis_default_ignores_fp8",
+        "colocate/config.py",
+        "return self.rollout.fp8 if self.algorithm.use_tis is None",
+        "return False if self.algorithm.use_tis is None",
+        ("tests/unit/test_config.py::test_a_bool_or_none_field_is_a_flag_too", *FP8_ENGINE),
+    ),
+    Mutant("resolved_tis_not_handed_to_the_actor", TRAINER, "use_tis=cfg.tis_on,", "use_tis=False,", OBJECTIVE),
+    Mutant(
+        "fp8_prefill_attends_its_new_keys_rounded",
+        "colocate/rollout/native/model_runner.py",
+        "        if scales:  # the new keys as computed",
+        "        if False:  # the new keys as computed",
+        FP8_ENGINE,
     ),
 ]
 

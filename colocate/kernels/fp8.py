@@ -21,13 +21,13 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
-_TINY = 1e-12
+AMAX_FLOOR = 1e-12
 """Floor of an amax, so an all-zero row gets a finite scale (and quantizes to zeros)."""
 
 
 def quantize_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W (N, K) -> (W8 (N, K) e4m3, scale (N,) fp32) with W ~ W8 * scale[:, None]."""
-    scale = w.detach().abs().amax(dim=-1).float().clamp(min=_TINY) / E4M3_MAX
+    scale = w.detach().abs().amax(dim=-1).float().clamp(min=AMAX_FLOOR) / E4M3_MAX
     return (w.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
@@ -45,7 +45,7 @@ def dequantize_rowwise(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations (M, K) -> (x8 (M, K) e4m3, scale (M, 1) fp32), one scale per row (token)."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_TINY) / E4M3_MAX
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=AMAX_FLOOR) / E4M3_MAX
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
@@ -89,6 +89,6 @@ def block_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tupl
     padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32, device=w.device)
     padded[:n, :k] = w.float()
     blocks = padded.view(rows, bn, cols, bk)
-    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=_TINY) / E4M3_MAX  # (rows, cols)
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR) / E4M3_MAX  # (rows, cols)
     w8 = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return w8.view(rows * bn, cols * bk)[:n, :k].contiguous(), scale_inv

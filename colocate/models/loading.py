@@ -93,11 +93,12 @@ def iter_safetensors(path: str | Path, dtype: torch.dtype = torch.float32) -> It
 
     In a block-FP8 checkpoint (`ArchConfig.fp8_block_size`) each float8_e4m3fn weight comes
     dequantized with its `weight_scale_inv` (`block_dequantize`) in `dtype`, one tensor at a time,
-    and the scales are not yielded; other tensors come as stored. The default fp32 is the exact
-    product, which a copy into a parameter rounds once: the same values as dequantizing straight
-    into the parameter's dtype. A file that safetensors cannot read (truncated, not safetensors), a
-    tensor holding NaN or inf, a float8 weight without its scales or with scales of the wrong
-    shape, and scales of no float8 weight raise ValueError naming the file and the tensor."""
+    and the scales are not yielded; other tensors come as stored. The default fp32 is the product
+    rounded to fp32, which a copy into a parameter rounds again: the same values as
+    `block_dequantize` into the parameter's dtype, which computes in fp32 too. A file that
+    safetensors cannot read (truncated, not safetensors), a tensor holding NaN or inf, a float8
+    weight without its scales or with scales of the wrong shape, and scales of no float8 weight
+    raise ValueError naming the file and the tensor."""
     block = ArchConfig.from_dir(path).fp8_block_size if (Path(path) / "config.json").is_file() else None
     files = safetensors_files(path)
     scale_files = {name: file for file in files for name in _names(file) if name.endswith(SCALE_SUFFIX)} if block else {}

@@ -47,7 +47,7 @@ class Actor:
         keep_gathered: bool = False,
         use_tis: bool = False,
     ):
-        """use_tis: algorithm.use_tis with its default resolved (`Config.use_tis`)."""
+        """use_tis: algorithm.use_tis with its default resolved (`Config.tis_on`)."""
         self.model, self.opt, self.arrival, self.algo = model, opt, arrival, algo
         self.use_tis = use_tis
         self.gathered = model if keep_gathered else None

@@ -70,9 +70,10 @@ class Trainer:
     """Actor (+ reference, + critic) for one rank. `model_config` builds randomly initialised
     models of that shape instead of loading cfg.model.path (benchmarks); `checkpointing`
     overrides the recomputation plan of cfg.model (gradient_checkpointing, recompute_*).
-    With cfg.offload.offload_train the pinned host buffers start pinning here, once, on helper
-    threads (`TrainerMemory.reserve`), so that no offload during training pays for pinning host
-    memory and the start-up does not stop for it.
+    The pinned host buffers of the models that move (with cfg.offload.offload_train, the actor's
+    and critic's; the reference's always) start pinning here, once, on helper threads
+    (`TrainerMemory.reserve`), so that no offload during training pays for pinning host memory and
+    the start-up does not stop for it.
     `ops`: the run's table of operations (colocate/kernels/ops.py), which every model built here
     computes with (with algorithm.true_on_policy, the mode's, built by the caller); default
     `Ops.standard()`."""
@@ -129,7 +130,7 @@ class Trainer:
             temperature=r.temperature,
             norm_len=norm_len,
             keep_gathered=self.keep_gathered,
-            use_tis=cfg.use_tis,
+            use_tis=cfg.tis_on,
         )
 
         self.reference = None

@@ -136,7 +136,7 @@ def test_fp8_kv_cache_decodes_from_the_rounded_keys_and_values(model_dir, n):
 @pytest.mark.parametrize("case", ["chunked_prefill", "preemption"])
 def test_fp8_kv_cache_chunked_and_recomputed_prefills_stay_near_the_exact_forward(model_dir, case):
     """A later prefill chunk (or a preempted sequence's recompute) attends the cached part rounded and
-    its own keys as computed, a mix of the two forwards above that no simple reference reproduces:
+    its own new keys as computed, a mix of the two forwards above that no simple reference reproduces:
     bounded here as the plain path is (its largest move from the exact forward on this model is
     about 0.2 nats); a lost scale, a wrong block or a misaligned prefix moves log-probs by nats."""
     kwargs = dict(max_num_batched_tokens=3) if case == "chunked_prefill" else dict(max_kv_tokens=4 * 12, max_num_seqs=8)
@@ -155,6 +155,33 @@ def test_fp8_kv_cache_chunked_and_recomputed_prefills_stay_near_the_exact_forwar
     ).abs()
     print(f"{case}: |log-prob - exact| mean {diffs.mean():.3f}, max {diffs.max():.3f} over {diffs.numel()} tokens")
     assert diffs.mean().item() <= 0.1 and diffs.max().item() <= 0.5
+
+
+def test_a_fresh_prompt_attends_its_own_keys_whatever_it_is_batched_with():
+    """In one prefill, sequence 0 continues a cached 4-token prefix (so every key is gathered from
+    the e4m3 cache) and sequence 1 is new: sequence 1's output is exactly what it gets alone (its
+    keys as computed), and sequence 0's new queries see the rounded prefix and their own keys as
+    computed."""
+    from colocate.kernels.paged_attention import gather_kv, store_kv
+    from colocate.rollout.native.model_runner import _attention_per_sequence, prefill_attention
+
+    torch.manual_seed(0)
+    hq, hk, d, bs, nb = 4, 2, 16, 4, 8
+    kv = torch.zeros(2, nb, bs, hk, d, dtype=E4M3)
+    kv_scale = torch.zeros(2, nb, bs, hk)
+    prefix_k, prefix_v = torch.randn(4, hk, d), torch.randn(4, hk, d)
+    store_kv(prefix_k, prefix_v, kv[0], kv[1], torch.arange(4), kv_scale[0], kv_scale[1])  # block 0
+    q, k, v = torch.randn(3 + 5, hq, d), torch.randn(3 + 5, hk, d), torch.randn(3 + 5, hk, d)
+    slots = torch.tensor([4, 5, 6, 8, 9, 10, 11, 12])  # sequence 0: block 1; sequence 1: blocks 2-3
+    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 7, 12], dtype=torch.int32)
+    gather = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12])
+    out = prefill_attention(q, k, v, kv, kv_scale, slots, cu_q, cu_k, torch.tensor([5, 7]), gather, 0.25)
+    alone = _attention_per_sequence(q[3:], k[3:], v[3:], [5], [5], 0.25)
+    assert torch.equal(out[3:], alone)
+    cached_k, cached_v = gather_kv(kv[0], kv[1], torch.arange(4), torch.float32, kv_scale[0], kv_scale[1])
+    assert not torch.equal(cached_k, prefix_k)  # the prefix is read rounded
+    first = _attention_per_sequence(q[:3], torch.cat([cached_k, k[:3]]), torch.cat([cached_v, v[:3]]), [3], [7], 0.25)
+    assert torch.equal(out[:3], first)
 
 
 def test_release_resume_and_update_keep_fp8_generation_identical(model_dir):
@@ -179,9 +206,9 @@ def test_the_config_refuses_fp8_where_it_cannot_run_and_turns_tis_on():
             validate(Config(rollout=RolloutConfig(engine="sglang", **{field: value})))
         with pytest.raises(ValueError, match=f"rollout.{field} fp8 is not bitwise .* algorithm.true_on_policy"):
             validate(Config(rollout=RolloutConfig(**{field: value}), algorithm=AlgorithmConfig(true_on_policy=True)))
-        assert Config(rollout=RolloutConfig(**{field: value})).use_tis
-        assert not Config(rollout=RolloutConfig(**{field: value}), algorithm=AlgorithmConfig(use_tis=False)).use_tis
-    assert not Config().use_tis and Config(algorithm=AlgorithmConfig(use_tis=True)).use_tis
+        assert Config(rollout=RolloutConfig(**{field: value})).tis_on
+        assert not Config(rollout=RolloutConfig(**{field: value}), algorithm=AlgorithmConfig(use_tis=False)).tis_on
+    assert not Config().tis_on and Config(algorithm=AlgorithmConfig(use_tis=True)).tis_on
     with pytest.raises(ValueError, match="weight_dtype must be one of"):
         NativeEngine("unused", weight_dtype="int4")
 

@@ -99,6 +99,27 @@ def test_a_bool_flag_refuses_another_value():
 
 
 @pytest.mark.parametrize(
+    "args, use_tis, resolved",
+    [
+        ([], None, False),  # None: on only with FP8 rollout
+        (["--rollout.weight-dtype", "fp8"], None, True),
+        (["--algorithm.use-tis"], True, True),
+        (["--algorithm.no-use-tis", "--rollout.kv-cache-dtype", "fp8_e4m3"], False, False),
+        (["--algorithm.use-tis", "False"], False, False),
+        (["--algorithm.use-tis=True"], True, True),
+        (["--algorithm.use-tis", "None", "--rollout.weight-dtype", "fp8"], None, True),
+    ],
+)
+def test_a_bool_or_none_field_is_a_flag_too(args, use_tis, resolved):
+    cfg = load_config(args)
+    assert (cfg.algorithm.use_tis, cfg.tis_on) == (use_tis, resolved)
+
+
+def test_keep_gathered_is_a_flag_too():
+    assert load_config(["--train.keep-gathered"]).train.keep_gathered is True
+
+
+@pytest.mark.parametrize(
     "data, message",
     [
         ({"rollout": {"topp": 0.9}}, "unknown key rollout.topp (did you mean rollout.top_p?)"),

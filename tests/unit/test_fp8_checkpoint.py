@@ -314,3 +314,34 @@ def test_an_fp8_checkpoint_is_refused_with_the_sglang_engine(tmp_path):
     cfg = Config(model=ModelConfig(path=str(path)), rollout=RolloutConfig(engine="sglang"))
     with pytest.raises(ValueError, match=r"^model.path .*/fp8/config.json holds block-FP8 weights, .*rollout.engine=native"):
         _check_model_fit(cfg, "path", arch)
+
+
+def test_fp8_weights_are_checked_against_the_model_before_any_model_work(tmp_path):
+    """Widths that are not multiples of 16 (the FP8 GEMM's), and a compute dtype other than bf16 on
+    CUDA, are one-line errors naming rollout.weight_dtype, raised by the inputs' checks."""
+    import dataclasses
+
+    import torch
+
+    from colocate.config import Config, ModelConfig, RolloutConfig
+    from colocate.dist import DistInfo
+    from colocate.inputs import _check_fp8_dtype, _check_model_fit
+    from colocate.models.loading import read_model_config
+    from tests.helpers import write_hf_model
+
+    path = tmp_path / "fp8"
+    write_fp8_checkpoint(path)  # hidden 160, intermediate 320: multiples of 16
+    fp8 = RolloutConfig(weight_dtype="fp8")
+    _check_model_fit(Config(model=ModelConfig(path=str(path)), rollout=fp8), "path", read_model_config(path))
+    odd, _ = write_hf_model(tmp_path, "qwen3")  # hidden 56
+    with pytest.raises(
+        ValueError, match=r"^rollout.weight_dtype fp8 needs projection widths that are multiples of 16; .*'hidden_size': 56"
+    ):
+        _check_model_fit(Config(model=ModelConfig(path=str(odd)), rollout=fp8), "path", read_model_config(odd))
+    cuda = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"^rollout.weight_dtype fp8 computes in bf16 on CUDA; model.dtype is float32"):
+        _check_fp8_dtype(Config(model=ModelConfig(dtype="float32"), rollout=fp8), cuda)
+    _check_fp8_dtype(Config(model=ModelConfig(dtype="auto"), rollout=fp8), cuda)  # bf16 on CUDA
+    _check_fp8_dtype(
+        Config(model=ModelConfig(dtype="float32"), rollout=fp8), dataclasses.replace(cuda, device=torch.device("cpu"))
+    )

@@ -17,6 +17,7 @@ from colocate.kernels.paged_attention import (
     reference_paged_decode_attention,
     store_kv,
 )
+from tests.helpers import cuda_graph_of
 from tests.unit.test_kernel_paged_attention import _dense_attention, _paged_inputs
 
 NORMAL_ERROR = 2**-4
@@ -280,14 +281,7 @@ def test_fp8_store_and_decode_replay_from_a_cuda_graph_as_eager(num_splits):
         store_kv(new_k, new_v, k8, v8, slots, k_scale, v_scale)
         return paged_attention._paged_decode_triton(q, k8, v8, tables, lens, 0.125, config, k_scale, v_scale)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = cuda_graph_of(step)
 
     second, second_scales = _fp8_inputs([7, 150, 33, 0], num_q_heads, num_kv_heads, head_dim, block_size, seed=2, **sizes)
     for static, fresh in zip((q, k8, v8, tables, lens, k_scale, v_scale), (*second, *second_scales)):

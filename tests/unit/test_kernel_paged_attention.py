@@ -9,6 +9,7 @@ from colocate.kernels.paged_attention import (
     reference_paged_decode_attention,
     store_kv,
 )
+from tests.helpers import cuda_graph_of
 
 
 def _paged_inputs(
@@ -237,14 +238,7 @@ def test_cuda_graph_capture_and_replay(num_splits):
         config = paged_attention.DecodeConfig(num_splits=num_splits)
         return paged_attention._paged_decode_triton(q, k_cache, v_cache, tables, lens, 0.125, config)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = cuda_graph_of(step)
 
     second = _paged_inputs(
         [7, 150, 33, 0], num_q_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, "cuda", seed=2, **sizes

@@ -9,6 +9,7 @@ import torch
 
 from colocate.kernels import paged_attention
 from colocate.kernels.paged_attention import DecodeConfig, paged_decode_attention, reference_paged_decode_attention
+from tests.helpers import cuda_graph_of
 from tests.unit.test_kernel_paged_attention import _paged_inputs
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
@@ -41,14 +42,7 @@ def test_split_replayed_from_a_cuda_graph_equals_unsplit_eager():
     q, k_cache, v_cache, tables, lens = static
     assert paged_attention.decode_config(8, 8, 128, tables.shape[1] * 16, q.device).num_splits > 1
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        paged_decode_attention(*static, SCALE)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_decode_attention(*static, SCALE)
+    graph, out = cuda_graph_of(lambda: paged_decode_attention(*static, SCALE))
 
     for seed, lengths in ((2, [5, 8190, 0, 1024, 4097, 256, 3, 6000]), (3, [8192] * 8)):
         for buffer, fresh in zip(static, _inputs(lengths, seed=seed, **sizes)):

@@ -105,7 +105,7 @@ class NativeEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.memory = DeviceMemory(self.device, memory_saver)
         self.ops = ops if ops is not None else (model.ops if isinstance(model, CausalLM) else Ops.standard())
-        if self.ops.invariant and "fp8" in (weight_dtype, kv_cache_dtype[:3]):
+        if self.ops.invariant and (weight_dtype == "fp8" or kv_cache_dtype == "fp8_e4m3"):
             raise ValueError("NativeEngine: FP8 weights or KV cache break the true on-policy mode's bitwise match")
         self.fp8_weights = weight_dtype == "fp8"
         start = time.perf_counter()
@@ -116,8 +116,8 @@ class NativeEngine:
         and cuda_graphs (the other warm-ups and the capture of every bucket)."""
         cfg = self.model.config
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        self.dtype = self.model.model.embed_tokens.weight.dtype  # the compute dtype (FP8 weights or not)
-        kv_dtype = E4M3 if kv_cache_dtype == "fp8_e4m3" else self.dtype
+        compute_dtype = self.model.model.embed_tokens.weight.dtype  # the embeddings are never FP8
+        kv_dtype = E4M3 if kv_cache_dtype == "fp8_e4m3" else compute_dtype
         num_blocks = self._num_kv_blocks(block_size, kv_cache_fraction, max_kv_tokens, kv_dtype)
         self.max_model_len = min(cfg.max_position_embeddings, num_blocks * block_size)
         self.block_manager = BlockManager(num_blocks, block_size)

@@ -105,19 +105,32 @@ def prefill_attention(
     block_size, Hk, D), then attend: each sequence's queries, its last tokens, over its keys
     (causal, the last query aligned with the last key). `gather_slots` holds the cache slots of every
     key when some sequence continues a cached prefix (else the keys are the new ones); `max_lens`,
-    on the host, the longest query and key runs; an FP8 cache's scales are `kv_scale` (the new keys
-    attend as computed, the cached prefix dequantized). An opaque op to torch.compile (the default
-    path's: the true on-policy mode's prefill is `ModelRunner._invariant_prefill_attention`)."""
+    on the host, the longest query and key runs; an FP8 cache's scales are `kv_scale` (every
+    sequence's new keys attend as computed, whatever it is batched with; a cached prefix is read
+    dequantized). An opaque op to torch.compile (the default path's: the true on-policy mode's
+    prefill is `ModelRunner._invariant_prefill_attention`)."""
     scales = _kv_scales(kv, kv_scale)
     store_kv(k, v, kv[0], kv[1], slot_mapping, **scales)
     if gather_slots is not None:  # (M, Hk, D): cached prefix + new keys
+        new_k, new_v = k, v
         k, v = gather_kv(kv[0], kv[1], gather_slots, q.dtype, **scales)
+        if scales:  # the new keys as computed, not as the e4m3 cache rounded them
+            rows = _new_key_rows(cu_seq_q, cu_seq_k, q.shape[0])
+            k[rows], v[rows] = new_k, new_v
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
         max_q, max_k = max_lens.tolist()
         return varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=(-1, 0))
     return _attention_per_sequence(q, k, v, cu_seq_q.diff().tolist(), cu_seq_k.diff().tolist(), scale)
+
+
+def _new_key_rows(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Where each new token's key sits among the gathered keys: sequence i's new tokens are its last
+    keys, so token j of it (packed index j) is key j + cu_seq_k[i + 1] - cu_seq_q[i + 1]. No host sync."""
+    shift = (cu_seq_k[1:] - cu_seq_q[1:]).long()
+    per_token = torch.repeat_interleave(shift, cu_seq_q.diff(), output_size=num_tokens)
+    return torch.arange(num_tokens, device=cu_seq_q.device) + per_token
 
 
 @prefill_attention.register_fake
