@@ -80,7 +80,7 @@ def run_ours(config_path: Path, warmup: int, trace: Path | None = None, tail: st
     import torch
 
     from colocate import dist
-    from colocate.config import load_config
+    from colocate.config_loading import load_config
     from colocate.metrics import read_metrics, startup_phases
     from colocate.train import Loop
 

@@ -85,7 +85,7 @@ def with_preload(env: dict[str, str]) -> dict[str, str]:
 @entry_point
 def check_world_size(argv: list[str]) -> None:
     """`N CONFIG [FLAGS...]`: the config loads, and its batch sizes divide among N processes."""
-    from colocate.config import load_config
+    from colocate.config_loading import load_config
 
     if len(argv) < 2 or not argv[0].isdigit() or int(argv[0]) < 1:
         raise ValueError(f"--world-size needs a process count and a config file, got {argv[:2]}")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return check_world_size(argv[1:])
     import torch
 
-    from colocate.config import load_config
+    from colocate.config_loading import load_config
 
     gpus = bool(argv) and argv[0] == "--gpus"
     argv = argv[1:] if gpus else argv

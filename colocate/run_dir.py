@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 
 from colocate import dist
-from colocate.config import Config, save_yaml
+from colocate.config import Config
+from colocate.config_loading import save_yaml
 from colocate.metrics import LOG_FILE, METRICS_FILE, WANDB_ID_FILE
 
 LOCK_FILE = ".lock"

@@ -19,7 +19,8 @@ import torch
 
 from colocate import dist
 from colocate.cli import entry_point
-from colocate.config import Config, load_config, use_compile_cache
+from colocate.config import Config, use_compile_cache
+from colocate.config_loading import load_config
 from colocate.stopping import StopSignals, exit_code
 from colocate.timing import process_age_s, timed
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from colocate import dist
-from colocate.config import load_config
+from colocate.config_loading import load_config
 from colocate.generate import completion_row
 from colocate.generate import main as generate
 from colocate.inputs import RunInputs

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from colocate import cli, data, export, generate, parity, plot, toy
-from colocate.config import load_config
+from colocate.config_loading import load_config
 from colocate.models import from_pretrained, save_pretrained
 from colocate.output_dir import MARKER
 from colocate.rollout.rewards import RewardContractError, RewardInput, compute_rewards, load_reward_fn

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from colocate.config import load_config
+from colocate.config_loading import load_config
 from colocate.rollout.prompts import PromptDataset
 from tests.real_models import FAMILIES, chat_tokenizer
 

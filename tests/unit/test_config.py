@@ -7,7 +7,9 @@ import torch
 import yaml
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-from colocate.config import Config, load_config, save_yaml, use_compile_cache, validate
+from colocate.config import Config, use_compile_cache
+from colocate.config_checks import validate
+from colocate.config_loading import load_config, save_yaml
 from colocate.models import resolve_dtype
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.config import load_config
+from colocate.config_loading import load_config
 from colocate.lora.identity import LoRASpec, is_adapter
 from colocate.lora.merge import merged_weight
 from colocate.models import from_pretrained

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate.config import load_config
+from colocate.config_loading import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 

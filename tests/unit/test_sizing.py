@@ -7,7 +7,8 @@ import pytest
 import torch
 import yaml
 
-from colocate.config import Config, load_config
+from colocate.config import Config
+from colocate.config_loading import load_config
 from colocate.models import ArchConfig, CausalLM
 from colocate.sizing import (
     CPU_MAX_TOKENS,
