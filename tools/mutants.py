@@ -779,7 +779,7 @@ MUTANTS = [
     Mutant("resolved_tis_not_handed_to_the_actor", TRAINER, "use_tis=cfg.tis_on,", "use_tis=False,", OBJECTIVE),
     Mutant(
         "fp8_prefill_attends_its_new_keys_rounded",
-        "colocate/rollout/native/model_runner.py",
+        "colocate/rollout/native/attention_ops.py",
         "        if scales:  # the new keys as computed",
         "        if False:  # the new keys as computed",
         FP8_ENGINE,

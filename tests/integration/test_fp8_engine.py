@@ -163,7 +163,7 @@ def test_a_fresh_prompt_attends_its_own_keys_whatever_it_is_batched_with():
     keys as computed), and sequence 0's new queries see the rounded prefix and their own keys as
     computed."""
     from colocate.kernels.paged_attention import gather_kv, store_kv
-    from colocate.rollout.native.model_runner import _attention_per_sequence, prefill_attention
+    from colocate.rollout.native.attention_ops import attention_per_sequence, prefill_attention
 
     torch.manual_seed(0)
     hq, hk, d, bs, nb = 4, 2, 16, 4, 8
@@ -176,11 +176,11 @@ def test_a_fresh_prompt_attends_its_own_keys_whatever_it_is_batched_with():
     cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 7, 12], dtype=torch.int32)
     gather = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12])
     out = prefill_attention(q, k, v, kv, kv_scale, slots, cu_q, cu_k, torch.tensor([5, 7]), gather, 0.25)
-    alone = _attention_per_sequence(q[3:], k[3:], v[3:], [5], [5], 0.25)
+    alone = attention_per_sequence(q[3:], k[3:], v[3:], [5], [5], 0.25)
     assert torch.equal(out[3:], alone)
     cached_k, cached_v = gather_kv(kv[0], kv[1], torch.arange(4), torch.float32, kv_scale[0], kv_scale[1])
     assert not torch.equal(cached_k, prefix_k)  # the prefix is read rounded
-    first = _attention_per_sequence(q[:3], torch.cat([cached_k, k[:3]]), torch.cat([cached_v, v[:3]]), [3], [7], 0.25)
+    first = attention_per_sequence(q[:3], torch.cat([cached_k, k[:3]]), torch.cat([cached_v, v[:3]]), [3], [7], 0.25)
     assert torch.equal(out[:3], first)
 
 
